@@ -1,0 +1,39 @@
+"""Shared helpers for benchmarks: medians, machine description, BENCHMARKS.md sections."""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+BENCHMARKS_MD = Path(__file__).resolve().parent.parent / "BENCHMARKS.md"
+HEADER = "# Benchmarks\n\nMeasured by the scripts in `benchmarks/` (`python -m nox -s bench`); every ratio comes from one run.\n"
+
+
+def median_seconds(fn: Callable[[], object], *, repeats: int, warmup: int = 2) -> float:
+    """Median wall time of ``fn()`` over ``repeats`` calls, after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def machine() -> str:
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+
+
+def write_section(name: str, markdown: str) -> None:
+    """Replace (or append) the section between ``<!-- name:start -->`` and ``<!-- name:end -->``."""
+    text = BENCHMARKS_MD.read_text() if BENCHMARKS_MD.exists() else HEADER
+    block = f"<!-- {name}:start -->\n{markdown.rstrip()}\n<!-- {name}:end -->"
+    pattern = re.compile(rf"<!-- {re.escape(name)}:start -->.*?<!-- {re.escape(name)}:end -->", re.S)
+    text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n"
+    BENCHMARKS_MD.write_text(text)

@@ -1,0 +1,159 @@
+"""Mask generation: the paper's algorithm and the fixed-width form that layers use."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numpy.typing import ArrayLike, NDArray
+
+from ._validation import check_channels, check_int, check_n, check_scale
+
+Seed = int | np.integer | np.random.Generator | None
+BoolArray = NDArray[np.bool_]
+
+
+def make_rng(seed: Seed) -> np.random.Generator:
+    """Return a ``np.random.Generator`` for ``seed``.
+
+    ``None`` draws fresh OS entropy, an int gives the same stream on every run, and a
+    Generator is used as is (and advanced).
+    """
+    if seed is None or isinstance(seed, np.random.Generator):
+        return np.random.default_rng(seed)
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or int(seed) < 0:
+        raise TypeError(f"seed must be None, a non-negative integer or a numpy.random.Generator; received {seed!r}")
+    return np.random.default_rng(int(seed))
+
+
+def derive_seed(seed: int | None, index: int) -> int:
+    """A deterministic child seed for the ``index``-th layer built from one user ``seed``.
+
+    With ``seed=None`` the result is drawn from fresh entropy.
+    """
+    root = np.random.SeedSequence(seed)
+    return int(np.random.SeedSequence(root.entropy, spawn_key=(index,)).generate_state(1)[0])
+
+
+def _rows_with_k_ones(keys: NDArray[np.float64], k: NDArray[np.int64]) -> BoolArray:
+    """Row i is True at the ``k[i]`` positions where ``keys[i]`` is smallest."""
+    ranks = np.argsort(np.argsort(keys, axis=1, kind="stable"), axis=1, kind="stable")
+    return ranks < k[:, None]
+
+
+def sample_masks(m: int, n: int, scale: float, *, seed: Seed = None) -> BoolArray:
+    """The paper's mask generation algorithm (Section 3.2), exactly.
+
+    ``n`` vectors of ``round(m * scale)`` zeros each get ``m`` ones at random positions;
+    columns that are zero in every vector are dropped. The width of the result is random,
+    ``expected_width(m, n, scale)`` on average.
+
+    Returns:
+        bool array of shape (n, width), every row with ``m`` ones.
+    """
+    m = check_int("m", m, minimum=1)
+    n = check_n(n)
+    scale = check_scale(scale)
+    rng = make_rng(seed)
+    width = max(m, round(m * scale))
+    keys = rng.random((n, width))
+    masks = _rows_with_k_ones(keys, np.full(n, m, dtype=np.int64))
+    return masks[:, masks.any(axis=0)]
+
+
+def ones_per_mask(channels: int, n: int, scale: float) -> int:
+    """Number of ones in each of the ``n`` masks ``generate_masks`` makes for ``channels``.
+
+    The paper's algorithm with ``M`` ones per mask keeps ``M*S*(1-(1-1/S)^n)`` channels on
+    average; solving that for the given width gives ``M``. It is clipped to
+    ``[ceil(channels/n), channels]`` so that every channel can be used by some mask.
+    """
+    channels = check_channels(channels)
+    n = check_n(n)
+    scale = check_scale(scale)
+    kept_fraction = scale * (1.0 - (1.0 - 1.0 / scale) ** n)
+    ones = round(channels / kept_fraction)
+    return min(channels, max(ones, math.ceil(channels / n)))
+
+
+def generate_masks(channels: int, n: int, scale: float, *, seed: Seed = None) -> BoolArray:
+    """Fixed-width masks for a layer with ``channels`` channels.
+
+    Every mask has the same number of ones (``ones_per_mask(channels, n, scale)``), every
+    channel is used by at least one mask, and the mean pairwise IoU is close to the paper's
+    ``1/(2*scale-1)``. ``scale=1`` (or ``n=1``) gives all ones; a large scale gives disjoint
+    masks. The construction is direct, with no retry loop: a random permutation deals the
+    channels out to the masks (coverage), then each mask draws its remaining ones uniformly
+    from the channels it was not dealt. Its cost is a few sorts of an (n, channels) array.
+
+    Args:
+        channels: width of the masks (number of channels of the layer), >= 1.
+        n: number of masks, >= 1.
+        scale: overlap control, a finite number >= 1.
+        seed: None (fresh entropy), an int (same masks on every run) or a Generator.
+
+    Returns:
+        bool array of shape (n, channels).
+    """
+    channels = check_channels(channels)
+    n = check_n(n)
+    scale = check_scale(scale)
+    ones = ones_per_mask(channels, n, scale)
+    rng = make_rng(seed)
+    owner = np.argsort(rng.random(channels), kind="stable") % n  # channel -> mask it is dealt to
+    dealt: BoolArray = owner[None, :] == np.arange(n)[:, None]
+    extra_needed = ones - dealt.sum(axis=1)
+    keys = rng.random((n, channels))
+    keys[dealt] = 2.0  # never re-draw a dealt channel
+    return dealt | _rows_with_k_ones(keys, extra_needed)
+
+
+def validate_masks(masks: ArrayLike) -> BoolArray:
+    """Check user-supplied masks and return them as a new bool array of shape (n, channels).
+
+    Accepts bool arrays and numeric arrays holding only 0 and 1.
+
+    Raises:
+        ValueError: not 2-D, empty, values other than 0/1, or a mask with no ones.
+    """
+    array = np.asarray(masks)
+    if array.ndim != 2:
+        raise ValueError(f"masks must be a 2-D array (n, channels); received shape {array.shape}")
+    if array.shape[0] < 1 or array.shape[1] < 1:
+        raise ValueError(f"masks must have n >= 1 rows and channels >= 1 columns; received shape {array.shape}")
+    if array.dtype != np.bool_:
+        if not (np.issubdtype(array.dtype, np.number) and not np.issubdtype(array.dtype, np.complexfloating)):
+            raise ValueError(f"masks must be boolean or numeric 0/1; received dtype {array.dtype}")
+        binary = (array == 0) | (array == 1)
+        if not binary.all():
+            bad = array[~binary].ravel()[0]
+            raise ValueError(f"masks must hold only 0 and 1; received the value {bad!r}")
+    result = np.array(array != 0, dtype=np.bool_)
+    empty = np.flatnonzero(~result.any(axis=1))
+    if empty.size:
+        raise ValueError(f"every mask needs at least one 1; mask(s) {empty.tolist()} are all zero")
+    return result
+
+
+def resolve_masks(
+    channels: int | None, n: int | None, scale: float | None, *, seed: Seed, masks: ArrayLike | None
+) -> BoolArray:
+    """The masks a layer should hold: validated user ``masks``, or generated ones.
+
+    With ``masks`` given, ``channels`` and ``n`` (when not None) must agree with its shape
+    and ``seed`` is ignored; otherwise ``channels``, ``n`` and ``scale`` are required.
+    """
+    if masks is None:
+        if channels is None or n is None or scale is None:
+            raise ValueError("channels, n and scale are required when masks is not given")
+        return generate_masks(channels, n, scale, seed=seed)
+    result = validate_masks(masks)
+    if n is not None and check_n(n) != result.shape[0]:
+        raise ValueError(f"n={n} does not match the {result.shape[0]} masks given (masks shape {result.shape})")
+    if channels is not None and check_channels(channels) != result.shape[1]:
+        raise ValueError(
+            f"channels={channels} does not match the masks' width {result.shape[1]} (masks shape {result.shape})"
+        )
+    if scale is not None:
+        check_scale(scale)
+    return result

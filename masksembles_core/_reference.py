@@ -1,0 +1,59 @@
+"""NumPy reference of the Masksembles layer: the conformance oracle for every adapter.
+
+Forward: ``y = x * masks[group_index(B, n)]`` broadcast along ``channel_axis``, with the masks
+cast to ``x.dtype``. Masked positions follow IEEE-754 multiplication by zero, exactly like
+dropout in every framework: finite values become ``0.0`` (``-0.0`` for negative inputs), and
+``inf``/``NaN`` inputs become ``NaN``; nothing is silently hidden. Multiplying by 0 or 1 is
+exact, so adapters match this bit for bit in every float dtype.
+
+Input gradient: the layer is a diagonal linear map, so ``dL/dx = dL/dy * mask`` (the same
+product applied to the output gradient).
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+import numpy as np
+from numpy.typing import ArrayLike, NDArray
+
+from ._generation import validate_masks
+from ._grouping import group_index
+from ._validation import check_channel_axis, check_input_shape
+
+T = TypeVar("T", bound=np.generic)
+
+
+def mask_shape(rank: int, channel_axis: int, channels: int, leading: int) -> tuple[int, ...]:
+    """Shape that broadcasts a (leading, channels) mask array over an input of ``rank``.
+
+    ``channel_axis`` must be non-negative. Example: rank 4, axis 1 -> (leading, C, 1, 1).
+    """
+    shape = [1] * rank
+    shape[0] = leading
+    shape[channel_axis] = channels
+    return tuple(shape)
+
+
+def apply_masks(x: NDArray[T], masks: ArrayLike, *, channel_axis: int) -> NDArray[T]:
+    """Reference forward: multiply sample ``i`` of ``x`` by mask ``group_index(B, n)[i]``.
+
+    Args:
+        x: float array of shape (B, ...) with the channels on ``channel_axis``.
+        masks: (n, C) binary masks.
+        channel_axis: axis of ``x`` holding the C channels (not 0).
+
+    Returns:
+        array of the shape and dtype of ``x``.
+    """
+    mask_array = validate_masks(masks)
+    n, channels = mask_array.shape
+    axis = check_input_shape(x.shape, channels=channels, channel_axis=check_channel_axis(channel_axis))
+    per_sample = mask_array[group_index(x.shape[0], n)].astype(x.dtype)
+    result: NDArray[T] = x * per_sample.reshape(mask_shape(x.ndim, axis, channels, x.shape[0]))
+    return result
+
+
+def apply_masks_grad(grad_output: NDArray[T], masks: ArrayLike, *, channel_axis: int) -> NDArray[T]:
+    """Reference input gradient of ``apply_masks`` for an output gradient ``grad_output``."""
+    return apply_masks(grad_output, masks, channel_axis=channel_axis)

@@ -1,0 +1,84 @@
+"""Test, lint, type-check, benchmark and demo sessions.
+
+    python -m nox                 # the whole test suite (every default session)
+    python -m nox -s core         # one session
+    python -m nox -s demo         # the main demo
+    python -m nox -s bench        # benchmarks, written to BENCHMARKS.md
+
+Each framework gets its own virtual environment. Sessions use pip through the stdlib venv
+backend (not uv), because pip sees the local CPU build of torch that constraints/cpu.txt pins.
+A session asked to test a backend fails when that backend cannot be imported
+(tests/test_backends_installed.py), so no session passes by skipping its tests.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import nox
+
+nox.needs_version = ">=2024.4.15"
+nox.options.default_venv_backend = "venv"
+nox.options.error_on_missing_interpreters = True
+nox.options.sessions = ["core", "core_min", "lint", "typecheck"]
+
+PYPROJECT = nox.project.load_toml("pyproject.toml")
+TEST = nox.project.dependency_groups(PYPROJECT, "test")
+CONSTRAINTS = ("-c", "constraints/cpu.txt")
+CORE_TESTS = ("tests/core", "tests/test_conformance.py", "tests/test_backends_installed.py")
+
+
+def run_pytest(session: nox.Session, backends: str, *paths: str) -> None:
+    session.run("pytest", *paths, *session.posargs, env={"MASKSEMBLES_TEST_BACKENDS": backends})
+
+
+@nox.session
+def core(session: nox.Session) -> None:
+    """The NumPy core and the conformance oracle (numpy the only runtime dependency)."""
+    session.install(*CONSTRAINTS, "-e", ".", *TEST)
+    run_pytest(session, "numpy", *CORE_TESTS)
+
+
+def lowest_numpy() -> str:
+    """The declared numpy lower bound, raised to the first release with wheels for this Python."""
+    declared = next(d for d in PYPROJECT["project"]["dependencies"] if d.startswith("numpy>="))
+    lowest = declared.removeprefix("numpy>=")
+    first_with_wheels = {(3, 11): "1.26.0", (3, 12): "1.26.0", (3, 13): "2.1.0", (3, 14): "2.3.2"}
+    candidate = first_with_wheels.get(sys.version_info[:2], lowest)
+    return max(lowest, candidate, key=lambda v: tuple(int(p) for p in v.split(".")))
+
+
+@nox.session
+def core_min(session: nox.Session) -> None:
+    """The core against the lowest numpy that pyproject.toml admits."""
+    session.install("-e", ".", *TEST, f"numpy=={lowest_numpy()}")
+    session.run("python", "-c", "import numpy; print('numpy', numpy.__version__)")
+    run_pytest(session, "numpy", *CORE_TESTS)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    session.install(*nox.project.dependency_groups(PYPROJECT, "lint"))
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """mypy, strict on masksembles_core."""
+    session.install("-e", ".", *nox.project.dependency_groups(PYPROJECT, "typecheck"))
+    session.run("mypy", "masksembles_core", "tests/core", "tests/golden")
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The README's main demo."""
+    session.install("-e", ".")
+    session.run("python", "examples/mask_theory.py", *session.posargs)
+
+
+@nox.session(default=False)
+def bench(session: nox.Session) -> None:
+    """Benchmarks against the official masksembles 1.1.1; results go to BENCHMARKS.md."""
+    session.install("-e", ".", "masksembles==1.1.1")
+    session.run("python", "benchmarks/bench_generation.py", *session.posargs)

@@ -1,0 +1,190 @@
+"""Mask generation: the paper's algorithm and the fixed-width form."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import masksembles_core as mc
+
+
+def assert_fixed_width_invariants(masks: np.ndarray, channels: int, n: int) -> None:
+    assert masks.shape == (n, channels)
+    assert masks.dtype == np.bool_
+    ones = masks.sum(axis=1)
+    assert (ones == ones[0]).all(), f"unequal ones per mask: {ones}"
+    assert masks.any(axis=0).all(), "a channel is used by no mask"
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    channels=st.integers(1, 3000),
+    n=st.integers(1, 64),
+    scale=st.floats(1.0, 1e6, allow_nan=False, allow_infinity=False),
+    seed=st.integers(0, 2**63),
+)
+def test_generate_masks_invariants(channels: int, n: int, scale: float, seed: int) -> None:
+    masks = mc.generate_masks(channels, n, scale, seed=seed)
+    assert_fixed_width_invariants(masks, channels, n)
+    assert masks.sum(axis=1)[0] == mc.ones_per_mask(channels, n, scale)
+
+
+@settings(max_examples=200, deadline=None)
+@given(m=st.integers(1, 300), n=st.integers(1, 32), scale=st.floats(1.0, 50.0), seed=st.integers(0, 2**32))
+def test_sample_masks_is_the_papers_algorithm(m: int, n: int, scale: float, seed: int) -> None:
+    masks = mc.sample_masks(m, n, scale, seed=seed)
+    assert masks.shape[0] == n
+    assert (masks.sum(axis=1) == m).all()
+    assert masks.any(axis=0).all(), "all-zero columns must be dropped"
+    assert m <= masks.shape[1] <= round(m * scale)
+
+
+# Parameter sets on which the official masksembles 1.1.1 hangs or raises.
+OFFICIAL_FAILURES = (
+    [(c, 1, s) for c in (16, 64, 512) for s in (3.0, 4.0, 6.0, 20.0)]
+    + [(c, n, 1.0) for c in (16, 64, 512) for n in (6, 8, 16, 32)]
+    + [(c, 16, 1.5) for c in (16, 64, 512)]
+    + [(c, n, s) for c in (1, 2, 9, 10, 32, 64) for n in (2, 4, 8) for s in (2.0, 3.0, 5.0, 6.0)]
+    + [(128, 4, 7.0), (2048, 4, 100.0)]
+)
+
+
+@pytest.mark.parametrize("channels,n,scale", OFFICIAL_FAILURES, ids=lambda v: str(v))
+def test_succeeds_where_official_package_fails(channels: int, n: int, scale: float) -> None:
+    assert_fixed_width_invariants(mc.generate_masks(channels, n, scale, seed=0), channels, n)
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 16])
+def test_scale_one_is_a_single_model(n: int) -> None:
+    assert mc.generate_masks(100, n, 1.0, seed=0).all()
+
+
+@pytest.mark.parametrize("scale", [1.0, 3.0, 1e9])
+def test_one_mask_uses_every_channel(scale: float) -> None:
+    assert mc.generate_masks(50, 1, scale, seed=0).all()
+
+
+@pytest.mark.parametrize("channels,n", [(64, 4), (63, 4), (1000, 7), (12, 12)])
+def test_large_scale_gives_disjoint_masks(channels: int, n: int) -> None:
+    masks = mc.generate_masks(channels, n, 1e6, seed=0)
+    uses = masks.sum(axis=0)
+    if channels % n == 0:
+        assert (uses == 1).all(), "a partition: every channel in exactly one mask"
+    else:  # equal widths force ceil(C/n)*n - C shared channels
+        assert uses.sum() - channels == n * -(-channels // n) - channels
+
+
+def test_scale_controls_overlap_monotonically() -> None:
+    ious = [mc.mask_stats(mc.generate_masks(256, 4, s, seed=1)).mean_iou for s in (1.0, 1.5, 2, 3, 5, 10, 100)]
+    assert ious == sorted(ious, reverse=True)
+
+
+def test_same_int_seed_same_masks_and_none_is_fresh() -> None:
+    a = mc.generate_masks(128, 4, 2.0, seed=123)
+    assert np.array_equal(a, mc.generate_masks(128, 4, 2.0, seed=np.int64(123)))
+    assert not np.array_equal(a, mc.generate_masks(128, 4, 2.0, seed=124))
+    draws = [mc.generate_masks(128, 4, 2.0) for _ in range(3)]
+    assert not all(np.array_equal(draws[0], d) for d in draws[1:])
+
+
+def test_generator_seed_is_used_and_advanced() -> None:
+    rng = np.random.default_rng(5)
+    first, second = mc.generate_masks(64, 4, 2.0, seed=rng), mc.generate_masks(64, 4, 2.0, seed=rng)
+    assert not np.array_equal(first, second)
+    assert np.array_equal(first, mc.generate_masks(64, 4, 2.0, seed=np.random.default_rng(5)))
+
+
+@pytest.mark.parametrize("seed", [-1, 1.5, "7", True])
+def test_bad_seed(seed: object) -> None:
+    with pytest.raises(TypeError, match="seed must be"):
+        mc.generate_masks(8, 2, 2.0, seed=seed)  # type: ignore[arg-type]
+
+
+def test_derive_seed_is_deterministic_and_distinct() -> None:
+    seeds = [mc.derive_seed(42, i) for i in range(20)]
+    assert seeds == [mc.derive_seed(42, i) for i in range(20)]
+    assert len(set(seeds)) == 20
+    assert mc.derive_seed(None, 0) != mc.derive_seed(None, 0)
+
+
+def test_papers_iou_formula_for_fixed_width_masks() -> None:
+    """n=4, channels=512, scale in [1, 6]: mean IoU within 0.03 of 1/(2S-1)."""
+    for scale in np.linspace(1.0, 6.0, 21):
+        ious = [mc.mask_stats(mc.generate_masks(512, 4, scale, seed=seed)).mean_iou for seed in range(20)]
+        assert abs(np.mean(ious) - mc.expected_iou(scale)) <= 0.03, scale
+
+
+@pytest.mark.parametrize("scale", [1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+def test_papers_width_formula(scale: float, n: int) -> None:
+    """Mean width of the paper's algorithm within 2% of m*S*(1-(1-1/S)^n)."""
+    m = 100
+    widths = [mc.sample_masks(m, n, scale, seed=seed).shape[1] for seed in range(300)]
+    expected = mc.expected_width(m, n, scale) * round(m * scale) / (m * scale)
+    assert abs(np.mean(widths) / expected - 1) <= 0.02
+
+
+def test_papers_figure_example() -> None:
+    """Fig. 'Masks generation algorithm': N=4, M=2, S=2 starts from 4 positions."""
+    masks = mc.sample_masks(2, 4, 2.0, seed=0)
+    assert masks.shape[1] <= 4 and (masks.sum(axis=1) == 2).all()
+
+
+@pytest.mark.parametrize(
+    "masks,message",
+    [
+        (np.ones(4), "2-D"),
+        (np.ones((0, 4)), "n >= 1"),
+        (np.ones((2, 0)), "channels >= 1"),
+        (np.array([[1, 0], [0, 2]]), "only 0 and 1"),
+        (np.array([[1.0, 0.5]]), "only 0 and 1"),
+        (np.array([["a", "b"]]), "boolean or numeric"),
+        (np.array([[1, 0], [0, 0], [0, 0]]), r"mask\(s\) \[1, 2\] are all zero"),
+        (np.array([[np.nan, 1.0]]), "only 0 and 1"),
+    ],
+)
+def test_validate_masks_errors(masks: np.ndarray, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        mc.validate_masks(masks)
+
+
+@pytest.mark.parametrize("dtype", [bool, np.int8, np.uint8, np.int64, np.float16, np.float32, np.float64])
+def test_validate_masks_accepts_binary(dtype: type) -> None:
+    raw: np.ndarray = np.array([[1, 0, 1], [0, 1, 1]]).astype(dtype)
+    result = mc.validate_masks(raw)
+    assert result.dtype == np.bool_ and np.array_equal(result, raw.astype(bool))
+    assert result is not raw
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.booleans(), min_size=3, max_size=3), min_size=1, max_size=6))
+def test_validate_masks_property(rows: list[list[bool]]) -> None:
+    array = np.array(rows)
+    if array.any(axis=1).all():
+        assert np.array_equal(mc.validate_masks(array.astype(np.float32)), array)
+    else:
+        with pytest.raises(ValueError, match="all zero"):
+            mc.validate_masks(array)
+
+
+def test_resolve_masks() -> None:
+    given_masks = np.array([[1, 0, 1], [0, 1, 1]])
+    assert np.array_equal(mc.resolve_masks(3, 2, 2.0, seed=None, masks=given_masks), given_masks.astype(bool))
+    assert np.array_equal(mc.resolve_masks(None, None, None, seed=None, masks=given_masks), given_masks.astype(bool))
+    with pytest.raises(ValueError, match="n=3 does not match the 2 masks"):
+        mc.resolve_masks(3, 3, 2.0, seed=None, masks=given_masks)
+    with pytest.raises(ValueError, match="channels=4 does not match the masks' width 3"):
+        mc.resolve_masks(4, 2, 2.0, seed=None, masks=given_masks)
+    with pytest.raises(ValueError, match="required when masks is not given"):
+        mc.resolve_masks(None, 2, 2.0, seed=None, masks=None)
+    assert np.array_equal(mc.resolve_masks(16, 4, 2.0, seed=3, masks=None), mc.generate_masks(16, 4, 2.0, seed=3))
+
+
+def test_generation_grid_is_fast_enough_to_not_matter() -> None:
+    """Bounded work: the whole benchmark grid generates (timing lives in benchmarks/)."""
+    for channels, scale in itertools.product((64, 256, 1024, 2048), (1.5, 2, 3, 5)):
+        assert_fixed_width_invariants(mc.generate_masks(channels, 4, scale, seed=0), channels, 4)

@@ -1,0 +1,100 @@
+"""Shared parameter validation: the same type and message from every adapter."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import masksembles_core as mc
+
+BAD_N = [
+    (0, ValueError, "n must be an integer >= 1; received 0"),
+    (-3, ValueError, "n must be an integer >= 1; received -3"),
+    (2.5, TypeError, r"n must be an integer >= 1; received 2.5 \(float\)"),
+    (4.0, TypeError, r"n must be an integer >= 1; received 4.0 \(float\)"),
+    (True, TypeError, r"n must be an integer >= 1; received True \(bool\)"),
+    ("4", TypeError, r"n must be an integer >= 1; received '4' \(str\)"),
+    (None, TypeError, r"n must be an integer >= 1; received None \(NoneType\)"),
+]
+BAD_SCALE = [
+    (0.5, ValueError, r"scale must be a finite real number >= 1; received 0.5"),
+    (-2.0, ValueError, r"scale must be a finite real number >= 1; received -2.0"),
+    (math.nan, ValueError, r"scale must be a finite real number >= 1; received nan"),
+    (math.inf, ValueError, r"scale must be a finite real number >= 1; received inf"),
+    (True, TypeError, r"scale must be a finite real number >= 1; received True \(bool\)"),
+    ("2", TypeError, r"scale must be a finite real number >= 1; received '2' \(str\)"),
+]
+BAD_CHANNELS = [
+    (0, ValueError, "channels must be an integer >= 1; received 0"),
+    (3.0, TypeError, r"channels must be an integer >= 1; received 3.0 \(float\)"),
+    (False, TypeError, r"channels must be an integer >= 1; received False \(bool\)"),
+]
+
+
+@pytest.mark.parametrize("value,error,message", BAD_N, ids=lambda v: repr(v))
+def test_bad_n(value: object, error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=message):
+        mc.generate_masks(16, value, 2.0)  # type: ignore[arg-type]
+    with pytest.raises(error, match=message):
+        mc.sample_masks(4, value, 2.0)  # type: ignore[arg-type]
+    with pytest.raises(error, match=message):
+        mc.group_index(8, value)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("value,error,message", BAD_SCALE, ids=lambda v: repr(v))
+def test_bad_scale(value: object, error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=message):
+        mc.generate_masks(16, 4, value)  # type: ignore[arg-type]
+    with pytest.raises(error, match=message):
+        mc.expected_iou(value)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("value,error,message", BAD_CHANNELS, ids=lambda v: repr(v))
+def test_bad_channels(value: object, error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=message):
+        mc.generate_masks(value, 4, 2.0)  # type: ignore[arg-type]
+
+
+def test_numpy_scalars_are_accepted() -> None:
+    masks = mc.generate_masks(np.int32(16), np.int64(4), np.float32(2.0), seed=0)  # type: ignore[arg-type]
+    assert masks.shape == (4, 16)
+
+
+@pytest.mark.parametrize("mode", ["grouped", "random"])
+def test_modes(mode: str) -> None:
+    assert mc.check_mode(mode) == mode
+
+
+@pytest.mark.parametrize("mode", ["Grouped", "", None, 1])
+def test_bad_mode(mode: object) -> None:
+    with pytest.raises(ValueError, match=r"mode must be one of \('grouped', 'random'\); received"):
+        mc.check_mode(mode)
+
+
+def test_channel_axis() -> None:
+    assert mc.check_channel_axis(-1) == -1
+    with pytest.raises(ValueError, match="axis 0 is the batch"):
+        mc.check_channel_axis(0)
+    with pytest.raises(TypeError, match="channel_axis must be a non-zero integer"):
+        mc.check_channel_axis(1.0)
+
+
+def test_check_input_shape() -> None:
+    assert mc.check_input_shape((8, 16, 4, 4), channels=16, channel_axis=1) == 1
+    assert mc.check_input_shape((None, 4, 4, 16), channels=16, channel_axis=-1) == 3
+    with pytest.raises(
+        ValueError, match=r"expects 16 channels on axis 1, layout \(B, C, D2, D3\); received shape \(8, 3, 4, 4\)"
+    ):
+        mc.check_input_shape((8, 3, 4, 4), channels=16, channel_axis=1)
+    with pytest.raises(
+        ValueError, match=r"Masksembles2D expects an input of rank 4; received shape \(8, 16\) \(rank 2\)"
+    ):
+        mc.check_input_shape((8, 16), channels=16, channel_axis=1, ranks=(4,), layer="Masksembles2D")
+    with pytest.raises(ValueError, match=r"rank >= 2"):
+        mc.check_input_shape((8,), channels=16, channel_axis=1)
+    with pytest.raises(ValueError, match="channel_axis=5 is not a non-batch axis"):
+        mc.check_input_shape((8, 16), channels=16, channel_axis=5)
+    with pytest.raises(ValueError, match="channel_axis=-2 is not a non-batch axis"):
+        mc.check_input_shape((8, 16), channels=16, channel_axis=-2)
