@@ -57,6 +57,35 @@ def core_min(session: nox.Session) -> None:
 
 
 @nox.session
+def torch(session: nox.Session) -> None:
+    """The PyTorch adapter (CPU build), with ONNX export checked in onnxruntime."""
+    session.install(*CONSTRAINTS, "-e", ".[torch]", *TEST, *nox.project.dependency_groups(PYPROJECT, "test-torch"))
+    run_pytest(session, "torch", "tests/torch", "tests/test_conformance.py", "tests/test_backends_installed.py")
+
+
+KERAS_BACKEND_PACKAGES = {"tensorflow": ("tensorflow-cpu>=2.21",), "jax": ("jax>=0.10",), "torch": ("torch",)}
+
+
+@nox.session
+@nox.parametrize("backend", list(KERAS_BACKEND_PACKAGES), ids=list(KERAS_BACKEND_PACKAGES))
+def keras(session: nox.Session, backend: str) -> None:
+    """The Keras 3 adapter on one backend (KERAS_BACKEND is read once per process)."""
+    session.install(*CONSTRAINTS, "-e", ".[keras]", *KERAS_BACKEND_PACKAGES[backend], *TEST)
+    session.env["KERAS_BACKEND"] = backend
+    run_pytest(
+        session, f"keras-{backend}", "tests/keras", "tests/test_conformance.py", "tests/test_backends_installed.py"
+    )
+
+
+@nox.session
+def flax(session: nox.Session) -> None:
+    """The Flax adapter (linen and NNX), with 4 virtual CPU devices for the sharding tests."""
+    session.install("-e", ".[flax]", *TEST, *nox.project.dependency_groups(PYPROJECT, "test-flax"))
+    session.env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    run_pytest(session, "flax", "tests/flax", "tests/test_conformance.py", "tests/test_backends_installed.py")
+
+
+@nox.session
 def lint(session: nox.Session) -> None:
     session.install(*nox.project.dependency_groups(PYPROJECT, "lint"))
     session.run("ruff", "check", ".")
