@@ -11,7 +11,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 BENCHMARKS_MD = Path(__file__).resolve().parent.parent / "BENCHMARKS.md"
-HEADER = "# Benchmarks\n\nMeasured by the scripts in `benchmarks/` (`python -m nox -s bench`); every ratio comes from one run.\n"
+HEADER = (
+    "# Benchmarks\n\n"
+    "Measured by the scripts in `benchmarks/` (`python -m nox -s bench`); every ratio comes from one run.\n"
+)
 
 
 def median_seconds(fn: Callable[[], object], *, repeats: int, warmup: int = 2) -> float:
