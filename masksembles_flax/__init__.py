@@ -1,0 +1,10 @@
+"""masksembles_flax: Masksembles layers for Flax, linen (``masksembles_flax.linen``) and NNX (``masksembles_flax.nnx``).
+
+``tile``, ``untile`` and ``predict`` run every ensemble member on every sample: the batch is repeated ``n`` times,
+the grouping rule gives block ``k`` mask ``k``, and the outputs come back as (n, B, ...).
+"""
+
+from . import linen, nnx
+from ._ops import predict, tile, untile
+
+__all__ = ["linen", "nnx", "predict", "tile", "untile"]

@@ -1,0 +1,76 @@
+"""The jax.numpy code shared by the linen and NNX layers: the masked forward and the tile/untile/predict helpers."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import jax
+import jax.numpy as jnp
+
+import masksembles_core as mc
+
+T = TypeVar("T")
+
+
+def input_channels(shape: Sequence[int], channel_axis: int) -> int:
+    """Channel count of an input of ``shape``, after the core's rank and channel-axis checks."""
+    rank = len(shape)
+    # An out-of-range axis has no channel count to read; the core check then raises its axis error before comparing it.
+    channels = int(shape[channel_axis]) if -rank <= channel_axis < rank else 1
+    mc.check_input_shape(shape, channels=channels, channel_axis=channel_axis)
+    return channels
+
+
+def apply_masks(x: jax.Array, masks: jax.Array, *, channel_axis: int, mask_index: jax.Array | None = None) -> jax.Array:
+    """Multiply each sample of ``x`` by its mask, in the dtype of ``x``.
+
+    Args:
+        x: input of shape (B, ...) with C channels on ``channel_axis``.
+        masks: (n, C) bool masks.
+        channel_axis: axis of ``x`` holding the channels (not 0).
+        mask_index: (B,) int mask of each sample, or None for the grouping rule ``(i*n)//B`` of ``group_index``.
+
+    Returns:
+        array of the shape and dtype of ``x``.
+    """
+    n, channels = masks.shape
+    axis = mc.check_input_shape(x.shape, channels=channels, channel_axis=channel_axis)
+    batch = x.shape[0]
+    if mask_index is None and batch % n == 0:
+        # n contiguous groups of B//n samples: one broadcast multiply over a (n, B//n, ...) view of the batch.
+        groups = x.reshape((n, batch // n, *x.shape[1:]))
+        factors = masks.astype(x.dtype).reshape(mc.mask_shape(x.ndim + 1, axis + 1, channels, n))
+        return (groups * factors).reshape(x.shape)
+    if mask_index is None:
+        mask_index = (jnp.arange(batch) * n) // batch
+    # Cast before the gather: XLA rewrites x * convert(gather(bool)) into a select, which turns masked inf/NaN into 0.
+    factors = masks.astype(x.dtype)[mask_index].reshape(mc.mask_shape(x.ndim, axis, channels, batch))
+    return x * factors
+
+
+def random_mask_index(key: jax.Array, batch_size: int, n: int) -> jax.Array:
+    """The paper's training rule: an independent, uniformly drawn mask index in [0, n) for each of the B samples."""
+    return jax.random.randint(key, (batch_size,), 0, n)
+
+
+def tile(x: jax.Array, n: int) -> jax.Array:
+    """Repeat ``x`` of shape (B, ...) ``n`` times along the batch: shape (n*B, ...), copy ``k`` in block ``k``."""
+    n = mc.check_n(n)
+    return jnp.broadcast_to(x[None], (n, *x.shape)).reshape((n * x.shape[0], *x.shape[1:]))
+
+
+def untile(y: jax.Array, n: int) -> jax.Array:
+    """Reshape ``y`` of shape (n*B, ...) to (n, B, ...); ``y[k]`` is member ``k``'s output."""
+    batch = mc.check_tiled_batch(y.shape[0], n)
+    return y.reshape((n, batch, *y.shape[1:]))
+
+
+def predict(model: Callable[[jax.Array], T], x: jax.Array, n: int) -> T:
+    """Every member's output on every sample: ``model(tile(x, n))`` with each output leaf untiled to (n, B, ...).
+
+    ``model`` maps a batch to outputs (an array or a pytree of arrays with the batch on axis 0) and must run its
+    Masksembles layers by the grouping rule (mode "grouped", or deterministic).
+    """
+    result: T = jax.tree.map(lambda y: untile(y, n), model(tile(x, n)))
+    return result

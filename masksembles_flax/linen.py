@@ -1,0 +1,84 @@
+"""Masksembles for Flax linen.
+
+    layer = Masksembles(n=4, scale=2.0, seed=0)
+    variables = layer.init(jax.random.key(0), x)      # {"masksembles": {"masks": bool (4, C)}}
+    y = layer.apply(variables, x)
+
+The masks live in their own variable collection, ``MASKS_COLLECTION``: they are made once at ``init``, saved and
+restored with the variables, and never seen by an optimizer over ``params``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+import masksembles_core as mc
+
+from ._ops import apply_masks, input_channels, random_mask_index
+
+MASKS_COLLECTION = "masksembles"
+
+
+class Masksembles(nn.Module):
+    """Multiply each sample by one of ``n`` fixed binary channel masks (Durasov et al., CVPR 2021).
+
+    Input (B, ..., C, ...) with C channels on ``channel_axis``; output of the same shape and dtype. Sample ``i`` of a
+    batch of B gets mask ``(i*n)//B`` (``masksembles_core.group_index``): the batch is n contiguous groups when n
+    divides B, and any B works. With ``mode="random"`` and ``deterministic=False`` each sample instead draws its mask
+    uniformly from the ``rng_collection`` stream (the paper's training rule); deterministic calls stay grouped.
+
+    Attributes:
+        n: number of masks (ensemble members).
+        scale: overlap control, >= 1 (mean IoU of the masks about ``1/(2*scale-1)``).
+        seed: seed of the NumPy mask generator; None draws fresh entropy at each ``init``.
+        masks: fixed (n, C) 0/1 masks to use instead of generated ones; stored as a tuple of tuples of bools so the
+            module stays hashable (arrays are converted).
+        channel_axis: axis of the input holding the channels (not 0).
+        mode: "grouped" or "random".
+        deterministic: the ``mode="random"`` switch, merged with the call argument as ``nn.Dropout`` does.
+        rng_collection: RNG stream of the random mask draws.
+    """
+
+    n: int
+    scale: float
+    seed: int | None = None
+    masks: tuple[tuple[bool, ...], ...] | None = None
+    channel_axis: int = -1
+    mode: str = "grouped"
+    deterministic: bool | None = None
+    rng_collection: str = "dropout"
+
+    def __post_init__(self) -> None:
+        mc.check_n(self.n)
+        mc.check_scale(self.scale)
+        mc.check_channel_axis(self.channel_axis)
+        mc.check_mode(self.mode)
+        if self.masks is not None:
+            resolved = mc.resolve_masks(None, self.n, self.scale, seed=None, masks=self.masks)
+            object.__setattr__(self, "masks", tuple(tuple(bool(v) for v in row) for row in resolved))
+        super().__post_init__()
+
+    def _initial_masks(self, input_shape: Sequence[int]) -> jax.Array:
+        """The (n, C) bool masks made at ``init``: the given ``masks``, or generated for the input's channels."""
+        channels = None if self.masks is not None else input_channels(input_shape, self.channel_axis)
+        return jnp.asarray(mc.resolve_masks(channels, self.n, self.scale, seed=self.seed, masks=self.masks))
+
+    @nn.compact
+    def __call__(self, x: jax.Array, deterministic: bool | None = None, rng: jax.Array | None = None) -> jax.Array:
+        """Apply the masks to ``x`` of shape (B, ..., C, ...).
+
+        Args:
+            x: input with the channels on ``channel_axis``.
+            deterministic: with ``mode="random"``, False draws a random mask per sample; ignored in grouped mode.
+            rng: key of the random draws, instead of ``make_rng(rng_collection)``.
+        """
+        masks = self.variable(MASKS_COLLECTION, "masks", self._initial_masks, x.shape).value
+        mask_index = None
+        if self.mode == "random" and not nn.merge_param("deterministic", self.deterministic, deterministic):
+            key = self.make_rng(self.rng_collection) if rng is None else rng
+            mask_index = random_mask_index(key, x.shape[0], masks.shape[0])
+        return apply_masks(x, masks, channel_axis=self.channel_axis, mask_index=mask_index)

@@ -1,0 +1,119 @@
+"""Masksembles for Flax NNX.
+
+    layer = Masksembles(channels=64, n=4, scale=2.0, seed=0)
+    y = layer(x)                                       # x: (B, ..., 64)
+
+The masks are a ``Masks`` variable: ``nnx.state``/``nnx.split`` carry them and ``nnx.Optimizer(model, tx,
+wrt=nnx.Param)`` leaves them alone.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from numpy.typing import ArrayLike
+
+import masksembles_core as mc
+
+from ._ops import apply_masks, random_mask_index
+
+RngSource = nnx.Rngs | nnx.RngStream | jax.Array
+
+
+class Masks(nnx.Variable[jax.Array]):
+    """The fixed (n, channels) bool masks of a Masksembles layer: saved with the model, never trained."""
+
+
+class Masksembles(nnx.Module):
+    """Multiply each sample by one of ``n`` fixed binary channel masks (Durasov et al., CVPR 2021).
+
+    Input (B, ..., C, ...) with C = ``channels`` on ``channel_axis``; output of the same shape and dtype. Sample
+    ``i`` of a batch of B gets mask ``(i*n)//B`` (``masksembles_core.group_index``): the batch is n contiguous groups
+    when n divides B, and any B works. With ``mode="random"`` and ``deterministic=False`` each sample instead draws
+    its mask uniformly from ``rngs`` (the paper's training rule); ``model.eval()`` (``deterministic=True``) makes it
+    grouped again. Grouped mode ignores ``deterministic`` and needs no ``rngs``.
+
+    Args:
+        channels: number of channels C.
+        n: number of masks (ensemble members).
+        scale: overlap control, >= 1 (mean IoU of the masks about ``1/(2*scale-1)``).
+        seed: seed of the NumPy mask generator; None draws fresh entropy.
+        masks: fixed (n, channels) 0/1 masks to use instead of generated ones.
+        channel_axis: axis of the input holding the channels (not 0).
+        mode: "grouped" or "random".
+        deterministic: the ``mode="random"`` switch; a call argument wins, ``train()``/``eval()``/``nnx.view`` set it.
+        rng_collection: stream of ``rngs`` forked for the random draws.
+        rngs: ``nnx.Rngs`` or ``nnx.RngStream`` for ``mode="random"``.
+    """
+
+    def __init__(
+        self,
+        channels: int,
+        n: int,
+        scale: float,
+        *,
+        seed: int | None = None,
+        masks: ArrayLike | None = None,
+        channel_axis: int = -1,
+        mode: str = "grouped",
+        deterministic: bool | None = False,
+        rng_collection: str = "dropout",
+        rngs: nnx.Rngs | nnx.RngStream | None = None,
+    ) -> None:
+        self.channel_axis = mc.check_channel_axis(channel_axis)
+        self.mode = mc.check_mode(mode)
+        resolved = mc.resolve_masks(channels, n, scale, seed=seed, masks=masks)
+        self.n, self.channels = resolved.shape
+        self.scale = mc.check_scale(scale)
+        self.masks = Masks(jnp.asarray(resolved))
+        self.deterministic = deterministic
+        self.rng_collection = rng_collection
+        if isinstance(rngs, nnx.Rngs):
+            self.rngs = rngs[rng_collection].fork()
+        elif isinstance(rngs, nnx.RngStream):
+            self.rngs = rngs.fork()
+        elif rngs is None:
+            self.rngs = nnx.data(None)
+        else:
+            raise TypeError(f"rngs must be an nnx.Rngs, an nnx.RngStream or None; received {type(rngs).__name__}")
+
+    def __call__(self, x: jax.Array, *, deterministic: bool | None = None, rngs: RngSource | None = None) -> jax.Array:
+        """Apply the masks to ``x`` of shape (B, ..., C, ...).
+
+        Args:
+            x: input with the channels on ``channel_axis``.
+            deterministic: with ``mode="random"``, False draws a random mask per sample; overrides the attribute.
+            rngs: ``nnx.Rngs``, ``nnx.RngStream`` or key for the random draws, instead of the layer's own stream.
+        """
+        mask_index = None
+        if self.mode == "random" and not self._resolve_deterministic(deterministic):
+            mask_index = random_mask_index(self._random_key(rngs), x.shape[0], self.n)
+        return apply_masks(x, self.masks[...], channel_axis=self.channel_axis, mask_index=mask_index)
+
+    def _resolve_deterministic(self, deterministic: bool | None) -> bool:
+        resolved = self.deterministic if deterministic is None else deterministic
+        if resolved is None:
+            raise ValueError(
+                "Masksembles(mode='random') needs `deterministic`: pass it to the constructor or the call, "
+                "or set it with model.train()/model.eval() or nnx.view(model, deterministic=...)"
+            )
+        return resolved
+
+    def _random_key(self, rngs: RngSource | None) -> jax.Array:
+        source = self.rngs if rngs is None else rngs
+        if isinstance(source, nnx.Rngs):
+            return source[self.rng_collection]()
+        if isinstance(source, nnx.RngStream):
+            return source()
+        if isinstance(source, jax.Array):
+            return source
+        raise ValueError(
+            "Masksembles(mode='random') with deterministic=False needs random keys: pass rngs to the constructor "
+            "or the call"
+        )
+
+    def set_view(self, deterministic: bool | None = None) -> None:
+        """Hook of ``nnx.view``: ``deterministic=True`` makes ``mode="random"`` grouped."""
+        if deterministic is not None:
+            self.deterministic = deterministic
