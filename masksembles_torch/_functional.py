@@ -1,0 +1,55 @@
+"""Functional core of the PyTorch adapter: one broadcast multiply by batch-grouped masks."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+import masksembles_core as mc
+
+
+def _grouped_index(batch: int, n: int, device: torch.device) -> Tensor:
+    """``masksembles_core.group_index`` on ``device``: ``(i * n) // batch``."""
+    return torch.div(torch.arange(batch, device=device) * n, batch, rounding_mode="floor")
+
+
+def masksembles(
+    x: Tensor,
+    masks: Tensor,
+    *,
+    channel_axis: int = 1,
+    index: Tensor | None = None,
+    ranks: Sequence[int] | None = None,
+    layer: str = "Masksembles",
+) -> Tensor:
+    """Multiply sample ``i`` of ``x`` by mask ``(i * n) // B`` (or by mask ``index[i]``).
+
+    Args:
+        x: (B, ...) with C channels on ``channel_axis``.
+        masks: (n, C) floating or bool masks; cast to ``x.dtype`` (0/1 is exact in every dtype).
+        channel_axis: axis of the channels (not 0).
+        index: optional (B,) mask index per sample (random mode); default the batch-grouping rule.
+        ranks: allowed input ranks (None: any rank >= 2).
+        layer: layer name for error messages.
+
+    Returns:
+        tensor of the shape, dtype and memory format of ``x``.
+    """
+    n, channels = masks.shape
+    axis = mc.check_input_shape(tuple(x.shape), channels=channels, channel_axis=channel_axis, ranks=ranks, layer=layer)
+    masks = masks.to(dtype=x.dtype)
+    batch = x.shape[0]
+    if index is None and isinstance(batch, int) and batch % n == 0:
+        # Concrete batch that n divides: the batch viewed as (n, B/n, ...) times the masks viewed
+        # as (n, 1, ..., C, ...).
+        grouped = x.unflatten(0, (n, batch // n))
+        shape = [1] * grouped.ndim
+        shape[0], shape[axis + 1] = n, channels
+        return (grouped * masks.view(shape)).flatten(0, 1)
+    # Any batch size, and a symbolic batch (torch.export / dynamic compile keep it dynamic instead
+    # of guarding on B % n): gather the per-sample masks, (B, C), then one broadcast multiply.
+    if index is None:
+        index = _grouped_index(batch, n, x.device)
+    return x * masks.index_select(0, index).view(mc.mask_shape(x.ndim, axis, channels, batch))

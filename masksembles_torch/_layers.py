@@ -1,0 +1,135 @@
+"""Masksembles layers for PyTorch: masks in a persistent buffer, forward in ``_functional``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from numpy.typing import ArrayLike
+from torch import Tensor, nn
+
+import masksembles_core as mc
+
+from ._functional import masksembles
+
+
+class Masksembles(nn.Module):
+    """Masksembles over the channels of any layout (Durasov et al., CVPR 2021).
+
+    Holds ``n`` fixed binary masks of ``channels`` channels. Sample ``i`` of a batch of ``B``
+    is multiplied by mask ``(i * n) // B``: the batch is ``n`` contiguous groups, group ``k``
+    goes through member ``k``. Any batch size works. At inference, ``predict`` (or ``tile`` and
+    ``untile``) runs every member on every sample.
+
+    Args:
+        channels: number of channels C (may be None when ``masks`` is given).
+        n: number of masks (may be None when ``masks`` is given).
+        scale: overlap control, >= 1: 1 is a single model, large values disjoint masks.
+        seed: int for reproducible masks, a ``numpy.random.Generator``, or None (fresh).
+        masks: optional (n, C) binary masks to use instead of generated ones.
+        channel_axis: axis of the channels in the input (1 for (B, C, ...), -1 for (B, ..., C)).
+        mode: ``"grouped"`` (the batch-grouping rule, always) or ``"random"`` (in training each
+            sample draws a mask uniformly at random from ``generator``; grouped in eval).
+        generator: ``torch.Generator`` used by random mode (on the input's device).
+        device, dtype: where and in which floating dtype the mask buffer is stored.
+
+    Shape:
+        input (B, ...) with C channels on ``channel_axis``; output the same shape, dtype and
+        memory format.
+
+    The masks are a persistent buffer: ``state_dict``, ``torch.save``/``torch.load``, ``deepcopy``
+    and pickling keep them bit for bit, and loading never regenerates them.
+    """
+
+    ranks: ClassVar[Sequence[int] | None] = None
+    masks: Tensor
+
+    def __init__(
+        self,
+        channels: int | None = None,
+        n: int | None = None,
+        scale: float | None = None,
+        *,
+        seed: int | np.random.Generator | None = None,
+        masks: ArrayLike | Tensor | None = None,
+        channel_axis: int = 1,
+        mode: str = "grouped",
+        generator: torch.Generator | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        if isinstance(masks, Tensor):
+            masks = masks.detach().cpu().numpy()
+        resolved = mc.resolve_masks(channels, n, scale, seed=seed, masks=masks)
+        self.n, self.channels = resolved.shape
+        self.scale = None if scale is None else mc.check_scale(scale)
+        self.channel_axis = mc.check_channel_axis(channel_axis)
+        self.mode = mc.check_mode(mode)
+        self.generator = generator
+        factory_kwargs: dict[str, Any] = {"device": device, "dtype": dtype or torch.get_default_dtype()}
+        if not factory_kwargs["dtype"].is_floating_point:
+            raise TypeError(f"dtype must be a floating dtype; received {dtype}")
+        self.register_buffer("masks", torch.as_tensor(resolved, **factory_kwargs))
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Apply the masks: (B, ...) -> (B, ...)."""
+        index = None
+        if self.mode == "random" and self.training:
+            index = torch.randint(self.n, (x.shape[0],), device=x.device, generator=self.generator)
+        return masksembles(
+            x, self.masks, channel_axis=self.channel_axis, index=index, ranks=self.ranks, layer=type(self).__name__
+        )
+
+    def extra_repr(self) -> str:
+        return f"{self.channels}, n={self.n}, scale={self.scale}, mode={self.mode!r}, channel_axis={self.channel_axis}"
+
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        key = prefix + "masks"
+        if key in state_dict:
+            loaded = state_dict[key]
+            if tuple(loaded.shape) != (self.n, self.channels):
+                error_msgs.append(
+                    f"{key}: the checkpoint holds masks of shape {tuple(loaded.shape)}, but this "
+                    f"{type(self).__name__} has n={self.n}, channels={self.channels}; build the layer with "
+                    f"n={loaded.shape[0] if loaded.ndim == 2 else '?'} and "
+                    f"channels={loaded.shape[-1] if loaded.ndim == 2 else '?'}"
+                )
+                return
+            try:
+                mc.validate_masks(loaded.detach().cpu().float().numpy())
+            except ValueError as error:
+                error_msgs.append(f"{key}: invalid masks in the checkpoint: {error}")
+                return
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+
+
+class Masksembles1D(Masksembles):
+    """Masksembles for (B, C) or (B, C, L) inputs (like ``nn.Dropout`` / ``nn.Dropout1d``)."""
+
+    ranks = (2, 3)
+
+
+class Masksembles2D(Masksembles):
+    """Masksembles for (B, C, H, W) inputs (like ``nn.Dropout2d``)."""
+
+    ranks = (4,)
+
+
+class Masksembles3D(Masksembles):
+    """Masksembles for (B, C, D, H, W) inputs (like ``nn.Dropout3d``)."""
+
+    ranks = (5,)

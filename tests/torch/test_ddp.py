@@ -1,0 +1,68 @@
+"""DistributedDataParallel (gloo, CPU, 2 processes): same masks on every rank, single-process results."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import masksembles_torch as mt
+
+WORLD = 2
+LOCAL_BATCH = 6  # not a multiple of n: grouping applies to each rank's local batch
+
+
+def build_model() -> nn.Module:
+    torch.manual_seed(0)  # same weights everywhere; masks use seed=None, so they differ before DDP syncs them
+    return nn.Sequential(nn.Linear(5, 16), nn.ReLU(), mt.Masksembles1D(16, 4, 2.0), nn.Linear(16, 3))
+
+
+def local_data(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(100 + rank)
+    return torch.randn(LOCAL_BATCH, 5, generator=generator), torch.randn(LOCAL_BATCH, 3, generator=generator)
+
+
+def worker(rank: int, store: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    model = build_model()
+    masks_before = model[2].masks.clone()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    x, target = local_data(rank)
+    output = ddp(x)
+    nn.functional.mse_loss(output, target).backward()
+    torch.save(
+        {
+            "masks_before": masks_before,
+            "state": {k: v.clone() for k, v in model.state_dict().items()},
+            "output": output.detach(),
+            "grads": {name: p.grad.clone() for name, p in model.named_parameters()},
+        },
+        Path(out) / f"rank{rank}.pt",
+    )
+    dist.destroy_process_group()
+
+
+def test_ddp_matches_single_process(tmp_path: Path) -> None:
+    mp.spawn(worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
+    assert not torch.equal(ranks[0]["masks_before"], ranks[1]["masks_before"]), "seed=None differs per rank"
+    assert torch.equal(ranks[0]["state"]["2.masks"], ranks[1]["state"]["2.masks"]), "DDP syncs the masks"
+    assert torch.equal(ranks[0]["state"]["2.masks"], ranks[0]["masks_before"]), "rank 0's masks win"
+
+    single = build_model()
+    single.load_state_dict(ranks[0]["state"])
+    grads: dict[str, torch.Tensor] = {}
+    for rank in range(WORLD):
+        single.zero_grad()
+        x, target = local_data(rank)
+        output = single(x)
+        torch.testing.assert_close(ranks[rank]["output"], output.detach(), rtol=0, atol=0)
+        nn.functional.mse_loss(output, target).backward()
+        for name, p in single.named_parameters():
+            grads[name] = grads.get(name, 0) + p.grad / WORLD
+    for rank in range(WORLD):
+        for name, grad in grads.items():
+            torch.testing.assert_close(ranks[rank]["grads"][name], grad, rtol=1e-6, atol=1e-7)
