@@ -1,0 +1,20 @@
+"""masksembles_keras: Masksembles layers for Keras 3, on the TensorFlow, JAX and PyTorch backends.
+
+Layers are written in ``keras.ops`` only and registered for serialization under the package
+``"masksembles"``, so a ``.keras`` file loads once this package is imported. The masks come from
+``masksembles_core`` and are saved with the model.
+"""
+
+from ._inference import convert_dropout, predict, tile, untile
+from ._layers import Masksembles, Masksembles1D, Masksembles2D, Masksembles3D
+
+__all__ = [
+    "Masksembles",
+    "Masksembles1D",
+    "Masksembles2D",
+    "Masksembles3D",
+    "convert_dropout",
+    "predict",
+    "tile",
+    "untile",
+]

@@ -1,0 +1,191 @@
+"""Masksembles layers for Keras 3: masks in a non-trainable weight, forward in ``keras.ops`` only."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import keras
+import numpy as np
+from keras import ops
+from numpy.typing import ArrayLike
+
+import masksembles_core as mc
+
+SERIALIZATION_PACKAGE = "masksembles"
+
+
+def _constant_initializer(values: np.ndarray) -> Any:
+    """An initializer that returns ``values`` (a bool array) cast to the requested dtype."""
+
+    def initialize(shape: Sequence[int], dtype: Any = None) -> Any:
+        return ops.cast(ops.convert_to_tensor(values), dtype)
+
+    return initialize
+
+
+def _apply_masks(x: Any, masks: Any, *, channel_axis: int, index: Any = None) -> Any:
+    """Multiply sample ``i`` of ``x`` by mask ``(i * n) // B`` (or by mask ``index[i]``).
+
+    Args:
+        x: (B, ...) tensor with C channels on the non-negative axis ``channel_axis``.
+        masks: (n, C) masks, cast to ``x.dtype`` (0 and 1 are exact in every float dtype).
+        channel_axis: non-negative axis of the channels (not 0).
+        index: optional (B,) integer tensor, the mask of each sample (random mode).
+
+    Returns:
+        tensor of the shape and dtype of ``x``: one broadcast multiply.
+    """
+    n, channels = masks.shape
+    masks = ops.cast(masks, x.dtype)
+    rank = len(x.shape)
+    batch = x.shape[0]
+    if index is None and batch is not None and batch % n == 0:
+        # The batch viewed as (n, B/n, ...) times the masks viewed as (n, 1, ..., C, ...).
+        shape = ops.shape(x)
+        grouped = ops.reshape(x, (n, batch // n, *shape[1:]))
+        product = grouped * ops.reshape(masks, mc.mask_shape(rank + 1, channel_axis + 1, channels, n))
+        return ops.reshape(product, shape)
+    if index is None:
+        # Any (or an unknown) batch size: the grouping rule in the framework, (i * n) // B.
+        dynamic_batch = ops.shape(x)[0]
+        index = ops.floor_divide(ops.arange(dynamic_batch, dtype="int32") * n, dynamic_batch)
+    per_sample = ops.take(masks, index, axis=0)
+    return x * ops.reshape(per_sample, mc.mask_shape(rank, channel_axis, channels, -1))
+
+
+@keras.saving.register_keras_serializable(package=SERIALIZATION_PACKAGE)
+class Masksembles(keras.layers.Layer):
+    """Masksembles over the channels of any layout (Durasov et al., CVPR 2021).
+
+    Holds ``n`` fixed binary masks over the C channels of its input, created in ``build()``
+    from the input shape. Sample ``i`` of a batch of ``B`` is multiplied by mask
+    ``(i * n) // B``: the batch is ``n`` contiguous groups and group ``k`` goes through member
+    ``k``. Any batch size works, including an unknown (``None``) batch and a partial last
+    batch. At inference, ``masksembles_keras.predict`` (or ``tile`` and ``untile``) runs every
+    member on every sample.
+
+    Args:
+        n: number of masks (may be None when ``masks`` is given).
+        scale: overlap control, >= 1: 1 is a single model, large values disjoint masks.
+        seed: int for reproducible masks (and random-mode draws), or None (fresh entropy).
+        masks: optional (n, C) binary masks to use instead of generated ones.
+        channel_axis: axis of the channels in the input (-1 for channels-last, 1 for
+            channels-first).
+        mode: ``"grouped"`` (the batch-grouping rule, always) or ``"random"`` (in training each
+            sample draws a mask uniformly at random from a ``keras.random.SeedGenerator``;
+            grouped in inference).
+        **kwargs: base layer arguments (``name``, ``dtype``, ``trainable``, ...).
+
+    Shape:
+        input (B, ...) with C channels on ``channel_axis``; output the same shape. The layer
+        computes in its dtype policy's compute dtype, like every Keras layer (inputs are cast
+        to it; the masks are cast to the input dtype), so ``mixed_float16`` outputs float16.
+
+    The masks are a non-trainable weight named ``masks`` of shape (n, C): ``.keras`` files and
+    ``save_weights`` keep them bit for bit, and loading restores them instead of regenerating.
+    """
+
+    ranks: ClassVar[Sequence[int] | None] = None
+
+    def __init__(
+        self,
+        n: int | None = None,
+        scale: float | None = None,
+        *,
+        seed: int | None = None,
+        masks: ArrayLike | None = None,
+        channel_axis: int = -1,
+        mode: str = "grouped",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.seed = None if seed is None else mc.check_int("seed", seed, minimum=0)
+        if masks is None:
+            self.n = mc.check_n(n)
+            self.scale: float | None = mc.check_scale(scale)
+            self.given_masks: np.ndarray | None = None
+        else:
+            self.given_masks = mc.resolve_masks(None, n, scale, seed=None, masks=masks)
+            self.n = int(self.given_masks.shape[0])
+            self.scale = None if scale is None else mc.check_scale(scale)
+        self.channel_axis = mc.check_channel_axis(channel_axis)
+        self.mode = mc.check_mode(mode)
+        self.channels: int | None = None
+        self.supports_masking = True
+        if self.mode == "random":
+            self.seed_generator = keras.random.SeedGenerator(self.seed)
+
+    def _check_shape(self, shape: Sequence[int | None], channels: int | None) -> int:
+        """Check ``shape`` (the core's errors); return its non-negative channel axis.
+
+        With ``channels`` None only the rank and the axis are checked.
+        """
+        if channels is None:
+            rank = len(shape)
+            received = shape[self.channel_axis] if -rank <= self.channel_axis < rank else None
+            channels = 1 if received is None else int(received)
+        return mc.check_input_shape(
+            tuple(shape), channels=channels, channel_axis=self.channel_axis, ranks=self.ranks, layer=type(self).__name__
+        )
+
+    def build(self, input_shape: Sequence[int | None]) -> None:
+        if self.given_masks is None:
+            axis = self._check_shape(input_shape, None)
+            channels = mc.check_channels(input_shape[axis])
+            values = mc.generate_masks(channels, self.n, mc.check_scale(self.scale), seed=self.seed)
+        else:
+            self._check_shape(input_shape, int(self.given_masks.shape[1]))
+            values = self.given_masks
+        self.channels = int(values.shape[1])
+        self.masks = self.add_weight(
+            name="masks",
+            shape=values.shape,
+            initializer=_constant_initializer(values),
+            trainable=False,
+            autocast=False,
+        )
+
+    def call(self, inputs: Any, training: bool | None = None) -> Any:
+        """(B, ...) -> (B, ...); ``training`` only matters in random mode."""
+        axis = self._check_shape(tuple(inputs.shape), self.channels)
+        index = None
+        if self.mode == "random" and training:
+            index = keras.random.randint((ops.shape(inputs)[0],), 0, self.n, seed=self.seed_generator)
+        return _apply_masks(inputs, self.masks, channel_axis=axis, index=index)
+
+    def compute_output_shape(self, input_shape: Sequence[int | None]) -> tuple[int | None, ...]:
+        return tuple(input_shape)
+
+    def get_config(self) -> dict[str, Any]:
+        config: dict[str, Any] = {
+            "n": self.n,
+            "scale": self.scale,
+            "seed": self.seed,
+            "channel_axis": self.channel_axis,
+            "mode": self.mode,
+        }
+        if self.given_masks is not None:
+            config["masks"] = self.given_masks.astype(np.int8).tolist()
+        return {**super().get_config(), **config}
+
+
+@keras.saving.register_keras_serializable(package=SERIALIZATION_PACKAGE)
+class Masksembles1D(Masksembles):
+    """Masksembles for (B, C) or (B, steps, C) inputs (after ``Dense``, ``Conv1D``; like ``SpatialDropout1D``)."""
+
+    ranks = (2, 3)
+
+
+@keras.saving.register_keras_serializable(package=SERIALIZATION_PACKAGE)
+class Masksembles2D(Masksembles):
+    """Masksembles for (B, H, W, C) inputs, or (B, C, H, W) with ``channel_axis=1`` (like ``SpatialDropout2D``)."""
+
+    ranks = (4,)
+
+
+@keras.saving.register_keras_serializable(package=SERIALIZATION_PACKAGE)
+class Masksembles3D(Masksembles):
+    """Masksembles for (B, D, H, W, C) inputs, or (B, C, D, H, W) with ``channel_axis=1`` (as ``SpatialDropout3D``)."""
+
+    ranks = (5,)
