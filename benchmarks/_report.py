@@ -29,6 +29,20 @@ def median_seconds(fn: Callable[[], object], *, repeats: int, warmup: int = 2) -
     return statistics.median(times)
 
 
+def interleaved_medians(fns: dict[str, Callable[[], object]], *, rounds: int, warmup: int = 2) -> dict[str, float]:
+    """Median wall time of each function, timed in turn within every round (noise hits all alike)."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
 def machine() -> str:
     return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
 
