@@ -24,6 +24,8 @@ nox.options.sessions = ["core", "core_min", "torch", "lint", "typecheck"]
 
 PYPROJECT = nox.project.load_toml("pyproject.toml")
 TEST = nox.project.dependency_groups(PYPROJECT, "test")
+METRICS_TEST = nox.project.dependency_groups(PYPROJECT, "test-metrics")
+DEMO = nox.project.dependency_groups(PYPROJECT, "demo")
 CONSTRAINTS = ("-c", "constraints/cpu.txt")
 CORE_TESTS = ("tests/core", "tests/test_conformance.py", "tests/test_backends_installed.py")
 
@@ -35,7 +37,7 @@ def run_pytest(session: nox.Session, backends: str, *paths: str) -> None:
 @nox.session
 def core(session: nox.Session) -> None:
     """The NumPy core and the conformance oracle (numpy the only runtime dependency)."""
-    session.install(*CONSTRAINTS, "-e", ".", *TEST)
+    session.install(*CONSTRAINTS, "-e", ".", *TEST, *METRICS_TEST)
     run_pytest(session, "numpy", *CORE_TESTS)
 
 
@@ -51,15 +53,17 @@ def lowest_numpy() -> str:
 @nox.session
 def core_min(session: nox.Session) -> None:
     """The core against the lowest numpy that pyproject.toml admits."""
-    session.install("-e", ".", *TEST, f"numpy=={lowest_numpy()}")
+    session.install("-e", ".", *TEST, *METRICS_TEST, f"numpy=={lowest_numpy()}")
     session.run("python", "-c", "import numpy; print('numpy', numpy.__version__)")
     run_pytest(session, "numpy", *CORE_TESTS)
 
 
 @nox.session
 def torch(session: nox.Session) -> None:
-    """The PyTorch adapter (CPU build), with ONNX export checked in onnxruntime."""
-    session.install(*CONSTRAINTS, "-e", ".[torch]", *TEST, *nox.project.dependency_groups(PYPROJECT, "test-torch"))
+    """The PyTorch adapter (CPU build), with ONNX export checked in onnxruntime, and the demo's smoke test."""
+    session.install(
+        *CONSTRAINTS, "-e", ".[torch]", *TEST, *nox.project.dependency_groups(PYPROJECT, "test-torch"), *DEMO
+    )
     run_pytest(session, "torch", "tests/torch", "tests/test_conformance.py", "tests/test_backends_installed.py")
 
 
@@ -99,11 +103,11 @@ def typecheck(session: nox.Session) -> None:
     session.run("mypy", "masksembles_core", "tests/core", "tests/golden")
 
 
-@nox.session
+@nox.session(default=False)
 def demo(session: nox.Session) -> None:
-    """The README's main demo."""
-    session.install("-e", ".")
-    session.run("python", "examples/mask_theory.py", *session.posargs)
+    """The README's main demo (pass options after --, e.g. `nox -s demo -- --quick`)."""
+    session.install(*CONSTRAINTS, "-e", ".[torch]", *DEMO)
+    session.run("python", "examples/mask_theory.py")
 
 
 @nox.session(default=False)
