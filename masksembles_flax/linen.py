@@ -57,6 +57,8 @@ class Masksembles(nn.Module):
         mc.check_scale(self.scale)
         mc.check_channel_axis(self.channel_axis)
         mc.check_mode(self.mode)
+        if self.seed is not None:
+            mc.make_rng(self.seed)  # the core's seed check, at construction rather than at init
         if self.masks is not None:
             resolved = mc.resolve_masks(None, self.n, self.scale, seed=None, masks=self.masks)
             object.__setattr__(self, "masks", tuple(tuple(bool(v) for v in row) for row in resolved))

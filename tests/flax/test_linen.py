@@ -1,0 +1,272 @@
+"""masksembles_flax.linen.Masksembles: masks in their own collection, forward, random mode, transforms, saving."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from flax import errors, serialization
+
+import masksembles_core as mc
+from masksembles_flax.linen import MASKS_COLLECTION, Masksembles
+from tests.flax.common import DTYPES, assert_same_bits, oracle, raises_like, special_values
+
+KEY = jax.random.key(0)
+
+
+def masks_of(variables: Any) -> np.ndarray:
+    return np.asarray(variables[MASKS_COLLECTION]["masks"])
+
+
+def test_masks_are_made_at_init_in_their_own_collection() -> None:
+    variables = Masksembles(n=4, scale=2.0, seed=7).init(KEY, jnp.zeros((8, 5, 16)))
+    assert set(variables) == {MASKS_COLLECTION}
+    masks = masks_of(variables)
+    assert masks.dtype == np.bool_
+    assert np.array_equal(masks, mc.generate_masks(16, 4, 2.0, seed=7))
+
+
+def test_masks_follow_the_channel_axis() -> None:
+    variables = Masksembles(n=3, scale=1.5, seed=1, channel_axis=1).init(KEY, jnp.zeros((6, 10, 4, 4)))
+    assert np.array_equal(masks_of(variables), mc.generate_masks(10, 3, 1.5, seed=1))
+
+
+def test_seed_none_draws_fresh_masks_at_each_init() -> None:
+    layer = Masksembles(n=4, scale=2.0)
+    first, second = (masks_of(layer.init(KEY, jnp.zeros((4, 64)))) for _ in range(2))
+    assert not np.array_equal(first, second)
+
+
+def test_given_masks_are_stored_as_a_hashable_field() -> None:
+    masks = mc.generate_masks(6, 3, 2.0, seed=0)
+    layer = Masksembles(n=3, scale=2.0, masks=masks.astype(np.float32))
+    assert layer.masks == tuple(tuple(bool(v) for v in row) for row in masks)
+    assert hash(layer) == hash(Masksembles(n=3, scale=2.0, masks=masks))
+    assert np.array_equal(masks_of(layer.init(KEY, jnp.zeros((3, 6)))), masks)
+
+
+BAD_ARGUMENTS = {
+    "n-zero": ({"n": 0, "scale": 2.0}, lambda: mc.check_n(0)),
+    "n-float": ({"n": 4.0, "scale": 2.0}, lambda: mc.check_n(4.0)),
+    "scale-below-one": ({"n": 4, "scale": 0.5}, lambda: mc.check_scale(0.5)),
+    "scale-nan": ({"n": 4, "scale": float("nan")}, lambda: mc.check_scale(float("nan"))),
+    "channel-axis-batch": ({"n": 4, "scale": 2.0, "channel_axis": 0}, lambda: mc.check_channel_axis(0)),
+    "seed-negative": ({"n": 4, "scale": 2.0, "seed": -1}, lambda: mc.make_rng(-1)),
+    "mode": ({"n": 4, "scale": 2.0, "mode": "mixed"}, lambda: mc.check_mode("mixed")),
+    "masks-n-mismatch": (
+        {"n": 3, "scale": 2.0, "masks": np.ones((4, 6))},
+        lambda: mc.resolve_masks(None, 3, 2.0, seed=None, masks=np.ones((4, 6))),
+    ),
+    "masks-not-binary": (
+        {"n": 2, "scale": 2.0, "masks": np.full((2, 6), 0.5)},
+        lambda: mc.validate_masks(np.full((2, 6), 0.5)),
+    ),
+}
+
+
+@pytest.mark.parametrize(("kwargs", "core_call"), BAD_ARGUMENTS.values(), ids=BAD_ARGUMENTS.keys())
+def test_bad_arguments_raise_the_core_error(kwargs: dict[str, Any], core_call: Any) -> None:
+    with raises_like(core_call):
+        Masksembles(**kwargs)
+
+
+def test_wrong_input_raises_the_core_error() -> None:
+    layer = Masksembles(n=4, scale=2.0, seed=0)
+    with raises_like(lambda: mc.check_input_shape((8,), channels=8, channel_axis=-1)):
+        layer.init(KEY, jnp.zeros((8,)))
+    with raises_like(lambda: mc.check_input_shape((8, 6), channels=1, channel_axis=3)):
+        Masksembles(n=4, scale=2.0, channel_axis=3).init(KEY, jnp.zeros((8, 6)))
+    variables = layer.init(KEY, jnp.zeros((8, 6)))
+    with raises_like(lambda: mc.check_input_shape((8, 5), channels=6, channel_axis=-1)):
+        layer.apply(variables, jnp.zeros((8, 5)))
+    given = Masksembles(n=4, scale=2.0, masks=masks_of(variables))
+    with raises_like(lambda: mc.check_input_shape((8, 7), channels=6, channel_axis=-1)):
+        given.init(KEY, jnp.zeros((8, 7)))
+
+
+def test_apply_needs_the_saved_masks() -> None:
+    with pytest.raises(errors.ScopeCollectionNotFound):
+        Masksembles(n=4, scale=2.0, seed=0).apply({}, jnp.zeros((4, 6)))
+
+
+LAYOUTS = {"bhwc": ((5, 3, 12), -1), "bchw": ((12, 3, 5), 1), "bc": ((12,), -1)}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch", [8, 6, 3, 1], ids=lambda b: f"b{b}")
+@pytest.mark.parametrize(("feature_shape", "channel_axis"), LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_jitted_forward_and_input_gradient_match_the_oracle(
+    feature_shape: tuple[int, ...], channel_axis: int, batch: int, dtype: str
+) -> None:
+    layer = Masksembles(n=4, scale=2.0, seed=3, channel_axis=channel_axis)
+    x = special_values((batch, *feature_shape), seed=batch)
+    grad_output = special_values(x.shape, seed=batch + 100)
+    variables = layer.init(KEY, jnp.zeros(x.shape))
+
+    @jax.jit
+    def forward_backward(variables: Any, x: jax.Array, grad_output: jax.Array) -> tuple[jax.Array, jax.Array]:
+        y, pullback = jax.vjp(lambda x_in: layer.apply(variables, x_in), x)
+        return y, pullback(grad_output)[0]
+
+    y, grad_input = forward_backward(variables, jnp.asarray(x, dtype), jnp.asarray(grad_output, dtype))
+    assert y.dtype == grad_input.dtype == jnp.dtype(dtype)
+    assert_same_bits(y, oracle(x, masks_of(variables), channel_axis))
+    assert_same_bits(grad_input, oracle(grad_output, masks_of(variables), channel_axis))
+
+
+def test_vmap_over_stacked_batches() -> None:
+    layer = Masksembles(n=4, scale=2.0, seed=0)
+    xs = jax.random.normal(KEY, (3, 6, 10))
+    variables = layer.init(KEY, xs[0])
+    stacked = jax.jit(jax.vmap(lambda x: layer.apply(variables, x)))(xs)
+    for x, y in zip(xs, stacked, strict=True):
+        assert_same_bits(y, oracle(np.asarray(x), masks_of(variables), -1))
+
+
+def random_layer(**kwargs: Any) -> tuple[Masksembles, Any]:
+    layer = Masksembles(n=4, scale=2.0, seed=5, mode="random", **kwargs)
+    call_kwargs = {} if layer.deterministic is not None else {"deterministic": True}
+    return layer, layer.init(KEY, jnp.zeros((4, 16)), **call_kwargs)
+
+
+def mask_rows(y: jax.Array, masks: np.ndarray) -> np.ndarray:
+    """Index of the mask each row of ``y = ones * mask`` used (the masks must be distinct)."""
+    matches = np.asarray(y, dtype=bool)[:, None, :] == masks[None, :, :]
+    found = matches.all(axis=2)
+    assert (found.sum(axis=1) == 1).all(), "every row is exactly one mask"
+    return found.argmax(axis=1)
+
+
+def test_random_mode_draws_a_uniform_mask_per_sample() -> None:
+    layer, variables = random_layer()
+    masks = masks_of(variables)
+    assert len({row.tobytes() for row in masks}) == 4
+    ones = jnp.ones((4000, 16))
+    y = jax.jit(lambda x, key: layer.apply(variables, x, deterministic=False, rngs={"dropout": key}))(ones, KEY)
+    counts = np.bincount(mask_rows(y, masks), minlength=4)
+    assert (np.abs(counts - 1000) < 150).all(), counts  # binomial sd ~27
+
+
+def test_random_mode_draws_from_the_given_key() -> None:
+    layer, variables = random_layer()
+    ones, key = jnp.ones((32, 16)), jax.random.key(11)
+    y = layer.apply(variables, ones, deterministic=False, rng=key)
+    expected = np.asarray(jax.random.randint(key, (32,), 0, 4))
+    assert np.array_equal(mask_rows(y, masks_of(variables)), expected)
+
+
+def test_random_mode_is_reproducible_per_key() -> None:
+    layer, variables = random_layer()
+    ones = jnp.ones((32, 16))
+
+    def draw(seed: int) -> np.ndarray:
+        y = layer.apply(variables, ones, deterministic=False, rngs={"dropout": jax.random.key(seed)})
+        return mask_rows(y, masks_of(variables))
+
+    assert np.array_equal(draw(1), draw(1))
+    assert not np.array_equal(draw(1), draw(2))
+
+
+def test_random_mode_is_grouped_when_deterministic() -> None:
+    layer, variables = random_layer(deterministic=True)
+    x = jax.random.normal(KEY, (6, 16))
+    assert_same_bits(layer.apply(variables, x), oracle(np.asarray(x), masks_of(variables), -1))
+
+
+def test_random_mode_follows_merge_param() -> None:
+    layer, variables = random_layer()
+    with pytest.raises(ValueError, match="must be passed to the constructor or at call time"):
+        layer.apply(variables, jnp.ones((4, 16)))
+    fixed, _ = random_layer(deterministic=False)
+    with pytest.raises(ValueError, match="passed to the constructor and at call time"):
+        fixed.apply(variables, jnp.ones((4, 16)), deterministic=True)
+    with pytest.raises(errors.InvalidRngError):
+        fixed.apply(variables, jnp.ones((4, 16)))
+
+
+def test_grouped_mode_ignores_deterministic_and_needs_no_rng() -> None:
+    layer = Masksembles(n=4, scale=2.0, seed=0)
+    x = jax.random.normal(KEY, (8, 16))
+    variables = layer.init(KEY, x)
+    expected = oracle(np.asarray(x), masks_of(variables), -1)
+    for deterministic in (None, False, True):
+        assert_same_bits(layer.apply(variables, x, deterministic=deterministic), expected)
+
+
+def test_flax_serialization_round_trip_keeps_the_masks(tmp_path: Path) -> None:
+    layer = Masksembles(n=4, scale=3.0, seed=2)
+    x = jax.random.normal(KEY, (8, 32))
+    variables = layer.init(KEY, x)
+    path = tmp_path / "variables.msgpack"
+    path.write_bytes(serialization.to_bytes(variables))
+    blank = Masksembles(n=4, scale=3.0, seed=99).init(KEY, x)
+    restored = serialization.from_bytes(blank, path.read_bytes())
+    assert masks_of(restored).dtype == np.bool_
+    assert np.array_equal(masks_of(restored), masks_of(variables))
+    assert np.array_equal(masks_of(serialization.msgpack_restore(path.read_bytes())), masks_of(variables))
+    assert_same_bits(layer.apply(restored, x), np.asarray(layer.apply(variables, x)))
+
+
+class MLP(nn.Module):
+    """Dense -> Masksembles -> Dense; ``train`` switches random mode on."""
+
+    mode: str = "grouped"
+
+    @nn.compact
+    def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
+        x = nn.relu(nn.Dense(32)(x))
+        x = Masksembles(n=4, scale=2.0, seed=0, mode=self.mode)(x, deterministic=not train)
+        return nn.Dense(1)(x)
+
+
+def mlp_masks(variables: Any) -> np.ndarray:
+    return np.asarray(variables[MASKS_COLLECTION]["Masksembles_0"]["masks"])
+
+
+def test_orbax_round_trip_keeps_the_masks(tmp_path: Path) -> None:
+    model = MLP()
+    x = jax.random.normal(KEY, (8, 3))
+    variables = model.init(KEY, x)
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "ckpt", variables)
+        checkpointer.wait_until_finished()
+        restored = checkpointer.restore(tmp_path / "ckpt", jax.eval_shape(model.init, KEY, x))
+    assert np.array_equal(mlp_masks(restored), mlp_masks(variables))
+    assert_same_bits(model.apply(restored, x), np.asarray(model.apply(variables, x)))
+
+
+@pytest.mark.parametrize("mode", mc.MODES)
+def test_optax_training_leaves_the_masks_unchanged(mode: str) -> None:
+    model = MLP(mode=mode)
+    x = jax.random.normal(KEY, (64, 3))
+    target = jnp.sin(x.sum(axis=1, keepdims=True))
+    variables = model.init(KEY, x)
+    params, masks = variables["params"], variables[MASKS_COLLECTION]
+    optimizer = optax.adam(1e-2)
+
+    @jax.jit
+    def step(params: Any, opt_state: Any, key: jax.Array) -> tuple[Any, Any, jax.Array]:
+        def loss_fn(params: Any) -> jax.Array:
+            y = model.apply({"params": params, MASKS_COLLECTION: masks}, x, train=True, rngs={"dropout": key})
+            return jnp.mean((y - target) ** 2)
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    opt_state = optimizer.init(params)
+    losses = []
+    for key in jax.random.split(KEY, 30):
+        params, opt_state, loss = step(params, opt_state, key)
+        losses.append(float(loss))
+    assert losses[-1] < 0.5 * losses[0]
+    assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(params)), "no mask among the trained params"
+    assert np.array_equal(mlp_masks({MASKS_COLLECTION: masks}), mlp_masks(variables))
+    assert np.array_equal(mlp_masks(variables), mc.generate_masks(32, 4, 2.0, seed=0))
