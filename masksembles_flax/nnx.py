@@ -44,7 +44,7 @@ class Masksembles(nnx.Module):
         mode: "grouped" or "random".
         deterministic: the ``mode="random"`` switch; a call argument wins, ``train()``/``eval()``/``nnx.view`` set it.
         rng_collection: stream of ``rngs`` forked for the random draws.
-        rngs: ``nnx.Rngs`` or ``nnx.RngStream`` for ``mode="random"``.
+        rngs: ``nnx.Rngs`` or ``nnx.RngStream`` forked for ``mode="random"`` (unused in grouped mode).
     """
 
     def __init__(
@@ -69,14 +69,13 @@ class Masksembles(nnx.Module):
         self.masks = Masks(jnp.asarray(resolved))
         self.deterministic = deterministic
         self.rng_collection = rng_collection
-        if isinstance(rngs, nnx.Rngs):
-            self.rngs = rngs[rng_collection].fork()
-        elif isinstance(rngs, nnx.RngStream):
-            self.rngs = rngs.fork()
-        elif rngs is None:
-            self.rngs = nnx.data(None)
-        else:
+        if rngs is not None and not isinstance(rngs, nnx.Rngs | nnx.RngStream):
             raise TypeError(f"rngs must be an nnx.Rngs, an nnx.RngStream or None; received {type(rngs).__name__}")
+        # Only random mode draws: a grouped layer holds no RNG state and leaves the caller's streams untouched.
+        if self.mode == "random" and rngs is not None:
+            self.rngs = (rngs[rng_collection] if isinstance(rngs, nnx.Rngs) else rngs).fork()
+        else:
+            self.rngs = nnx.data(None)
 
     def __call__(self, x: jax.Array, *, deterministic: bool | None = None, rngs: RngSource | None = None) -> jax.Array:
         """Apply the masks to ``x`` of shape (B, ..., C, ...).
