@@ -155,6 +155,7 @@ class Masksembles(keras.layers.Layer):
         return _apply_masks(inputs, self.masks, channel_axis=axis, index=index)
 
     def compute_output_shape(self, input_shape: Sequence[int | None]) -> tuple[int | None, ...]:
+        self._check_shape(input_shape, self.channels)
         return tuple(input_shape)
 
     def get_config(self) -> dict[str, Any]:
