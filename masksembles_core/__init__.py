@@ -6,6 +6,7 @@ that every framework adapter is tested against. Importing this package imports n
 learning framework.
 """
 
+from . import metrics
 from ._generation import (
     derive_seed,
     generate_masks,
@@ -52,6 +53,7 @@ __all__ = [
     "make_rng",
     "mask_shape",
     "mask_stats",
+    "metrics",
     "ones_per_mask",
     "resolve_masks",
     "sample_masks",
