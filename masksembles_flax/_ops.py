@@ -37,16 +37,16 @@ def apply_masks(x: jax.Array, masks: jax.Array, *, channel_axis: int, mask_index
     n, channels = masks.shape
     axis = mc.check_input_shape(x.shape, channels=channels, channel_axis=channel_axis)
     batch = x.shape[0]
+    # XLA's simplifier turns x * convert(bool) into select(bool, x, 0), which maps masked inf/NaN to 0 instead of NaN
+    # (and -x to +0); behind the barrier the factors are plain floats, so the product stays an IEEE multiply.
+    factors = jax.lax.optimization_barrier(masks.astype(x.dtype))
     if mask_index is None and batch % n == 0:
         # n contiguous groups of B//n samples: one broadcast multiply over a (n, B//n, ...) view of the batch.
         groups = x.reshape((n, batch // n, *x.shape[1:]))
-        factors = masks.astype(x.dtype).reshape(mc.mask_shape(x.ndim + 1, axis + 1, channels, n))
-        return (groups * factors).reshape(x.shape)
+        return (groups * factors.reshape(mc.mask_shape(x.ndim + 1, axis + 1, channels, n))).reshape(x.shape)
     if mask_index is None:
         mask_index = (jnp.arange(batch) * n) // batch
-    # Cast before the gather: XLA rewrites x * convert(gather(bool)) into a select, which turns masked inf/NaN into 0.
-    factors = masks.astype(x.dtype)[mask_index].reshape(mc.mask_shape(x.ndim, axis, channels, batch))
-    return x * factors
+    return x * factors[mask_index].reshape(mc.mask_shape(x.ndim, axis, channels, batch))
 
 
 def random_mask_index(key: jax.Array, batch_size: int, n: int) -> jax.Array:

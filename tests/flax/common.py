@@ -1,4 +1,4 @@
-"""Test helpers shared by the Flax tests: the NumPy oracle in any dtype and the core's error messages."""
+"""Test helpers shared by the Flax tests: the NumPy oracle in any dtype, the core's error messages, two small models."""
 
 from __future__ import annotations
 
@@ -7,12 +7,16 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import masksembles_core as mc
+from masksembles_flax import linen as masksembles_linen
+from masksembles_flax import nnx as masksembles_nnx
 
 DTYPES = ("bfloat16", "float16", "float32")
 
@@ -51,3 +55,27 @@ def raises_like(core_call: Callable[[], Any]) -> AbstractContextManager[Any]:
     with pytest.raises(Exception) as info:
         core_call()
     return pytest.raises(info.type, match=f"^{re.escape(str(info.value))}")
+
+
+class LinenMLP(nn.Module):
+    """linen Dense -> Masksembles -> Dense on (B, 3); ``train`` switches random mode on."""
+
+    mode: str = "grouped"
+
+    @nn.compact
+    def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
+        x = nn.relu(nn.Dense(32)(x))
+        x = masksembles_linen.Masksembles(n=4, scale=2.0, seed=0, mode=self.mode)(x, deterministic=not train)
+        return nn.Dense(1)(x)
+
+
+class NnxMLP(nnx.Module):
+    """NNX Linear -> Masksembles -> Linear on (B, 3)."""
+
+    def __init__(self, *, mode: str = "grouped", seed: int = 0, rngs: nnx.Rngs) -> None:
+        self.hidden = nnx.Linear(3, 32, rngs=rngs)
+        self.ensemble = masksembles_nnx.Masksembles(32, 4, 2.0, seed=seed, mode=mode, rngs=rngs)
+        self.out = nnx.Linear(32, 1, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.out(self.ensemble(nnx.relu(self.hidden(x))))

@@ -15,7 +15,7 @@ from flax import nnx
 
 import masksembles_core as mc
 from masksembles_flax.nnx import Masks, Masksembles
-from tests.flax.common import DTYPES, assert_same_bits, oracle, raises_like, special_values
+from tests.flax.common import DTYPES, NnxMLP, assert_same_bits, oracle, raises_like, special_values
 
 KEY = jax.random.key(0)
 
@@ -93,7 +93,7 @@ LAYOUTS = {"bhwc": ((5, 3, 12), -1), "bchw": ((12, 3, 5), 1), "bc": ((12,), -1)}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("batch", [8, 6, 3, 1], ids=lambda b: f"b{b}")
+@pytest.mark.parametrize("batch", [8, 6, 4, 3, 1], ids=lambda b: f"b{b}")
 @pytest.mark.parametrize(("feature_shape", "channel_axis"), LAYOUTS.values(), ids=LAYOUTS.keys())
 def test_nnx_jit_forward_and_input_gradient_match_the_oracle(
     feature_shape: tuple[int, ...], channel_axis: int, batch: int, dtype: str
@@ -124,20 +124,8 @@ def test_vmap_over_stacked_batches() -> None:
         assert_same_bits(y_closed, expected)
 
 
-class MLP(nnx.Module):
-    """Linear -> Masksembles -> Linear."""
-
-    def __init__(self, *, mode: str = "grouped", seed: int = 0, rngs: nnx.Rngs) -> None:
-        self.hidden = nnx.Linear(3, 32, rngs=rngs)
-        self.ensemble = Masksembles(32, 4, 2.0, seed=seed, mode=mode, rngs=rngs)
-        self.out = nnx.Linear(32, 1, rngs=rngs)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.out(self.ensemble(nnx.relu(self.hidden(x))))
-
-
 def test_nnx_grad_and_optimizer_skip_the_masks() -> None:
-    model = MLP(rngs=nnx.Rngs(0))
+    model = NnxMLP(rngs=nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
     grads = nnx.grad(lambda model: jnp.sum(model(jnp.ones((4, 3)))))(model)
     assert not jax.tree.leaves(nnx.state(grads, Masks))
@@ -147,14 +135,14 @@ def test_nnx_grad_and_optimizer_skip_the_masks() -> None:
 
 @pytest.mark.parametrize("mode", mc.MODES)
 def test_optax_training_leaves_the_masks_unchanged(mode: str) -> None:
-    model = MLP(mode=mode, rngs=nnx.Rngs(params=0, dropout=1))
+    model = NnxMLP(mode=mode, rngs=nnx.Rngs(params=0, dropout=1))
     masks_before = masks_of(model.ensemble)
     optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
     x = jax.random.normal(KEY, (64, 3))
     target = jnp.sin(x.sum(axis=1, keepdims=True))
 
     @nnx.jit
-    def step(model: MLP, optimizer: nnx.Optimizer[MLP]) -> jax.Array:
+    def step(model: NnxMLP, optimizer: nnx.Optimizer[NnxMLP]) -> jax.Array:
         loss, grads = nnx.value_and_grad(lambda model: jnp.mean((model(x) - target) ** 2))(model)
         optimizer.update(model, grads)
         return loss
@@ -167,7 +155,7 @@ def test_optax_training_leaves_the_masks_unchanged(mode: str) -> None:
 
 
 def test_split_merge_and_state_carry_the_masks() -> None:
-    model = MLP(rngs=nnx.Rngs(0))
+    model = NnxMLP(rngs=nnx.Rngs(0))
     graphdef, params, masks = nnx.split(model, nnx.Param, Masks)
     assert len(jax.tree.leaves(masks)) == 1
     merged = nnx.merge(graphdef, params, masks)
@@ -177,12 +165,12 @@ def test_split_merge_and_state_carry_the_masks() -> None:
 
 
 def test_orbax_round_trip_keeps_the_masks(tmp_path: Path) -> None:
-    model = MLP(seed=1, rngs=nnx.Rngs(0))
+    model = NnxMLP(seed=1, rngs=nnx.Rngs(0))
     with ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(tmp_path / "ckpt", nnx.state(model))
         checkpointer.wait_until_finished()
         # The abstract target is built from another seed: the restored masks must be the saved ones.
-        graphdef, abstract_state = nnx.split(nnx.eval_shape(lambda: MLP(seed=2, rngs=nnx.Rngs(5))))
+        graphdef, abstract_state = nnx.split(nnx.eval_shape(lambda: NnxMLP(seed=2, rngs=nnx.Rngs(5))))
         restored = nnx.merge(graphdef, checkpointer.restore(tmp_path / "ckpt", abstract_state))
     assert masks_of(restored.ensemble).dtype == np.bool_
     assert np.array_equal(masks_of(restored.ensemble), masks_of(model.ensemble))
