@@ -3,14 +3,18 @@
 from ._functional import masksembles
 from ._inference import convert_dropout, predict, tile, untile
 from ._layers import Masksembles, Masksembles1D, Masksembles2D, Masksembles3D
+from ._packing import PackedMasksembles, extract_member, pack
 
 __all__ = [
     "Masksembles",
     "Masksembles1D",
     "Masksembles2D",
     "Masksembles3D",
+    "PackedMasksembles",
     "convert_dropout",
+    "extract_member",
     "masksembles",
+    "pack",
     "predict",
     "tile",
     "untile",

@@ -1,0 +1,192 @@
+"""pack and extract_member equal the dense masked model; unsupported models are named errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import masksembles_torch as mt
+
+N = 4
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual - expected).norm() / expected.norm().clamp_min(1e-12)).item()
+
+
+def randomize_norms(model: nn.Module, generator: torch.Generator) -> nn.Module:
+    for module in model.modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            c = module.num_features
+            module.running_mean.copy_(torch.randn(c, generator=generator))
+            module.running_var.copy_(torch.rand(c, generator=generator) + 0.5)
+            if module.affine:
+                module.weight.data.copy_(torch.randn(c, generator=generator))
+                module.bias.data.copy_(torch.randn(c, generator=generator))
+    return model.eval()
+
+
+class ResidualBlock(nn.Module):
+    def __init__(self, channels: int, scale: float, seed: int, masks_on_skip: bool) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.masks = mt.Masksembles2D(channels, N, scale, seed=seed)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1)
+        self.bn2 = nn.BatchNorm2d(channels)
+        self.skip = mt.Masksembles2D(channels, N, scale, seed=seed + 100) if masks_on_skip else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.masks(F.relu(self.bn1(self.conv1(x))))
+        return torch.relu(self.bn2(self.conv2(y)) + self.skip(x))
+
+
+class ResNetLike(nn.Module):
+    def __init__(self, scale: float, seed: int, masks_on_skip: bool) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU())
+        self.block1 = ResidualBlock(16, scale, seed, masks_on_skip)
+        self.block2 = ResidualBlock(16, scale, seed + 1, False)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.head_masks = mt.Masksembles1D(16, N, scale, seed=seed + 2)
+        self.fc = nn.Linear(16, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.pool(self.block2(self.block1(self.stem(x)))).flatten(1)
+        return self.fc(self.head_masks(y))
+
+
+def mlp(scale: float, seed: int) -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(12, 48), nn.GELU(), mt.Masksembles1D(48, N, scale, seed=seed),
+        nn.Linear(48, 40), nn.Tanh(), nn.Dropout(0.3), mt.Masksembles1D(40, N, scale, seed=seed + 1),
+        nn.Linear(40, 3),
+    )  # fmt: skip
+
+
+def cnn2d(scale: float, seed: int) -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3), nn.BatchNorm2d(16), nn.ReLU(), mt.Masksembles2D(16, N, scale, seed=seed),
+        nn.MaxPool2d(2), nn.Conv2d(16, 24, 3, padding=1), nn.ReLU(), mt.Masksembles2D(24, N, scale, seed=seed + 1),
+        nn.BatchNorm2d(24), nn.Flatten(), nn.Linear(24 * 3 * 3, 32), nn.SiLU(),
+        mt.Masksembles1D(32, N, scale, seed=seed + 2), nn.Linear(32, 4),
+    )  # fmt: skip
+
+
+def cnn1d(scale: float, seed: int) -> nn.Module:
+    return nn.Sequential(
+        nn.Conv1d(2, 12, 3), nn.ReLU(), mt.Masksembles1D(12, N, scale, seed=seed), nn.Conv1d(12, 8, 1),
+        nn.AvgPool1d(2), nn.Sigmoid(), mt.Masksembles1D(8, N, scale, seed=seed + 1), nn.Flatten(), nn.Linear(8 * 3, 2),
+    )  # fmt: skip
+
+
+def cnn3d(scale: float, seed: int) -> nn.Module:
+    return nn.Sequential(
+        nn.Conv3d(1, 8, 2), nn.BatchNorm3d(8), mt.Masksembles3D(8, N, scale, seed=seed), nn.ReLU(),
+        nn.Conv3d(8, 6, 1), nn.AdaptiveMaxPool3d(1), nn.Flatten(), nn.Linear(6, 2),
+    )  # fmt: skip
+
+
+def sequence_model(scale: float, seed: int) -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(6, 32), nn.ReLU(), mt.Masksembles(32, N, scale, seed=seed, channel_axis=-1), nn.Linear(32, 5)
+    )
+
+
+MODELS = {
+    "mlp": (mlp, (12,)),
+    "cnn2d": (cnn2d, (3, 8, 8)),
+    "cnn1d": (cnn1d, (2, 8)),
+    "cnn3d": (cnn3d, (1, 3, 3, 3)),
+    "sequence": (sequence_model, (7, 6)),
+    "resnet": (lambda s, seed: ResNetLike(s, seed, masks_on_skip=False), (3, 6, 6)),
+    "resnet-masked-skip": (lambda s, seed: ResNetLike(s, seed, masks_on_skip=True), (3, 6, 6)),
+}
+
+
+def build(name: str, scale: float, seed: int) -> tuple[nn.Module, tuple[int, ...]]:
+    factory, shape = MODELS[name]
+    generator = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    return randomize_norms(factory(scale, seed), generator), shape
+
+
+@pytest.mark.parametrize(
+    "seed,scale", enumerate([1.0, 1.7, 3.0, 50.0]), ids=lambda v: f"S{v}" if isinstance(v, float) else f"seed{v}"
+)
+@pytest.mark.parametrize("name", list(MODELS))
+def test_pack_and_extract_equal_the_dense_model(name: str, seed: int, scale: float) -> None:
+    model, shape = build(name, scale, seed)
+    x = torch.randn(5, *shape, generator=torch.Generator().manual_seed(seed + 10))
+    expected = mt.predict(model, x, N)
+    packed = mt.pack(model, x)
+    assert relative_error(packed(x), expected) <= 1e-5
+    other_batch = torch.randn(3, *shape)
+    assert relative_error(packed(other_batch), mt.predict(model, other_batch, N)) <= 1e-5
+    dense_parameters = sum(p.numel() for p in model.parameters())
+    for k in range(N):
+        member = mt.extract_member(model, k, x)
+        assert relative_error(member(x), expected[k]) <= 1e-5
+        assert sum(p.numel() for p in member.parameters()) <= dense_parameters
+
+
+def test_extracted_member_is_physically_smaller() -> None:
+    model, _ = build("mlp", 2.0, 0)
+    member = mt.extract_member(model, 0, torch.randn(2, 12))
+    linears = [m for m in member.modules() if isinstance(m, nn.Linear)]
+    ones = [int(layer.masks[0].sum()) for layer in model if isinstance(layer, mt.Masksembles)]
+    assert [(lin.in_features, lin.out_features) for lin in linears] == [(12, ones[0]), (ones[0], ones[1]), (ones[1], 3)]
+
+
+def test_packed_module_compiles() -> None:
+    model, shape = build("resnet", 2.0, 0)
+    x = torch.randn(4, *shape)
+    packed = mt.pack(model, x)
+    compiled = torch.compile(packed, fullgraph=True)
+    assert relative_error(compiled(x), mt.predict(model, x, N)) <= 1e-5
+
+
+def test_pack_keeps_the_model_mode_and_weights() -> None:
+    model, shape = build("cnn2d", 2.0, 0)
+    model.train()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    mt.pack(model, torch.randn(4, *shape))
+    assert model.training
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, state[key]), "packing must not touch BatchNorm statistics"
+
+
+class Gate(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(x)
+
+
+@pytest.mark.parametrize(
+    "model,message",
+    [
+        (nn.Sequential(nn.Linear(4, 8), mt.Masksembles1D(8, N, 2.0), nn.LayerNorm(8)), "module '2' \\(LayerNorm\\)"),
+        (nn.Sequential(nn.Linear(4, 8), mt.Masksembles1D(8, N, 2.0), Gate()), "unsupported call_function 'mul'"),
+        (nn.Sequential(nn.Conv1d(4, 8, 1, groups=2), mt.Masksembles1D(8, N, 2.0)), "groups=2"),
+        (nn.Sequential(nn.Linear(4, 8), nn.ReLU()), "no Masksembles layer"),
+        (
+            nn.Sequential(nn.Linear(4, 8), mt.Masksembles1D(8, 2, 2.0), nn.Linear(8, 8), mt.Masksembles1D(8, 3, 2.0)),
+            r"the same n; found \[2, 3\]",
+        ),
+        (nn.Sequential(nn.Linear(4, 8), nn.PReLU(8), mt.Masksembles1D(8, N, 2.0)), "PReLU"),
+    ],
+    ids=["layernorm", "gating-mul", "grouped-conv", "no-masks", "mixed-n", "prelu"],
+)
+def test_unsupported_models_name_the_culprit(model: nn.Module, message: str) -> None:
+    x = torch.randn(2, 4) if not isinstance(model[0], nn.Conv1d) else torch.randn(2, 4, 3)
+    with pytest.raises(ValueError, match=message):
+        mt.pack(model, x)
+    with pytest.raises(ValueError, match=message):
+        mt.extract_member(model, 0, x)
+
+
+def test_member_out_of_range() -> None:
+    model, _ = build("mlp", 2.0, 0)
+    with pytest.raises(ValueError, match=r"member must be an integer in \[0, 4\); received 4"):
+        mt.extract_member(model, 4, torch.randn(2, 12))
