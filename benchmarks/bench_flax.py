@@ -1,0 +1,115 @@
+"""Flax layer cost: jitted Masksembles forward and forward+backward vs a jitted ``x * 1.0`` in the same run.
+
+    python benchmarks/bench_flax.py [--repeats 40] [--no-write]
+
+Input (64, 32, 32, 256) float32, n=4, scale=2 on the default JAX device. Forward+backward is one jitted function that
+returns the output and the input gradient for a given output gradient (``jax.vjp``); the baseline does the same for
+``x * 1.0``. The layers' variables enter the jitted functions as arguments, as in a training step. The functions are
+timed in interleaved rounds (one call of each per round), so slow phases of a shared machine hit every row alike;
+each cell is the median over the rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from _report import machine, write_section
+from flax import nnx
+
+from masksembles_flax import linen as masksembles_linen
+from masksembles_flax import nnx as masksembles_nnx
+
+SHAPE = (64, 32, 32, 256)
+N, SCALE = 4, 2.0
+BASELINE = "`x * 1.0` (baseline)"
+
+Forward = Callable[[Any, jax.Array], jax.Array]
+
+
+def forwards(x: jax.Array, key: jax.Array) -> dict[str, tuple[Forward, Any]]:
+    """Row name -> (forward(state, x), state)."""
+    linen_layer = masksembles_linen.Masksembles(n=N, scale=SCALE, seed=0)
+    random_layer = masksembles_linen.Masksembles(n=N, scale=SCALE, seed=0, mode="random")
+    graphdef, nnx_state = nnx.split(masksembles_nnx.Masksembles(SHAPE[-1], N, SCALE, seed=0))
+    return {
+        BASELINE: (lambda state, x: x * 1.0, None),
+        "linen `Masksembles`": (linen_layer.apply, linen_layer.init(key, x)),
+        "NNX `Masksembles`": (lambda state, x: nnx.merge(graphdef, state)(x), nnx_state),
+        "linen `Masksembles`, mode=random, training": (
+            lambda state, x: random_layer.apply(state["variables"], x, deterministic=False, rng=state["key"]),
+            {"variables": random_layer.init(key, x, deterministic=True), "key": key},
+        ),
+    }
+
+
+def with_backward(forward: Forward) -> Callable[[Any, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
+    def forward_backward(state: Any, x: jax.Array, grad_output: jax.Array) -> tuple[jax.Array, jax.Array]:
+        y, pullback = jax.vjp(lambda x: forward(state, x), x)
+        return y, pullback(grad_output)[0]
+
+    return forward_backward
+
+
+def interleaved_medians(calls: dict[str, Callable[[], object]], *, rounds: int, warmup: int = 3) -> dict[str, float]:
+    """Median seconds of each call over ``rounds`` rounds that run every call once, after ``warmup`` rounds."""
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for round_index in range(warmup + rounds):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            if round_index >= warmup:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeats", type=int, default=40, help="timed rounds")
+    parser.add_argument("--no-write", action="store_true", help="print only, leave BENCHMARKS.md alone")
+    args = parser.parse_args()
+
+    key = jax.random.key(0)
+    x = jax.random.normal(key, SHAPE)
+    grad_output = jax.random.normal(jax.random.key(1), SHAPE)
+    calls: dict[tuple[str, str], Callable[[], object]] = {}
+    for name, (forward, state) in forwards(x, key).items():
+        jitted_forward, jitted_backward = jax.jit(forward), jax.jit(with_backward(forward))
+        calls[name, "forward"] = lambda f=jitted_forward, s=state: jax.block_until_ready(f(s, x))
+        calls[name, "backward"] = lambda f=jitted_backward, s=state: jax.block_until_ready(f(s, x, grad_output))
+    seconds = interleaved_medians(calls, rounds=args.repeats)
+
+    rows = [
+        "| jitted function | forward (ms) | ÷ baseline | forward+backward (ms) | ÷ baseline |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name in dict.fromkeys(name for name, _ in calls):
+        forward_s, backward_s = seconds[name, "forward"], seconds[name, "backward"]
+        rows.append(
+            f"| {name} | {forward_s * 1e3:.2f} | {forward_s / seconds[BASELINE, 'forward']:.2f}× "
+            f"| {backward_s * 1e3:.2f} | {backward_s / seconds[BASELINE, 'backward']:.2f}× |"
+        )
+    device = jax.devices()[0]
+    text = "\n".join(
+        [
+            "## Flax layer (linen and NNX)",
+            "",
+            f"Jitted forward and forward+backward (output and input gradient via `jax.vjp`) on {SHAPE} float32, "
+            f"n={N}, scale={SCALE}, ÷ the same for a jitted `x * 1.0` (XLA compiles its forward to a copy of `x`). "
+            f"Medians of {args.repeats} interleaved rounds, one run on {device.platform} ({device.device_kind}), "
+            f"{machine()}, jax {jax.__version__}. Target: ≤ 1.10× for the grouped layers.",
+            "",
+            *rows,
+        ]
+    )
+    print(text)
+    if not args.no_write:
+        write_section("flax", text)
+
+
+if __name__ == "__main__":
+    main()
