@@ -15,7 +15,8 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
 
 import jax
 from _report import machine, write_section
@@ -27,8 +28,9 @@ from masksembles_flax import nnx as masksembles_nnx
 SHAPE = (64, 32, 32, 256)
 N, SCALE = 4, 2.0
 BASELINE = "`x * 1.0` (baseline)"
+K = TypeVar("K")
 
-Forward = Callable[[Any, jax.Array], jax.Array]
+Forward = Callable[[Any, jax.Array], Any]
 
 
 def forwards(x: jax.Array, key: jax.Array) -> dict[str, tuple[Forward, Any]]:
@@ -47,17 +49,17 @@ def forwards(x: jax.Array, key: jax.Array) -> dict[str, tuple[Forward, Any]]:
     }
 
 
-def with_backward(forward: Forward) -> Callable[[Any, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
-    def forward_backward(state: Any, x: jax.Array, grad_output: jax.Array) -> tuple[jax.Array, jax.Array]:
+def with_backward(forward: Forward) -> Callable[[Any, jax.Array, jax.Array], tuple[Any, Any]]:
+    def forward_backward(state: Any, x: jax.Array, grad_output: jax.Array) -> tuple[Any, Any]:
         y, pullback = jax.vjp(lambda x: forward(state, x), x)
         return y, pullback(grad_output)[0]
 
     return forward_backward
 
 
-def interleaved_medians(calls: dict[str, Callable[[], object]], *, rounds: int, warmup: int = 3) -> dict[str, float]:
+def interleaved_medians(calls: dict[K, Callable[[], object]], *, rounds: int, warmup: int = 3) -> dict[K, float]:
     """Median seconds of each call over ``rounds`` rounds that run every call once, after ``warmup`` rounds."""
-    times: dict[str, list[float]] = {name: [] for name in calls}
+    times: dict[K, list[float]] = {name: [] for name in calls}
     for round_index in range(warmup + rounds):
         for name, call in calls.items():
             start = time.perf_counter()
@@ -65,6 +67,10 @@ def interleaved_medians(calls: dict[str, Callable[[], object]], *, rounds: int, 
             if round_index >= warmup:
                 times[name].append(time.perf_counter() - start)
     return {name: statistics.median(values) for name, values in times.items()}
+
+
+def run_to_completion(fn: Callable[..., Any], *args: Any) -> None:
+    jax.block_until_ready(fn(*args))
 
 
 def main() -> None:
@@ -79,8 +85,8 @@ def main() -> None:
     calls: dict[tuple[str, str], Callable[[], object]] = {}
     for name, (forward, state) in forwards(x, key).items():
         jitted_forward, jitted_backward = jax.jit(forward), jax.jit(with_backward(forward))
-        calls[name, "forward"] = lambda f=jitted_forward, s=state: jax.block_until_ready(f(s, x))
-        calls[name, "backward"] = lambda f=jitted_backward, s=state: jax.block_until_ready(f(s, x, grad_output))
+        calls[name, "forward"] = partial(run_to_completion, jitted_forward, state, x)
+        calls[name, "backward"] = partial(run_to_completion, jitted_backward, state, x, grad_output)
     seconds = interleaved_medians(calls, rounds=args.repeats)
 
     rows = [

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from numpy.typing import ArrayLike
 
 import masksembles_core as mc
 
@@ -35,8 +36,8 @@ class Masksembles(nn.Module):
         n: number of masks (ensemble members).
         scale: overlap control, >= 1 (mean IoU of the masks about ``1/(2*scale-1)``).
         seed: seed of the NumPy mask generator; None draws fresh entropy at each ``init``.
-        masks: fixed (n, C) 0/1 masks to use instead of generated ones; stored as a tuple of tuples of bools so the
-            module stays hashable (arrays are converted).
+        masks: fixed (n, C) 0/1 masks to use instead of generated ones; converted to a tuple of tuples of bools at
+            construction, so the module stays hashable.
         channel_axis: axis of the input holding the channels (not 0).
         mode: "grouped" or "random".
         deterministic: the ``mode="random"`` switch, merged with the call argument as ``nn.Dropout`` does.
@@ -46,7 +47,7 @@ class Masksembles(nn.Module):
     n: int
     scale: float
     seed: int | None = None
-    masks: tuple[tuple[bool, ...], ...] | None = None
+    masks: ArrayLike | None = None
     channel_axis: int = -1
     mode: str = "grouped"
     deterministic: bool | None = None

@@ -102,9 +102,10 @@ class Masksembles(nnx.Module):
     def _random_key(self, rngs: RngSource | None) -> jax.Array:
         source = self.rngs if rngs is None else rngs
         if isinstance(source, nnx.Rngs):
-            return source[self.rng_collection]()
+            source = source[self.rng_collection]
         if isinstance(source, nnx.RngStream):
-            return source()
+            key: jax.Array = source()
+            return key
         if isinstance(source, jax.Array):
             return source
         raise ValueError(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -14,14 +15,14 @@ FLAX_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
 
 
 def jitted_forward_backward(
-    layer: Callable[[jax.Array], jax.Array], x: np.ndarray, grad_output: np.ndarray, dtype: str
+    layer: Callable[[jax.Array], Any], x: np.ndarray, grad_output: np.ndarray, dtype: str
 ) -> tuple[np.ndarray, np.ndarray]:
     """``layer`` and its input gradient under ``jax.jit`` in ``dtype``, returned in the storage dtype of ``x``.
 
     float64 runs with x64 enabled for this call only.
     """
 
-    def forward_backward(x_in: jax.Array, grad_out: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def forward_backward(x_in: jax.Array, grad_out: jax.Array) -> tuple[Any, Any]:
         y, pullback = jax.vjp(layer, x_in)
         (grad_input,) = pullback(grad_out)
         return y, grad_input
