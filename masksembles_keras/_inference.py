@@ -29,11 +29,11 @@ def untile(y: Any, n: int) -> Any:
 def predict(model: keras.Model, x: Any, n: int, *, batch_size: int | None = None) -> Any:
     """Every member's output for every sample of ``x``: (B, ...) -> NumPy (n, B, ...).
 
-    Runs ``model.predict_on_batch`` (inference mode, compiled like ``model.predict``) on the
-    tiled input, ``batch_size`` samples of ``x`` at a time (all at once when None), so each
-    call sees ``n * batch_size`` samples and the grouping rule gives copy ``k`` mask ``k``.
-    (``model.predict`` itself must not be used on a tiled input: it splits the batch.)
-    ``x`` and the outputs may be nested structures (multi-input or multi-output models).
+    Calls ``model(tile(chunk, n), training=False)`` on ``batch_size`` samples of ``x`` at a time
+    (all at once when None), so each call sees the whole tiled chunk and the grouping rule gives
+    copy ``k`` mask ``k``. ``model.predict`` must not be used on a tiled input: it splits the
+    batch into batches, and under a distribution strategy into per-replica batches. ``x`` and
+    the outputs may be nested structures (multi-input or multi-output models).
     """
     n = mc.check_n(n)
     inputs = keras.tree.map_structure(ops.convert_to_numpy, x)
@@ -43,7 +43,7 @@ def predict(model: keras.Model, x: Any, n: int, *, batch_size: int | None = None
     parts = []
     for start in range(0, max(total, 1), step):
         chunk = keras.tree.map_structure(lambda a, s=start: mc.tile(a[s : s + step], n), inputs)
-        outputs = model.predict_on_batch(chunk)
+        outputs = model(chunk, training=False)
         parts.append(keras.tree.map_structure(lambda y: mc.untile(ops.convert_to_numpy(y), n), outputs))
     return keras.tree.map_structure(lambda *members: np.concatenate(members, axis=1), *parts)
 
