@@ -318,12 +318,16 @@ def _liveness(nodes: list[_Node], output: str, members: Sequence[int]) -> None:
             node.shared = sources[0].shared
             node.layouts = [_flatten_layout(layout, node.spatial) for layout in sources[0].layouts]
             continue
-        same = all(np.array_equal(node.kept[0], other) for other in node.kept[1:])
-        node.shared = same and node.kind != "masks" and all(source.shared for source in sources)
+        # Before the first Masksembles every member computes the same values: compute the union
+        # of the members' channels once (Masksembles then gathers each member's own).
+        node.shared = node.kind != "masks" and all(source.shared for source in sources)
+        if node.shared:
+            node.layouts = [np.flatnonzero(np.logical_or.reduce(node.kept))]
+            continue
         width = max(int(kept.sum()) for kept in node.kept)
         node.layouts = [
             np.concatenate([np.flatnonzero(kept), np.full(width - int(kept.sum()), -1)]).astype(np.int64)
-            for kept in (node.kept[:1] if node.shared else node.kept)
+            for kept in node.kept
         ]
 
 
@@ -360,13 +364,15 @@ class _GroupedLinear(nn.Module):
 
     def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
         super().__init__()
-        self.weight = nn.Parameter(weight)  # (m, O, I)
-        self.bias = None if bias is None else nn.Parameter(bias.view(weight.shape[0], weight.shape[1]))
+        members, outputs, _ = weight.shape
+        self.weight = nn.Parameter(weight.transpose(1, 2).contiguous())  # (m, I, O)
+        self.bias = nn.Parameter(bias.view(members, 1, outputs)) if bias is not None else None
 
     def forward(self, x: Tensor) -> Tensor:
-        members, _, inputs = self.weight.shape
-        y = torch.einsum("...mi,moi->...mo", x.unflatten(-1, (members, inputs)), self.weight)
-        return (y if self.bias is None else y + self.bias).flatten(-2)
+        members, inputs, _ = self.weight.shape
+        rows = x.reshape(-1, members, inputs).transpose(0, 1)  # (m, B, I)
+        y = torch.bmm(rows, self.weight) if self.bias is None else torch.baddbmm(self.bias, rows, self.weight)
+        return y.transpose(0, 1).reshape(*x.shape[:-1], -1)
 
 
 def _blocks(weight: Tensor, rows: list[np.ndarray], cols: list[np.ndarray]) -> Tensor:
