@@ -117,3 +117,4 @@ def bench(session: nox.Session) -> None:
     session.install("--no-deps", "torch-uncertainty==0.13.0")  # only its masking layers are timed
     session.run("python", "benchmarks/bench_generation.py", *session.posargs)
     session.run("python", "benchmarks/bench_torch.py", *session.posargs)
+    session.run("python", "benchmarks/bench_packing.py", *session.posargs)
