@@ -20,7 +20,7 @@ import nox
 nox.needs_version = ">=2024.4.15"
 nox.options.default_venv_backend = "venv"
 nox.options.error_on_missing_interpreters = True
-nox.options.sessions = ["core", "core_min", "torch", "lint", "typecheck"]
+nox.options.sessions = ["core", "core_min", "torch", "flax", "lint", "typecheck"]
 
 PYPROJECT = nox.project.load_toml("pyproject.toml")
 TEST = nox.project.dependency_groups(PYPROJECT, "test")
@@ -113,8 +113,7 @@ def demo(session: nox.Session) -> None:
 @nox.session(default=False)
 def bench(session: nox.Session) -> None:
     """Benchmarks against the official masksembles 1.1.1; results go to BENCHMARKS.md."""
-    session.install(*CONSTRAINTS, "-e", ".[torch]", "masksembles==1.1.1")
+    session.install(*CONSTRAINTS, "-e", ".[torch,flax]", "masksembles==1.1.1")
     session.install("--no-deps", "torch-uncertainty==0.13.0")  # only its masking layers are timed
-    session.run("python", "benchmarks/bench_generation.py", *session.posargs)
-    session.run("python", "benchmarks/bench_torch.py", *session.posargs)
-    session.run("python", "benchmarks/bench_packing.py", *session.posargs)
+    for script in ("bench_generation", "bench_torch", "bench_packing", "bench_flax"):
+        session.run("python", f"benchmarks/{script}.py")

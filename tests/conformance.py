@@ -4,7 +4,7 @@ The golden file (``tests/golden/conformance_v1.npz``, made by ``make_golden.py``
 reference) holds masks generated from fixed seeds and, for many layouts, batch sizes and
 dtypes, inputs with inf/NaN entries, the reference outputs, output gradients and reference
 input gradients. Each adapter id maps to a module in ``tests/conformance_adapters`` that
-defines ``ADAPTER``, an object with:
+defines ``make_adapter(adapter_id)``, returning an object with:
 
 - ``backend``: the backend name in ``tests.backends`` that must be requested to run it;
 - ``dtypes``: the golden dtypes it supports;

@@ -44,7 +44,7 @@ LAYOUTS: dict[str, tuple[tuple[int, ...], int]] = {
     "bcdhw": ((CHANNELS, 2, 3, 2), 1),
     "bdhwc": ((2, 3, 2, CHANNELS), -1),
 }
-BATCH_SIZES = (8, 6, 3)  # divisible by n, not divisible, smaller than n
+BATCH_SIZES = (8, 6, 4, 3)  # divisible by n, not divisible, equal to n, smaller than n
 # bfloat16 has no NumPy dtype: its cases store float32 values that bfloat16 represents exactly.
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 STORAGE = {"float16": "float16", "bfloat16": "float32", "float32": "float32", "float64": "float64"}
