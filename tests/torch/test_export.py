@@ -7,7 +7,9 @@ import pytest
 import torch
 from torch import nn
 
+import masksembles_core as mc
 import masksembles_torch as mt
+from tests.conformance import assert_bit_identical
 
 
 def small_cnn() -> nn.Module:
@@ -31,15 +33,22 @@ def test_compile_fullgraph_matches_eager(batch: int) -> None:
     torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-6)
 
 
-def test_compile_layer_is_bit_identical_with_gradients() -> None:
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compile_layer_is_bit_identical_with_gradients(dynamic: bool) -> None:
     layer = mt.Masksembles2D(8, 4, 2.0, seed=0)
-    compiled = torch.compile(layer, fullgraph=True)
-    for batch in (8, 5):
-        x = torch.randn(batch, 8, 4, 4, requires_grad=True)
+    compiled = torch.compile(layer, fullgraph=True, dynamic=dynamic)
+    for batch in (8, 5, 4, 3):
+        x = torch.randn(batch, 8, 4, 4)
+        x[:, :, 0, 0], x[:, :, 0, 1], x[:, :, 1, 0] = float("inf"), float("nan"), -1.0  # IEEE semantics kept
+        x.requires_grad_(True)
         y = compiled(x)
         y.backward(torch.ones_like(y))
-        assert torch.equal(y, layer(x.detach()))
-        assert torch.equal(x.grad, layer(torch.ones_like(x)))
+        with np.errstate(invalid="ignore"):
+            expected = mc.apply_masks(x.detach().numpy(), layer.masks.numpy(), channel_axis=1)
+        assert_bit_identical(y.detach().numpy(), expected)
+        assert_bit_identical(
+            x.grad.numpy(), mc.apply_masks_grad(np.ones(x.shape, np.float32), layer.masks.numpy(), channel_axis=1)
+        )
 
 
 def test_export_with_dynamic_batch() -> None:
