@@ -6,29 +6,18 @@ standalone dense model; ``pack`` runs all members in one call, with grouped conv
 batched matmuls over every member's compacted weights instead of full-width layers on a tiled
 batch. Both have eval semantics (BatchNorm running statistics, Dropout off, grouped masks).
 
-Channel liveness, decided per member over the whole torch.fx graph:
-
-- *needed*: the model output needs all its channels; Linear/Conv need every input channel;
-  per-channel ops (activations, BatchNorm, pooling, Dropout, Flatten, ``+``) need the input
-  channels of their needed outputs; Masksembles needs only those its mask keeps.
-- *zero*: a channel is known to be zero after Masksembles drops it, and stays zero through ops
-  with ``f(0) = 0`` (ReLU, GELU, SiLU, tanh, pooling, Dropout, Flatten, ``+`` of two zeros).
-  BatchNorm, sigmoid and softplus map 0 elsewhere; Linear/Conv outputs are never assumed zero.
-- *kept*: needed, and not (zero and dropped by every consumer). Linear/Conv drop zero inputs
-  (they contribute nothing); a per-channel op or ``+`` drops what it does not keep itself. So a
-  residual ``a + b`` keeps every channel that either branch or the sum needs.
-
-Only kept channels are computed and stored: a layer masked on both sides costs ``(M/C)^2`` of the
-dense layer per member, one masked on one side ``M/C``. Channels that Masksembles zeroes are left
-out instead of multiplied by 0, so results equal the dense model's for finite activations (a
-masked inf or NaN gives NaN in the dense model and is absent here).
+This module traces the model with torch.fx and maps it to ``masksembles_core`` graph nodes; the
+core decides, per member, which channels every node computes (the liveness rules are in
+``masksembles_core.packing``). Channels that Masksembles zeroes are left out instead of
+multiplied by 0, so results equal the dense model's for finite activations (a masked inf or NaN
+gives NaN in the dense model and is absent here).
 """
 
 from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -36,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, fx, nn
 from torch.fx.passes.shape_prop import ShapeProp
+
+from masksembles_core.packing import GraphNode, block_indices, channel_indices, gather_plan, plan_members
 
 from ._layers import Masksembles
 
@@ -96,9 +87,6 @@ class _Node:
     axis: int = -1
     spatial: int = 1  # flatten: positions per input channel
     masks: np.ndarray | None = None  # masks: (n, C) bool
-    kept: list[np.ndarray] = field(default_factory=list)  # per member, (C,) bool
-    layouts: list[np.ndarray] = field(default_factory=list)  # per member: channel at each position, -1 = padding
-    shared: bool = False  # one tensor for all members (no member axis)
 
     @property
     def channels(self) -> int:
@@ -107,6 +95,19 @@ class _Node:
     @property
     def rank(self) -> int:
         return len(self.shape)
+
+    def graph_node(self) -> GraphNode:
+        kind = {
+            "linear": "mixing",
+            "conv": "mixing",
+            "norm": "channelwise",
+            "pool": "channelwise",
+            "act": "channelwise",
+        }
+        return GraphNode(
+            self.name, kind.get(self.kind, self.kind), tuple(self.inputs), self.channels, self.zero_preserving,
+            self.spatial, self.masks,
+        )  # fmt: skip
 
 
 def _where(node: fx.Node, model: nn.Module) -> str:
@@ -261,82 +262,6 @@ def _assign_axes(nodes: list[_Node], model: nn.Module) -> None:
             raise ValueError(f"pack/extract_member: cannot tell the channel axis of node {node.name!r}")
 
 
-def _liveness(nodes: list[_Node], output: str, members: Sequence[int]) -> None:
-    """Fill ``kept``, ``layouts`` and ``shared`` of every node (rules in the module docstring)."""
-    by_name = {node.name: node for node in nodes}
-    consumers: dict[str, list[_Node]] = {node.name: [] for node in nodes}
-    for node in nodes:
-        for name in node.inputs:
-            consumers[name].append(node)
-    for k in members:
-        zero: dict[str, np.ndarray] = {}
-        for node in nodes:  # forward: channels known to be zero
-            first = zero[node.inputs[0]] if node.inputs else None
-            if node.kind == "masks":
-                zero[node.name] = first | ~node.masks[k]  # type: ignore[operator, index]
-            elif node.kind == "add":
-                zero[node.name] = zero[node.inputs[0]] & zero[node.inputs[1]]
-            elif node.kind == "flatten":
-                zero[node.name] = np.repeat(first, node.spatial)  # type: ignore[arg-type]
-            elif node.zero_preserving and first is not None:
-                zero[node.name] = first.copy()
-            else:
-                zero[node.name] = np.zeros(node.channels, dtype=bool)
-        needed = {node.name: np.zeros(node.channels, dtype=bool) for node in nodes}
-        needed[output][:] = True
-        kept: dict[str, np.ndarray] = {}
-        required: dict[str, np.ndarray] = {}  # flatten: features a consumer must find
-        for node in reversed(nodes):  # backward: needed and kept
-            demand = needed[node.name]
-            tolerant = np.full(node.channels, node.name != output)
-            for user in consumers[node.name]:
-                if user.kind == "flatten":
-                    tolerant &= ~required[user.name].reshape(-1, user.spatial).any(axis=1)
-                elif user.kind not in MIXING:
-                    tolerant &= ~kept[user.name]
-            if node.kind == "flatten":
-                required[node.name] = ~tolerant
-            kept[node.name] = demand & ~(zero[node.name] & tolerant)
-            for name in node.inputs:
-                if node.kind in MIXING:
-                    needed[name][:] = True
-                elif node.kind == "flatten":
-                    needed[name] |= demand.reshape(-1, node.spatial).any(axis=1)
-                elif node.kind == "masks":
-                    needed[name] |= demand & node.masks[k]  # type: ignore[index]
-                else:
-                    needed[name] |= demand
-        for node in nodes:
-            node.kept.append(kept[node.name])
-    for node in nodes:
-        if node.kind == "input":  # the untiled batch: one tensor, every channel
-            node.shared = True
-            node.layouts = [np.arange(node.channels)]
-            continue
-        sources = [by_name[name] for name in node.inputs]
-        if node.kind == "flatten":
-            node.shared = sources[0].shared
-            node.layouts = [_flatten_layout(layout, node.spatial) for layout in sources[0].layouts]
-            continue
-        # Before the first Masksembles every member computes the same values: compute the union
-        # of the members' channels once (Masksembles then gathers each member's own).
-        node.shared = node.kind != "masks" and all(source.shared for source in sources)
-        if node.shared:
-            node.layouts = [np.flatnonzero(np.logical_or.reduce(node.kept))]
-            continue
-        width = max(int(kept.sum()) for kept in node.kept)
-        node.layouts = [
-            np.concatenate([np.flatnonzero(kept), np.full(width - int(kept.sum()), -1)]).astype(np.int64)
-            for kept in node.kept
-        ]
-
-
-def _flatten_layout(layout: np.ndarray, spatial: int) -> np.ndarray:
-    """Features of a flattened (C, *spatial) tensor: channel c at position s is feature c*spatial + s."""
-    features = layout[:, None] * spatial + np.arange(spatial)[None, :]
-    return np.where(layout[:, None] >= 0, features, -1).reshape(-1)
-
-
 class _Select(nn.Module):
     """Gather positions along ``axis`` with one global index (member blocks included), then scale."""
 
@@ -375,23 +300,19 @@ class _GroupedLinear(nn.Module):
         return y.transpose(0, 1).reshape(*x.shape[:-1], -1)
 
 
-def _blocks(weight: Tensor, rows: list[np.ndarray], cols: list[np.ndarray]) -> Tensor:
-    """Member blocks ``weight[rows[k]][:, cols[k]]``, zero where a row or column is padding: (m, P_out, P_in, ...)."""
-    result = weight.new_zeros((len(rows), len(rows[0]), len(cols[0]), *weight.shape[2:]))
-    for k, (row, col) in enumerate(zip(rows, cols, strict=True)):
-        r, c = np.flatnonzero(row >= 0), np.flatnonzero(col >= 0)
-        picked = weight[torch.as_tensor(row[r])][:, torch.as_tensor(col[c])]
-        result[k, torch.as_tensor(r)[:, None], torch.as_tensor(c)[None, :]] = picked
-    return result
+def _blocks(weight: Tensor, rows: Sequence[np.ndarray], cols: Sequence[np.ndarray]) -> Tensor:
+    """Member blocks ``weight[rows[k]][:, cols[k]]``, zero at padding: (m, P_out, P_in, *kernel)."""
+    r, c, valid = block_indices(rows, cols)
+    picked = weight[torch.as_tensor(r), torch.as_tensor(c)]
+    keep = torch.as_tensor(valid, device=weight.device).view(*valid.shape, *([1] * (weight.dim() - 2)))
+    return torch.where(keep, picked, torch.zeros((), dtype=weight.dtype, device=weight.device))
 
 
-def _per_channel(vector: Tensor, layouts: list[np.ndarray], padding: float) -> Tensor:
-    """A per-channel vector laid out like ``layouts`` (member blocks concatenated)."""
-    stacked = np.concatenate(layouts)
-    out = vector.new_full((len(stacked),), padding)
-    live = np.flatnonzero(stacked >= 0)
-    out[torch.as_tensor(live)] = vector[torch.as_tensor(stacked[live])]
-    return out
+def _per_channel(vector: Tensor, layouts: Sequence[np.ndarray], padding: float) -> Tensor:
+    """A per-channel vector laid out like ``layouts`` (member blocks side by side)."""
+    index, valid = channel_indices(layouts)
+    picked = vector[torch.as_tensor(index, device=vector.device)]
+    return torch.where(torch.as_tensor(valid, device=vector.device), picked, torch.full_like(picked, padding))
 
 
 class PackedMasksembles(nn.Module):
@@ -408,62 +329,39 @@ class PackedMasksembles(nn.Module):
         for k in members:
             if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < n:
                 raise ValueError(f"member must be an integer in [0, {n}); received {k!r}")
-        _liveness(nodes, output, members)
-        self._member_ids = list(members)
+        self.placements = plan_members([node.graph_node() for node in nodes], output, members)
+        self.member_masks = {node.name: [node.masks[k] for k in members] for node in nodes if node.masks is not None}
         self.members = len(members)
         self.squeeze = squeeze
         self.dtype = next(node.module.masks.dtype for node in nodes if node.kind == "masks")  # type: ignore[union-attr]
-        by_name = {node.name: node for node in nodes}
         self.input_name = nodes[0].name
         self.ops = nn.ModuleDict()
         self.steps: list[tuple[str, str, tuple[str, ...]]] = []  # (node, how, inputs)
         for node in nodes[1:]:
-            self.steps.append(self._compile(node, [by_name[name] for name in node.inputs]))
-        final = by_name[output]
-        self.output_name, self.output_axis, self.output_shared = output, final.axis, final.shared
+            self.steps.append(self._compile(node))
+        final = next(node for node in nodes if node.name == output)
+        self.output_name, self.output_axis = output, final.axis
+        self.output_shared = self.placements[output].shared
 
-    def _layouts(self, node: _Node) -> list[np.ndarray]:
-        return node.layouts * self.members if node.shared else node.layouts
+    def _select(self, source: str, target: _Node, scales: Sequence[np.ndarray] | None = None) -> _Select | None:
+        plan = gather_plan(self.placements[source], self.placements[target.name], self.members, scales)
+        return None if plan is None else _Select(*plan, target.axis, target.rank, self.dtype)
 
-    def _select(self, source: _Node, target: _Node, scales: list[np.ndarray] | None = None) -> _Select | None:
-        """Module moving ``source``'s positions into ``target``'s layout, or None when nothing moves.
-
-        A channel the target keeps but the source dropped (a zero) gets scale 0; padding gets 1.
-        """
-        if (
-            source.shared == target.shared
-            and all(np.array_equal(a, b) for a, b in zip(source.layouts, target.layouts, strict=False))
-            and scales is None
-        ):
-            return None
-        index, scale = [], []
-        for k, layout in enumerate(self._layouts(target)):
-            own = source.layouts[0 if source.shared else k]
-            position = {int(c): p for p, c in enumerate(own) if c >= 0}
-            offset = 0 if source.shared else k * len(own)
-            for c in layout.tolist():
-                index.append(offset + position.get(c, 0))
-                live = c >= 0 and c in position
-                scale.append((1.0 if scales is None else float(scales[k][c])) if live else (0.0 if c >= 0 else 1.0))
-        select = _Select(np.asarray(index), np.asarray(scale), target.axis, target.rank, self.dtype)
-        return select if select.gather or select.multiply or source.shared != target.shared else None
-
-    def _compile(self, node: _Node, sources: list[_Node]) -> tuple[str, str, tuple[str, ...]]:
-        names = tuple(source.name for source in sources)
+    def _compile(self, node: _Node) -> tuple[str, str, tuple[str, ...]]:
+        names = tuple(node.inputs)
         if node.kind in MIXING:
-            self.ops[node.name] = self._mixing(node, sources[0])
+            self.ops[node.name] = self._mixing(node)
             return node.name, "module", names
         if node.kind == "flatten":
             return node.name, "flatten", names
         if node.kind == "masks":
-            scales = [mask.astype(np.float64) for mask in self._member_masks(node)]
-            select = self._select(sources[0], node, scales)
+            select = self._select(names[0], node, [m.astype(np.float64) for m in self.member_masks[node.name]])
             if select is None:
                 return node.name, "identity", names
             self.ops[node.name] = select
             return node.name, "module", names
-        for i, source in enumerate(sources):
-            select = self._select(source, node)
+        for i, name in enumerate(names):
+            select = self._select(name, node)
             if select is not None:
                 self.ops[f"{node.name}__in{i}"] = select
         if node.kind == "add":
@@ -476,17 +374,16 @@ class PackedMasksembles(nn.Module):
             return node.name, "identity", names
         return node.name, "module", names
 
-    def _member_masks(self, node: _Node) -> list[np.ndarray]:
-        return [node.masks[k] for k in self._member_ids]  # type: ignore[index]
-
-    def _mixing(self, node: _Node, source: _Node) -> nn.Module:
+    def _mixing(self, node: _Node) -> nn.Module:
         module = node.module
         weight = module.weight.detach()  # type: ignore[union-attr]
         bias = None if module.bias is None else module.bias.detach()  # type: ignore[union-attr]
-        grouped = not node.shared and not source.shared and self.members > 1
-        cols = source.layouts * len(node.layouts) if source.shared else source.layouts
-        blocks = _blocks(weight, node.layouts, cols)  # (m, P_out, P_in, ...), m = 1 when node is shared
-        new_bias = None if bias is None else _per_channel(bias, node.layouts, 0.0)
+        target, source = self.placements[node.name], self.placements[node.inputs[0]]
+        grouped = not target.shared and not source.shared and self.members > 1
+        blocks = _blocks(
+            weight, target.layouts, source.member_layouts(len(target.layouts))
+        )  # (m or 1, P_out, P_in, ...)
+        new_bias = None if bias is None else _per_channel(bias, target.layouts, 0.0)
         if isinstance(module, nn.Linear):
             if grouped:
                 return _GroupedLinear(blocks, new_bias)
@@ -514,7 +411,7 @@ class PackedMasksembles(nn.Module):
 
     def _norm(self, node: _Node) -> nn.Module:
         module = node.module
-        layouts = node.layouts
+        layouts = self.placements[node.name].layouts
         mean, var = module.running_mean, module.running_var  # type: ignore[union-attr]
         weight = module.weight if module.affine else torch.ones_like(mean)  # type: ignore[union-attr]
         bias = module.bias if module.affine else torch.zeros_like(mean)  # type: ignore[union-attr]

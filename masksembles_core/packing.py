@@ -1,0 +1,224 @@
+"""Packed inference planning, shared by every framework: which channels each member computes.
+
+A model is described as a graph of ``GraphNode`` (kinds below), in topological order. For each
+member, ``plan_members`` decides which channels of every node are computed and where they sit in
+a compacted tensor; adapters then slice weights and gather activations by these layouts.
+
+Kinds:
+
+- ``"input"``: the model input (all channels, the same for every member);
+- ``"mixing"``: Linear/Conv: every output channel reads every input channel;
+- ``"channelwise"``: channel ``c`` of the output reads channel ``c`` of the input (activations,
+  BatchNorm, pooling, Dropout); ``zero_preserving`` tells whether it maps 0 to 0;
+- ``"masks"``: a Masksembles layer (``masks`` (n, C) bool);
+- ``"add"``: the sum of two nodes with the same channels (a residual connection);
+- ``"flatten"``: (B, C, *spatial) -> (B, C*spatial); feature ``c*spatial + s`` comes from channel ``c``.
+
+Rules, per member:
+
+- *needed*: the output needs every channel; mixing nodes need every input channel; channelwise,
+  add and flatten nodes need the input channels of their needed outputs; Masksembles needs only
+  the needed channels its mask keeps.
+- *zero*: a channel is known to be zero after Masksembles drops it and stays zero through
+  zero-preserving channelwise nodes, flatten, and the sum of two zeros; mixing outputs and
+  non-zero-preserving channelwise outputs are never assumed zero.
+- *kept*: needed, and not (zero and dropped by every consumer). A mixing consumer drops zero
+  inputs (they contribute nothing); any other consumer drops what it does not keep itself.
+
+Placement: nodes computed only from the input (before any Masksembles) are *shared*: every member
+computes the same values, so the union of the members' kept channels is computed once. Every
+other node holds, per member, its kept channels in increasing order, padded with -1 to the widest
+member, and the members' blocks are laid side by side on the channel axis.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.typing import NDArray
+
+KINDS = ("input", "mixing", "channelwise", "masks", "add", "flatten")
+IntArray = NDArray[np.int64]
+BoolArray = NDArray[np.bool_]
+
+
+@dataclass(frozen=True)
+class GraphNode:
+    """One node of a model graph, as ``plan_members`` sees it."""
+
+    name: str
+    kind: str
+    inputs: tuple[str, ...]
+    channels: int
+    zero_preserving: bool = True
+    spatial: int = 1
+    masks: BoolArray | None = None
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a node's channels sit: one layout when ``shared``, else one per member.
+
+    A layout holds the original channel at each position of the compacted tensor, -1 for padding.
+    """
+
+    shared: bool
+    layouts: tuple[IntArray, ...]
+
+    def member_layouts(self, members: int) -> tuple[IntArray, ...]:
+        """One layout per member (a shared layout repeated)."""
+        return self.layouts * members if self.shared else self.layouts
+
+    @property
+    def width(self) -> int:
+        return len(self.layouts[0])
+
+
+def _check(nodes: Sequence[GraphNode], output: str) -> None:
+    names = set()
+    for node in nodes:
+        if node.kind not in KINDS:
+            raise ValueError(f"node {node.name!r}: kind must be one of {KINDS}; received {node.kind!r}")
+        missing = [name for name in node.inputs if name not in names]
+        if missing:
+            raise ValueError(f"node {node.name!r} reads {missing} before they are defined")
+        names.add(node.name)
+    if output not in names:
+        raise ValueError(f"output {output!r} is not a node")
+
+
+def kept_channels(nodes: Sequence[GraphNode], output: str, member: int) -> dict[str, BoolArray]:
+    """The channels of every node that member ``member`` computes (rules in the module docstring)."""
+    _check(nodes, output)
+    consumers: dict[str, list[GraphNode]] = {node.name: [] for node in nodes}
+    for node in nodes:
+        for name in node.inputs:
+            consumers[name].append(node)
+    zero: dict[str, BoolArray] = {}
+    for node in nodes:  # forward: channels known to be zero
+        first = zero[node.inputs[0]] if node.inputs else np.zeros(node.channels, dtype=bool)
+        if node.kind == "masks":
+            assert node.masks is not None
+            zero[node.name] = first | ~node.masks[member]
+        elif node.kind == "add":
+            zero[node.name] = zero[node.inputs[0]] & zero[node.inputs[1]]
+        elif node.kind == "flatten":
+            zero[node.name] = np.repeat(first, node.spatial)
+        elif node.kind == "channelwise" and node.zero_preserving:
+            zero[node.name] = first.copy()
+        else:
+            zero[node.name] = np.zeros(node.channels, dtype=bool)
+    needed = {node.name: np.zeros(node.channels, dtype=bool) for node in nodes}
+    needed[output][:] = True
+    kept: dict[str, BoolArray] = {}
+    required: dict[str, BoolArray] = {}  # flatten: the features its consumers must find
+    for node in reversed(nodes):  # backward: needed, then kept
+        demand = needed[node.name]
+        tolerant = np.full(node.channels, node.name != output)
+        for user in consumers[node.name]:
+            if user.kind == "flatten":
+                tolerant &= ~required[user.name].reshape(-1, user.spatial).any(axis=1)
+            elif user.kind != "mixing":
+                tolerant &= ~kept[user.name]
+        if node.kind == "flatten":
+            required[node.name] = ~tolerant
+        kept[node.name] = demand & ~(zero[node.name] & tolerant)
+        for name in node.inputs:
+            if node.kind == "mixing":
+                needed[name][:] = True
+            elif node.kind == "flatten":
+                needed[name] |= demand.reshape(-1, node.spatial).any(axis=1)
+            elif node.kind == "masks":
+                assert node.masks is not None
+                needed[name] |= demand & node.masks[member]
+            else:
+                needed[name] |= demand
+    return kept
+
+
+def flatten_layout(layout: IntArray, spatial: int) -> IntArray:
+    """Layout of a flattened (C, *spatial) tensor: channel c, position s is feature c*spatial + s."""
+    features = layout[:, None] * spatial + np.arange(spatial)[None, :]
+    result: IntArray = np.where(layout[:, None] >= 0, features, -1).reshape(-1)
+    return result
+
+
+def plan_members(nodes: Sequence[GraphNode], output: str, members: Sequence[int]) -> dict[str, Placement]:
+    """Placement of every node when computing ``members`` (indices into the masks) together."""
+    kept = [kept_channels(nodes, output, k) for k in members]
+    placements: dict[str, Placement] = {}
+    for node in nodes:
+        sources = [placements[name] for name in node.inputs]
+        if node.kind == "input":
+            placements[node.name] = Placement(True, (np.arange(node.channels, dtype=np.int64),))
+        elif node.kind == "flatten":
+            source = sources[0]
+            placements[node.name] = Placement(
+                source.shared, tuple(flatten_layout(layout, node.spatial) for layout in source.layouts)
+            )
+        elif node.kind != "masks" and all(source.shared for source in sources):
+            union = np.logical_or.reduce([member[node.name] for member in kept])
+            placements[node.name] = Placement(True, (np.flatnonzero(union).astype(np.int64),))
+        else:
+            width = max(int(member[node.name].sum()) for member in kept)
+            layouts = tuple(
+                np.concatenate(
+                    [np.flatnonzero(member[node.name]), np.full(width - int(member[node.name].sum()), -1)]
+                ).astype(np.int64)
+                for member in kept
+            )
+            placements[node.name] = Placement(False, layouts)
+    return placements
+
+
+def gather_plan(
+    source: Placement, target: Placement, members: int, scales: Sequence[NDArray[np.float64]] | None = None
+) -> tuple[IntArray, NDArray[np.float64]] | None:
+    """Index and scale that move ``source``'s positions into ``target``'s layout, or None if nothing moves.
+
+    The index addresses the source's channel axis with the members' blocks side by side; the
+    scale is ``scales[k][c]`` (default 1) for a channel the source holds, 0 for a channel the
+    target keeps that the source dropped (a known zero) and 1 for padding.
+    """
+    same = source.shared == target.shared and scales is None
+    if same and all(np.array_equal(a, b) for a, b in zip(source.layouts, target.layouts, strict=True)):
+        return None
+    index: list[int] = []
+    scale: list[float] = []
+    for k, layout in enumerate(target.member_layouts(members)):
+        own = source.layouts[0 if source.shared else k]
+        position = {int(c): p for p, c in enumerate(own) if c >= 0}
+        offset = 0 if source.shared else k * len(own)
+        for c in layout.tolist():
+            index.append(offset + position.get(c, 0))
+            if c < 0:
+                scale.append(1.0)
+            elif c in position:
+                scale.append(1.0 if scales is None else float(scales[k][c]))
+            else:
+                scale.append(0.0)
+    index_array = np.asarray(index, dtype=np.int64)
+    scale_array = np.asarray(scale, dtype=np.float64)
+    moves = not np.array_equal(index_array, np.arange(len(index))) or not (scale_array == 1).all()
+    return (index_array, scale_array) if moves or source.shared != target.shared else None
+
+
+def block_indices(rows: Sequence[IntArray], cols: Sequence[IntArray]) -> tuple[IntArray, IntArray, BoolArray]:
+    """Indices that cut member blocks out of a (C_out, C_in, ...) weight: ``w[r, c] * valid``.
+
+    Returns (r, c, valid) of shape (m, P_out, P_in): block ``k`` is ``weight[rows[k]][:, cols[k]]``
+    with zeros where a row or a column is padding.
+    """
+    r = np.stack([np.asarray(row) for row in rows])[:, :, None]
+    c = np.stack([np.asarray(col) for col in cols])[:, None, :]
+    valid = (r >= 0) & (c >= 0)
+    shape = np.broadcast_shapes(r.shape, c.shape)
+    return np.broadcast_to(np.maximum(r, 0), shape), np.broadcast_to(np.maximum(c, 0), shape), valid
+
+
+def channel_indices(layouts: Sequence[IntArray]) -> tuple[IntArray, BoolArray]:
+    """Index and validity that lay a per-channel vector out like ``layouts`` (blocks side by side)."""
+    stacked = np.concatenate(list(layouts))
+    return np.maximum(stacked, 0), stacked >= 0
