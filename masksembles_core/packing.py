@@ -12,7 +12,8 @@ Kinds:
   BatchNorm, pooling, Dropout); ``zero_preserving`` tells whether it maps 0 to 0;
 - ``"masks"``: a Masksembles layer (``masks`` (n, C) bool);
 - ``"add"``: the sum of two nodes with the same channels (a residual connection);
-- ``"flatten"``: (B, C, *spatial) -> (B, C*spatial); feature ``c*spatial + s`` comes from channel ``c``.
+- ``"flatten"``: (B, C, *spatial) -> (B, C*spatial), feature ``c*spatial + s`` from channel ``c``; with
+  ``channels_last``, (B, *spatial, C) -> (B, spatial*C), feature ``s*C + c`` from channel ``c``.
 
 Rules, per member:
 
@@ -55,6 +56,17 @@ class GraphNode:
     zero_preserving: bool = True
     spatial: int = 1
     masks: BoolArray | None = None
+    channels_last: bool = False
+
+    def features(self, per_channel: BoolArray) -> BoolArray:
+        """Flatten: expand a per-input-channel vector to the output features."""
+        return np.tile(per_channel, self.spatial) if self.channels_last else np.repeat(per_channel, self.spatial)
+
+    def any_feature(self, per_feature: BoolArray) -> BoolArray:
+        """Flatten: for each input channel, whether any of its output features is set."""
+        grid = per_feature.reshape(self.spatial, -1).T if self.channels_last else per_feature.reshape(-1, self.spatial)
+        result: BoolArray = np.any(grid, axis=1)
+        return result
 
 
 @dataclass(frozen=True)
@@ -105,7 +117,7 @@ def kept_channels(nodes: Sequence[GraphNode], output: str, member: int) -> dict[
         elif node.kind == "add":
             zero[node.name] = zero[node.inputs[0]] & zero[node.inputs[1]]
         elif node.kind == "flatten":
-            zero[node.name] = np.repeat(first, node.spatial)
+            zero[node.name] = node.features(first)
         elif node.kind == "channelwise" and node.zero_preserving:
             zero[node.name] = first.copy()
         else:
@@ -119,7 +131,7 @@ def kept_channels(nodes: Sequence[GraphNode], output: str, member: int) -> dict[
         tolerant = np.full(node.channels, node.name != output)
         for user in consumers[node.name]:
             if user.kind == "flatten":
-                tolerant &= ~required[user.name].reshape(-1, user.spatial).any(axis=1)
+                tolerant &= ~user.any_feature(required[user.name])
             elif user.kind != "mixing":
                 tolerant &= ~kept[user.name]
         if node.kind == "flatten":
@@ -129,7 +141,7 @@ def kept_channels(nodes: Sequence[GraphNode], output: str, member: int) -> dict[
             if node.kind == "mixing":
                 needed[name][:] = True
             elif node.kind == "flatten":
-                needed[name] |= demand.reshape(-1, node.spatial).any(axis=1)
+                needed[name] |= node.any_feature(demand)
             elif node.kind == "masks":
                 assert node.masks is not None
                 needed[name] |= demand & node.masks[member]
@@ -138,10 +150,21 @@ def kept_channels(nodes: Sequence[GraphNode], output: str, member: int) -> dict[
     return kept
 
 
-def flatten_layout(layout: IntArray, spatial: int) -> IntArray:
-    """Layout of a flattened (C, *spatial) tensor: channel c, position s is feature c*spatial + s."""
-    features = layout[:, None] * spatial + np.arange(spatial)[None, :]
-    result: IntArray = np.where(layout[:, None] >= 0, features, -1).reshape(-1)
+def flatten_layout(layout: IntArray, spatial: int, *, channels: int = 0, channels_last: bool = False) -> IntArray:
+    """Layout after flattening a compacted tensor whose channels follow ``layout``.
+
+    Channels first, (P, *spatial): position ``j*spatial + s`` holds feature ``layout[j]*spatial + s``.
+    Channels last, (*spatial, P): position ``s*P + j`` holds feature ``s*channels + layout[j]``, where
+    ``channels`` is the uncompacted channel count.
+    """
+    positions = np.arange(spatial)
+    if channels_last:
+        features = positions[:, None] * channels + layout[None, :]
+        live = np.broadcast_to(layout[None, :] >= 0, features.shape)
+    else:
+        features = layout[:, None] * spatial + positions[None, :]
+        live = np.broadcast_to(layout[:, None] >= 0, features.shape)
+    result: IntArray = np.where(live, features, -1).reshape(-1)
     return result
 
 
@@ -155,9 +178,12 @@ def plan_members(nodes: Sequence[GraphNode], output: str, members: Sequence[int]
             placements[node.name] = Placement(True, (np.arange(node.channels, dtype=np.int64),))
         elif node.kind == "flatten":
             source = sources[0]
-            placements[node.name] = Placement(
-                source.shared, tuple(flatten_layout(layout, node.spatial) for layout in source.layouts)
+            channels = node.channels // node.spatial
+            layouts = tuple(
+                flatten_layout(layout, node.spatial, channels=channels, channels_last=node.channels_last)
+                for layout in source.layouts
             )
+            placements[node.name] = Placement(source.shared, layouts)
         elif node.kind != "masks" and all(source.shared for source in sources):
             union = np.logical_or.reduce([member[node.name] for member in kept])
             placements[node.name] = Placement(True, (np.flatnonzero(union).astype(np.int64),))

@@ -71,6 +71,19 @@ def test_flatten_expands_channels() -> None:
     placements = plan_members(nodes, "fc2", [2])
     assert placements["flat"].layouts[0].tolist() == [4, 5, 6, 7]
     assert flatten_layout(np.array([1, -1]), 3).tolist() == [3, 4, 5, -1, -1, -1]
+    assert flatten_layout(np.array([1, -1]), 3, channels=4, channels_last=True).tolist() == [1, -1, 5, -1, 9, -1]
+
+
+def test_channels_last_flatten() -> None:
+    nodes = chain(
+        GraphNode("m", "masks", (), 4, masks=MASKS), GraphNode("flat", "flatten", (), 8, spatial=2, channels_last=True)
+    )
+    nodes[-2] = GraphNode("flat", "flatten", ("m",), 8, spatial=2, channels_last=True)
+    nodes[-1] = GraphNode("fc2", "mixing", ("flat",), 2)
+    kept = kept_channels(nodes, "fc2", 0)
+    assert kept["m"].tolist() == MASKS[0].tolist()
+    placements = plan_members(nodes, "fc2", [0])
+    assert placements["flat"].layouts[0].tolist() == [0, 1, 4, 5], "(s, c): s*4 + c for c in {0, 1}"
 
 
 def test_shared_prefix_computes_the_union_once() -> None:
