@@ -27,6 +27,11 @@ def _constant_initializer(values: np.ndarray) -> Any:
 def _apply_masks(x: Any, masks: Any, *, channel_axis: int, index: Any = None) -> Any:
     """Multiply sample ``i`` of ``x`` by mask ``(i * n) // B`` (or by mask ``index[i]``).
 
+    One broadcast multiply by the per-sample masks, (B, C) viewed as (B, 1, ..., C, ...), for
+    every batch size (known, unknown or not a multiple of n). ``x`` is never reshaped: a reshape
+    of the batch into (n, B/n, ...) copies ``x`` twice outside a compiled function on JAX, and
+    reshards a batch-sharded ``x`` under data parallelism; the (B, C) gather is tiny.
+
     Args:
         x: (B, ...) tensor with C channels on the non-negative axis ``channel_axis``.
         masks: (n, C) masks, cast to ``x.dtype`` (0 and 1 are exact in every float dtype).
@@ -34,24 +39,15 @@ def _apply_masks(x: Any, masks: Any, *, channel_axis: int, index: Any = None) ->
         index: optional (B,) integer tensor, the mask of each sample (random mode).
 
     Returns:
-        tensor of the shape and dtype of ``x``: one broadcast multiply.
+        tensor of the shape and dtype of ``x``.
     """
     n, channels = masks.shape
-    masks = ops.cast(masks, x.dtype)
-    rank = len(x.shape)
-    batch = x.shape[0]
-    if index is None and batch is not None and batch % n == 0:
-        # The batch viewed as (n, B/n, ...) times the masks viewed as (n, 1, ..., C, ...).
-        shape = ops.shape(x)
-        grouped = ops.reshape(x, (n, batch // n, *shape[1:]))
-        product = grouped * ops.reshape(masks, mc.mask_shape(rank + 1, channel_axis + 1, channels, n))
-        return ops.reshape(product, shape)
     if index is None:
-        # Any (or an unknown) batch size: the grouping rule in the framework, (i * n) // B.
-        dynamic_batch = ops.shape(x)[0]
-        index = ops.floor_divide(ops.arange(dynamic_batch, dtype="int32") * n, dynamic_batch)
-    per_sample = ops.take(masks, index, axis=0)
-    return x * ops.reshape(per_sample, mc.mask_shape(rank, channel_axis, channels, -1))
+        # The grouping rule in the framework, (i * n) // B, so an unknown batch works too.
+        batch = ops.shape(x)[0]
+        index = ops.floor_divide(ops.arange(batch, dtype="int32") * n, batch)
+    per_sample = ops.take(ops.cast(masks, x.dtype), index, axis=0)
+    return x * ops.reshape(per_sample, mc.mask_shape(len(x.shape), channel_axis, channels, -1))
 
 
 @keras.saving.register_keras_serializable(package=SERIALIZATION_PACKAGE)
