@@ -79,7 +79,14 @@ class Masksembles(keras.layers.Layer):
         to it; the masks are cast to the input dtype), so ``mixed_float16`` outputs float16.
 
     The masks are a non-trainable weight named ``masks`` of shape (n, C): ``.keras`` files and
-    ``save_weights`` keep them bit for bit, and loading restores them instead of regenerating.
+    ``save_weights`` keep them bit for bit, and loading overwrites whatever ``build()`` made
+    with the saved masks, so a loaded model never depends on regenerating them.
+
+    Distributed training: under ``keras.distribution.DataParallel`` (JAX) the layer sees the
+    global batch, so grouping is exactly the single-device one. Under
+    ``tf.distribute.MirroredStrategy`` each replica calls the layer on its own per-replica
+    batch and groups that batch (every replica trains all ``n`` members when its batch has at
+    least ``n`` samples). ``masksembles_keras.predict`` calls the model outside the replicas.
     """
 
     ranks: ClassVar[Sequence[int] | None] = None
