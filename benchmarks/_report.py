@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import re
@@ -41,6 +42,17 @@ def interleaved_medians(fns: dict[str, Callable[[], object]], *, rounds: int, wa
             fn()
             times[name].append(time.perf_counter() - start)
     return {name: statistics.median(values) for name, values in times.items()}
+
+
+def arguments(rounds: int = 15, *, device: bool = False) -> argparse.Namespace:
+    """Command-line options shared by the benchmarks."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=rounds, help="interleaved timing rounds")
+    parser.add_argument("--threads", type=int, default=2, help="intra-op threads")
+    if device:
+        parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--no-write", action="store_true", help="print only, leave BENCHMARKS.md alone")
+    return parser.parse_args()
 
 
 def machine() -> str:

@@ -10,7 +10,6 @@ step (``Mask2d``/``Mask1d``). Medians; every ratio from the same run.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 from collections.abc import Callable
 from pathlib import Path
@@ -18,7 +17,8 @@ from types import ModuleType
 
 import torch
 import torch.nn.functional as F
-from _report import interleaved_medians, machine, write_section
+from _report import arguments, interleaved_medians, machine, write_section
+from _torch_setup import torch_device
 
 import masksembles_torch as mt
 
@@ -73,16 +73,8 @@ def timed(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, backward:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--no-write", action="store_true")
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {args.threads} threads"
+    args = arguments(device=True)
+    device, sync, where = torch_device(args)
 
     lines = [
         f"## PyTorch layer ({where})",
