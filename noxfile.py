@@ -107,7 +107,7 @@ def typecheck(session: nox.Session) -> None:
 def demo(session: nox.Session) -> None:
     """The README's main demo (pass options after --, e.g. `nox -s demo -- --quick`)."""
     session.install(*CONSTRAINTS, "-e", ".[torch]", *DEMO)
-    session.run("python", "examples/mask_theory.py")
+    session.run("python", "examples/demo.py", *session.posargs)
 
 
 @nox.session(default=False)

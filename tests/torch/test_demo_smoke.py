@@ -1,0 +1,106 @@
+"""The main demo (examples/demo.py) in its tiny configuration: every file and every model row is produced.
+
+Accuracy values are not checked: they belong to the report, not to tests.
+"""
+
+from __future__ import annotations
+
+import csv
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.backends import require_backend
+
+DEMO = Path(__file__).resolve().parents[2] / "examples" / "demo.py"
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+PLOTS = ("toy_transition", "masks", "theory", "corruptions", "reliability", "diversity")
+TABLES = ("toy_entropy", "digits_results", "digits_sweep", "digits_corruptions")
+DIGITS_MODELS = ["Single", "MC-Dropout", "Masksembles", "Deep Ensemble"]
+TOY_MODELS = [
+    "Single",
+    "Masksembles S=1.1",
+    "Masksembles S=2",
+    "Masksembles S=3",
+    "Masksembles S=10",
+    "Deep Ensemble",
+]
+SMOKE_SWEEP = [("MC-Dropout", "p=0.1"), ("MC-Dropout", "p=0.3"), ("Masksembles", "S=2"), ("Masksembles", "S=4")]
+CORRUPTIONS = ["gaussian noise", "impulse noise", "gaussian blur", "contrast", "brightness"]
+
+
+@pytest.fixture(scope="module")
+def output(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    require_backend("torch")  # module fixtures run before the autouse check of conftest.py
+    folder = tmp_path_factory.mktemp("demo")
+    result = subprocess.run(
+        [sys.executable, str(DEMO), "--smoke", "--output", str(folder)], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return folder
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with path.open(newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+@pytest.mark.parametrize("name", PLOTS)
+def test_every_plot_is_a_png(output: Path, name: str) -> None:
+    data = (output / f"{name}.png").read_bytes()
+    assert data.startswith(PNG_SIGNATURE) and len(data) > 10_000
+
+
+@pytest.mark.parametrize("name", TABLES)
+def test_every_table_is_written_as_markdown_and_csv(output: Path, name: str) -> None:
+    markdown = (output / f"{name}.md").read_text()
+    rows = read_csv(output / f"{name}.csv")
+    assert rows
+    assert markdown.count("\n|") == len(rows) + 2  # header, separator and one line per row
+
+
+def test_toy_table_has_every_model(output: Path) -> None:
+    rows = read_csv(output / "toy_entropy.csv")
+    assert [row["Model"] for row in rows] == TOY_MODELS
+    for row in rows:
+        assert float(row["Entropy away from data mean"]) >= 0.0
+        assert int(row["Parameters"]) > 0
+
+
+def test_digits_table_has_every_model_and_column(output: Path) -> None:
+    rows = read_csv(output / "digits_results.csv")
+    assert [row["Model"] for row in rows] == DIGITS_MODELS
+    by_model = {row["Model"]: row for row in rows}
+    for model in DIGITS_MODELS:
+        for column in ("Accuracy", "NLL", "ECE", "Brier", "OOD AUROC (entropy)", "OOD AUPR (entropy)"):
+            assert by_model[model][f"{column} mean"] != "", (model, column)
+        assert int(by_model[model]["Parameters"]) > 0
+        assert float(by_model[model]["Train time (s) mean"]) > 0.0
+    for model in DIGITS_MODELS[1:]:  # mutual information needs more than one member
+        assert by_model[model]["OOD AUROC (MI) mean"] != ""
+    assert by_model["Single"]["OOD AUROC (MI) mean"] == ""
+    assert by_model["Deep Ensemble"]["Parameters"] == str(4 * int(by_model["Single"]["Parameters"]))
+    assert by_model["Masksembles"]["Parameters"] == by_model["Single"]["Parameters"]  # fixed layer widths
+    assert by_model["MC-Dropout"]["Picked on validation"].startswith("p=")
+    assert by_model["Masksembles"]["Picked on validation"].startswith("S=")
+
+
+def test_sweep_and_corruption_tables_cover_every_setting(output: Path) -> None:
+    sweep = read_csv(output / "digits_sweep.csv")
+    assert [(row["Method"], row["Setting"]) for row in sweep] == SMOKE_SWEEP
+    corruptions = read_csv(output / "digits_corruptions.csv")
+    assert {(row["Model"], row["Corruption"], row["Severity"]) for row in corruptions} == {
+        (model, corruption, str(severity))
+        for model in DIGITS_MODELS
+        for corruption in CORRUPTIONS
+        for severity in range(1, 6)
+    }
+
+
+def test_summary_holds_every_table(output: Path) -> None:
+    summary = (output / "results.md").read_text()
+    for title in ("Toy transition", "Digits: in-distribution", "Digits: the validation sweeps"):
+        assert title in summary
+    assert "Wall time" in summary
