@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import keras
@@ -26,6 +27,15 @@ def untile(y: Any, n: int) -> Any:
     return ops.reshape(y, (n, per_member, *ops.shape(y)[1:]))
 
 
+def _no_autograd() -> contextlib.AbstractContextManager[object]:
+    """On the torch backend, no autograd graph for inference calls (as ``model.predict`` does)."""
+    if keras.backend.backend() == "torch":
+        import torch
+
+        return torch.no_grad()
+    return contextlib.nullcontext()
+
+
 def predict(model: keras.Model, x: Any, n: int, *, batch_size: int | None = None) -> Any:
     """Every member's output for every sample of ``x``: (B, ...) -> NumPy (n, B, ...).
 
@@ -41,10 +51,11 @@ def predict(model: keras.Model, x: Any, n: int, *, batch_size: int | None = None
     step = total if batch_size is None else mc.check_int("batch_size", batch_size, minimum=1)
     step = max(step, 1)
     parts = []
-    for start in range(0, max(total, 1), step):
-        chunk = keras.tree.map_structure(lambda a, s=start: mc.tile(a[s : s + step], n), inputs)
-        outputs = model(chunk, training=False)
-        parts.append(keras.tree.map_structure(lambda y: mc.untile(ops.convert_to_numpy(y), n), outputs))
+    with _no_autograd():
+        for start in range(0, max(total, 1), step):
+            chunk = keras.tree.map_structure(lambda a, s=start: mc.tile(a[s : s + step], n), inputs)
+            outputs = model(chunk, training=False)
+            parts.append(keras.tree.map_structure(lambda y: mc.untile(ops.convert_to_numpy(y), n), outputs))
     return keras.tree.map_structure(lambda *members: np.concatenate(members, axis=1), *parts)
 
 
