@@ -17,6 +17,11 @@ from numpy.typing import ArrayLike
 import masksembles_core as mc
 
 from ._ops import apply_masks, random_mask_index
+from ._packing import Flatten as Flatten
+from ._packing import PackedMasksembles as PackedMasksembles
+from ._packing import Residual as Residual
+from ._packing import extract_member as extract_member
+from ._packing import pack as pack
 
 RngSource = nnx.Rngs | nnx.RngStream | jax.Array
 
