@@ -20,7 +20,7 @@ import nox
 nox.needs_version = ">=2024.4.15"
 nox.options.default_venv_backend = "venv"
 nox.options.error_on_missing_interpreters = True
-nox.options.sessions = ["core", "core_min", "torch", "flax", "lint", "typecheck"]
+nox.options.sessions = ["core", "core_min", "torch", "keras", "flax", "lint", "typecheck"]
 
 PYPROJECT = nox.project.load_toml("pyproject.toml")
 TEST = nox.project.dependency_groups(PYPROJECT, "test")
@@ -113,7 +113,8 @@ def demo(session: nox.Session) -> None:
 @nox.session(default=False)
 def bench(session: nox.Session) -> None:
     """Benchmarks against the official masksembles 1.1.1; results go to BENCHMARKS.md."""
-    session.install(*CONSTRAINTS, "-e", ".[torch,flax]", "masksembles==1.1.1")
+    session.install(*CONSTRAINTS, "-e", ".[torch,keras,flax]", "tensorflow-cpu>=2.21", "masksembles==1.1.1")
     session.install("--no-deps", "torch-uncertainty==0.13.0")  # only its masking layers are timed
-    for script in ("bench_generation", "bench_torch", "bench_packing", "bench_flax"):
+    scripts = ("bench_generation", "bench_torch", "bench_packing", "bench_keras", "bench_flax", "bench_flax_packing")
+    for script in scripts:
         session.run("python", f"benchmarks/{script}.py")
