@@ -27,6 +27,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+import masksembles_core as mc
+
 GOLDEN_PATH = Path(__file__).parent / "golden" / "conformance_v1.npz"
 
 # adapter id -> module under tests/conformance_adapters
@@ -91,6 +93,27 @@ def load_adapter(adapter_id: str) -> Adapter:
     module = importlib.import_module(f"tests.conformance_adapters.{ADAPTER_MODULES[adapter_id]}")
     adapter: Adapter = module.make_adapter(adapter_id)
     return adapter
+
+
+def special_values(shape: tuple[int, ...], seed: int) -> np.ndarray:
+    """float32 values exact in bfloat16/float16 (halves in [-16, 16]) with inf, -inf and NaN sprinkled in."""
+    rng = np.random.default_rng(seed)
+    x = rng.integers(-32, 33, size=shape).astype(np.float32) / 2
+    flat = x.reshape(-1)
+    positions = rng.choice(flat.size, size=min(3, flat.size), replace=False)
+    flat[positions] = [np.inf, -np.inf, np.nan][: positions.size]
+    return x
+
+
+def oracle(x: np.ndarray, masks: np.ndarray, channel_axis: int) -> np.ndarray:
+    """The core's reference forward, without the warning NumPy gives for inf * 0."""
+    with np.errstate(invalid="ignore"):
+        return mc.apply_masks(x, masks, channel_axis=channel_axis)
+
+
+def assert_same_bits(actual: np.ndarray, expected: np.ndarray) -> None:
+    """``assert_bit_identical`` after widening ``actual`` to ``expected``'s dtype (exact from any narrower float)."""
+    assert_bit_identical(np.asarray(actual).astype(expected.dtype), expected)
 
 
 def assert_bit_identical(actual: np.ndarray, expected: np.ndarray) -> None:

@@ -14,37 +14,19 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import masksembles_core as mc
 from masksembles_flax import linen as masksembles_linen
 from masksembles_flax import nnx as masksembles_nnx
+from tests.conformance import assert_same_bits as shared_assert_same_bits
+from tests.conformance import oracle, special_values
+
+__all__ = ["DTYPES", "LinenMLP", "NnxMLP", "assert_same_bits", "oracle", "raises_like", "special_values"]
 
 DTYPES = ("bfloat16", "float16", "float32")
 
 
-def special_values(shape: tuple[int, ...], seed: int) -> np.ndarray:
-    """float32 values exact in bfloat16/float16 (halves in [-16, 16]) with inf, -inf and NaN sprinkled in."""
-    rng = np.random.default_rng(seed)
-    x = rng.integers(-32, 33, size=shape).astype(np.float32) / 2
-    flat = x.reshape(-1)
-    positions = rng.choice(flat.size, size=min(3, flat.size), replace=False)
-    flat[positions] = [np.inf, -np.inf, np.nan][: positions.size]
-    return x
-
-
-def oracle(x: np.ndarray, masks: np.ndarray, channel_axis: int) -> np.ndarray:
-    """The core's reference forward (float32 values exact in every tested dtype)."""
-    with np.errstate(invalid="ignore"):
-        return mc.apply_masks(x, masks, channel_axis=channel_axis)
-
-
 def assert_same_bits(actual: jax.Array | np.ndarray, expected: np.ndarray) -> None:
-    """Values equal bit for bit once widened to float32 (exact for every tested dtype); NaN at the same places."""
-    actual32 = np.asarray(jnp.asarray(actual).astype(jnp.float32))
-    expected32 = np.asarray(expected, dtype=np.float32)
-    assert actual32.shape == expected32.shape
-    assert np.array_equal(np.isnan(actual32), np.isnan(expected32)), "NaN positions differ"
-    finite = ~np.isnan(expected32)
-    assert np.array_equal(actual32[finite].view(np.uint32), expected32[finite].view(np.uint32))
+    """Bit for bit once widened to float32 (exact for every tested dtype); NaN at the same places."""
+    shared_assert_same_bits(np.asarray(jnp.asarray(actual).astype(jnp.float32)), np.asarray(expected, np.float32))
 
 
 def raises_like(core_call: Callable[[], Any]) -> AbstractContextManager[Any]:

@@ -11,7 +11,19 @@ import keras
 import numpy as np
 from keras import ops
 
-import masksembles_core as mc
+from tests.conformance import assert_same_bits, oracle, special_values
+
+__all__ = [
+    "BACKEND",
+    "JIT_COMPILE",
+    "assert_same_bits",
+    "core_error",
+    "dtype_scope",
+    "masks_of",
+    "oracle",
+    "special_values",
+    "to_numpy",
+]
 
 BACKEND = keras.backend.backend()
 # jit_compile=True is XLA on TensorFlow and JAX (on torch it would mean torch.compile, not asked for here)
@@ -51,28 +63,3 @@ def to_numpy(x: Any) -> np.ndarray:
 def masks_of(layer: keras.layers.Layer) -> np.ndarray:
     """The masks a Masksembles layer holds, as a bool array (n, C)."""
     return np.asarray(to_numpy(layer.masks) != 0)
-
-
-def oracle(x: np.ndarray, masks: np.ndarray, channel_axis: int) -> np.ndarray:
-    """The core's reference forward."""
-    with np.errstate(invalid="ignore"):
-        return mc.apply_masks(x, masks, channel_axis=channel_axis)
-
-
-def assert_same_bits(actual: np.ndarray, expected: np.ndarray) -> None:
-    """Equal shape and bits once widened to float32/float64; NaN at the same places."""
-    assert actual.shape == expected.shape, (actual.shape, expected.shape)
-    assert np.array_equal(np.isnan(actual), np.isnan(expected)), "NaN positions differ"
-    finite = ~np.isnan(expected)
-    assert np.array_equal(np.signbit(actual[finite]), np.signbit(expected[finite])), "signs of zeros differ"
-    assert np.array_equal(actual[finite], expected[finite])
-
-
-def special_values(shape: tuple[int, ...], seed: int) -> np.ndarray:
-    """float32 values exact in bfloat16/float16 (halves in [-16, 16]) with inf, -inf and NaN sprinkled in."""
-    rng = np.random.default_rng(seed)
-    x = rng.integers(-32, 33, size=shape).astype(np.float32) / 2
-    flat = x.reshape(-1)
-    positions = rng.choice(flat.size, size=min(3, flat.size), replace=False)
-    flat[positions] = [np.inf, -np.inf, np.nan][: positions.size]
-    return x
