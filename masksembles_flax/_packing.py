@@ -162,15 +162,16 @@ def _classify(layer: Any, path: str, source: _Node) -> _Node:
     elif _is_activation(layer):
         kind, zero = "function", _zero_preserving(layer)
     elif isinstance(layer, functools.partial) and layer.func in POOLS:
+        window = layer.keywords.get("window_shape", layer.args[0] if layer.args else None)
+        if not isinstance(window, Sequence) or len(window) != len(shape) - 2:
+            raise ValueError(
+                f"pack/extract_member: {where} has window_shape={window} on a rank-{len(shape)} input; a pool must "
+                "cover exactly the spatial axes (all but the first and the last)"
+            )
         kind = "function"
     else:
         raise ValueError(f"pack/extract_member: unsupported layer {where}")
     output = source.output if kind in ("norm", "dropout", "masks") else _output_struct(layer, source.output, where)
-    if kind in CHANNELWISE and (len(output.shape) != len(shape) or output.shape[-1] != shape[-1]):
-        raise ValueError(
-            f"pack/extract_member: {where} maps shape {shape} to {output.shape}; a per-channel layer must keep the "
-            "rank and the channels (last axis)"
-        )
     node = _Node(path, kind, (source.name,), output, layer, zero, masks=masks)
     if kind == "flatten":
         node.spatial = int(np.prod(shape[1:-1], dtype=np.int64))
@@ -271,30 +272,30 @@ def _select(
     return _Select(index, scale, source_stacked=source_stacked, target_stacked=target_stacked, gather=gather)
 
 
-def _blocks(kernel: jax.Array, rows: Sequence[np.ndarray], cols: Sequence[np.ndarray]) -> jax.Array:
+def _blocks(kernel: np.ndarray, rows: Sequence[np.ndarray], cols: Sequence[np.ndarray]) -> np.ndarray:
     """Member blocks of a (*kernel_size, C_in, C_out) kernel: (L, *kernel_size, P_in, P_out), zero at padding."""
     r, c, valid = block_indices(rows, cols)  # (L, P_out, P_in)
-    picked = jnp.where(valid, kernel[..., c, r], jnp.zeros((), kernel.dtype))  # (*kernel_size, L, P_out, P_in)
+    picked = np.where(valid, kernel[..., c, r], np.zeros((), kernel.dtype))  # (*kernel_size, L, P_out, P_in)
     spatial = kernel.ndim - 2
-    return jnp.transpose(picked, (spatial, *range(spatial), spatial + 2, spatial + 1))
+    return np.transpose(picked, (spatial, *range(spatial), spatial + 2, spatial + 1))
 
 
-def _per_channel(vector: jax.Array, layouts: Sequence[np.ndarray], padding: float) -> jax.Array:
+def _per_channel(vector: np.ndarray, layouts: Sequence[np.ndarray], padding: float) -> np.ndarray:
     """A per-channel vector laid out like ``layouts``: (L, P), ``padding`` at padded positions."""
     index, valid = channel_indices(layouts)
-    picked = jnp.where(valid, vector[index], jnp.asarray(padding, vector.dtype))
+    picked = np.where(valid, vector[index], np.asarray(padding, vector.dtype))
     return picked.reshape(len(layouts), -1)
 
 
 def _shrink_mixing(layer: nnx.Linear | nnx.Conv, rows: Sequence[np.ndarray], cols: Sequence[np.ndarray]) -> nnx.Module:
     """A copy of a Linear/Conv holding the member blocks ``rows`` x ``cols``, stacked on a leading axis if several."""
     stacked = len(rows) > 1
-    kernel = _blocks(layer.kernel[...], rows, cols)
+    kernel = _blocks(np.asarray(layer.kernel[...]), rows, cols)
     shrunk = nnx.clone(layer)
-    shrunk.kernel = nnx.Param(kernel if stacked else kernel[0])
+    shrunk.kernel = nnx.Param(jnp.asarray(kernel if stacked else kernel[0]))
     if layer.bias is not None:
-        bias = _per_channel(layer.bias[...], rows, 0.0)
-        shrunk.bias = nnx.Param(bias if stacked else bias[0])
+        bias = _per_channel(np.asarray(layer.bias[...]), rows, 0.0)
+        shrunk.bias = nnx.Param(jnp.asarray(bias if stacked else bias[0]))
     shrunk.in_features, shrunk.out_features = kernel.shape[-2:]
     if isinstance(shrunk, nnx.Conv):
         shrunk.kernel_shape = kernel.shape[1:]
@@ -306,8 +307,8 @@ def _shrink_norm(layer: nnx.BatchNorm, layouts: Sequence[np.ndarray]) -> nnx.Bat
     stacked = len(layouts) > 1
 
     def lay_out(vector: jax.Array, padding: float) -> jax.Array:
-        result = _per_channel(vector, layouts, padding)
-        return result if stacked else result[0]
+        result = _per_channel(np.asarray(vector), layouts, padding)
+        return jnp.asarray(result if stacked else result[0])
 
     shrunk = nnx.clone(layer)
     shrunk.mean = nnx.BatchStat(lay_out(layer.mean[...], 0.0))

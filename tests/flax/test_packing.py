@@ -1,0 +1,280 @@
+"""Flax NNX pack and extract_member equal the dense masked model; unsupported models are named errors."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import masksembles_flax as mf
+from masksembles_flax.nnx import Flatten, Masksembles, Residual, extract_member, pack
+
+N = 4
+ModelFactory = Callable[[float, int, nnx.Rngs], nnx.Module]
+
+
+def relative_error(actual: jax.Array, expected: jax.Array) -> float:
+    assert actual.shape == expected.shape
+    return float(jnp.linalg.norm(actual - expected) / jnp.maximum(jnp.linalg.norm(expected), 1e-12))
+
+
+# Weights, statistics and inputs are drawn by NumPy: on a small shared CPU, XLA compiling jax.random for every new
+# shape costs seconds per model.
+def numpy_init(key: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype = jnp.float32) -> jax.Array:
+    """Normal(0, 1/fan_in) values seeded by the key's bits."""
+    rng = np.random.default_rng(np.asarray(jax.random.key_data(key)))
+    fan_in = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+    return jnp.asarray(rng.normal(size=shape) / np.sqrt(fan_in), dtype)
+
+
+def linear(inputs: int, outputs: int, rngs: nnx.Rngs) -> nnx.Linear:
+    return nnx.Linear(inputs, outputs, kernel_init=numpy_init, bias_init=numpy_init, rngs=rngs)
+
+
+def conv(inputs: int, outputs: int, kernel: tuple[int, ...], rngs: nnx.Rngs, **options: object) -> nnx.Conv:
+    return nnx.Conv(inputs, outputs, kernel, kernel_init=numpy_init, bias_init=numpy_init, rngs=rngs, **options)
+
+
+def random_input(shape: tuple[int, ...], seed: int) -> jax.Array:
+    return jnp.asarray(np.random.default_rng(seed).normal(size=shape), jnp.float32)
+
+
+def randomize_norms(model: nnx.Module, seed: int) -> nnx.Module:
+    """Random running statistics, scale and bias in every BatchNorm, then eval mode."""
+    rng = np.random.default_rng(seed)
+    for _, module in nnx.iter_modules(model):
+        if isinstance(module, nnx.BatchNorm):
+            shape = module.mean.shape
+            module.mean.set_value(jnp.asarray(rng.normal(size=shape), jnp.float32))
+            module.var.set_value(jnp.asarray(rng.uniform(0.5, 1.5, size=shape), jnp.float32))
+            for variable in (module.scale, module.bias):
+                if variable is not None:
+                    variable.set_value(jnp.asarray(rng.normal(size=shape), jnp.float32))
+    model.eval()
+    return model
+
+
+def pool(fn: Callable[..., jax.Array], window: tuple[int, ...], **kwargs: object) -> Callable[..., jax.Array]:
+    return functools.partial(fn, window_shape=window, **kwargs)
+
+
+def mlp(scale: float, seed: int, rngs: nnx.Rngs) -> nnx.Module:
+    return nnx.Sequential(
+        linear(12, 48, rngs), nnx.gelu, Masksembles(48, N, scale, seed=seed),
+        linear(48, 40, rngs), jnp.tanh, nnx.Dropout(0.3, rngs=rngs), Masksembles(40, N, scale, seed=seed + 1),
+        linear(40, 3, rngs),
+    )  # fmt: skip
+
+
+def cnn2d(scale: float, seed: int, rngs: nnx.Rngs) -> nnx.Module:
+    return nnx.Sequential(
+        conv(3, 16, (3, 3), rngs, padding="VALID"), nnx.BatchNorm(16, rngs=rngs), nnx.relu,
+        Masksembles(16, N, scale, seed=seed), pool(nnx.max_pool, (2, 2), strides=(2, 2)),
+        conv(16, 24, (3, 3), rngs, padding="CIRCULAR"), nnx.relu, Masksembles(24, N, scale, seed=seed + 1),
+        nnx.BatchNorm(24, rngs=rngs), Flatten(), linear(24 * 3 * 3, 32, rngs), nnx.silu,
+        Masksembles(32, N, scale, seed=seed + 2), linear(32, 4, rngs),
+    )  # fmt: skip
+
+
+def cnn1d(scale: float, seed: int, rngs: nnx.Rngs) -> nnx.Module:
+    return nnx.Sequential(
+        conv(2, 12, (3,), rngs, padding="VALID"), nnx.relu, Masksembles(12, N, scale, seed=seed),
+        conv(12, 8, (1,), rngs), pool(nnx.avg_pool, (2,), strides=(2,)), nnx.sigmoid,
+        Masksembles(8, N, scale, seed=seed + 1), Flatten(), linear(8 * 3, 2, rngs),
+    )  # fmt: skip
+
+
+def cnn3d(scale: float, seed: int, rngs: nnx.Rngs) -> nnx.Module:
+    return nnx.Sequential(
+        conv(1, 8, (2, 2, 2), rngs, padding="VALID"), nnx.BatchNorm(8, use_bias=False, rngs=rngs),
+        Masksembles(8, N, scale, seed=seed), functools.partial(nnx.leaky_relu, negative_slope=0.2),
+        conv(8, 6, (1, 1, 1), rngs, strides=2), pool(nnx.max_pool, (1, 1, 1)), Flatten(),
+        linear(6, 2, rngs),
+    )  # fmt: skip
+
+
+def sequence_model(scale: float, seed: int, rngs: nnx.Rngs) -> nnx.Module:
+    """A Linear on (B, T, F): channels on the last axis, T an extra batch-like axis."""
+    return nnx.Sequential(linear(6, 32, rngs), nnx.relu, Masksembles(32, N, scale, seed=seed), linear(32, 5, rngs))
+
+
+def resnet(scale: float, seed: int, rngs: nnx.Rngs, *, masked_input: bool = False) -> nnx.Module:
+    """Residual blocks with Masksembles in the branch; ``masked_input`` also masks what the first skip carries."""
+
+    def block(channels: int, block_seed: int) -> Residual:
+        return Residual(
+            conv(channels, channels, (3, 3), rngs, use_bias=False), nnx.BatchNorm(channels, rngs=rngs),
+            nnx.relu, Masksembles(channels, N, scale, seed=block_seed), conv(channels, channels, (3, 3), rngs),
+            nnx.BatchNorm(channels, rngs=rngs),
+        )  # fmt: skip
+
+    stem = nnx.Sequential(conv(3, 16, (3, 3), rngs), nnx.BatchNorm(16, rngs=rngs), nnx.relu)
+    entry = [Masksembles(16, N, scale, seed=seed + 100)] if masked_input else []
+    return nnx.Sequential(
+        stem, *entry, block(16, seed), nnx.relu, block(16, seed + 1), nnx.relu, pool(nnx.avg_pool, (6, 6)), Flatten(),
+        Masksembles(16, N, scale, seed=seed + 2), linear(16, 5, rngs),
+    )  # fmt: skip
+
+
+MODELS: dict[str, tuple[ModelFactory, tuple[int, ...]]] = {
+    "mlp": (mlp, (12,)),
+    "cnn2d": (cnn2d, (8, 8, 3)),
+    "cnn1d": (cnn1d, (8, 2)),
+    "cnn3d": (cnn3d, (3, 3, 3, 1)),
+    "sequence": (sequence_model, (7, 6)),
+    "resnet": (resnet, (6, 6, 3)),
+    "resnet-masked-input": (functools.partial(resnet, masked_input=True), (6, 6, 3)),
+}
+
+
+def build(name: str, scale: float, seed: int) -> tuple[nnx.Module, tuple[int, ...]]:
+    factory, shape = MODELS[name]
+    return randomize_norms(factory(scale, seed, nnx.Rngs(seed)), seed), shape
+
+
+@nnx.jit
+def packed_and_dense(
+    model: nnx.Module, packed: nnx.Module, members: list[nnx.Module], x: jax.Array
+) -> tuple[jax.Array, jax.Array, list[jax.Array]]:
+    """One compilation for pack(x), predict(model, x, N) and every extracted member on x."""
+    return packed(x), mf.predict(model, x, N), [member(x) for member in members]
+
+
+@pytest.mark.parametrize(
+    "seed,scale", list(enumerate([1.0, 1.7, 3.0, 50.0])), ids=lambda v: f"S{v}" if isinstance(v, float) else f"seed{v}"
+)
+@pytest.mark.parametrize("name", list(MODELS))
+def test_pack_and_extract_equal_the_dense_model(name: str, seed: int, scale: float) -> None:
+    model, shape = build(name, scale, seed)
+    x = random_input((5, *shape), seed + 10)
+    members = [extract_member(model, k, jax.ShapeDtypeStruct(x.shape, x.dtype)) for k in range(N)]
+    packed, expected, outputs = packed_and_dense(model, pack(model, x), members, x)
+    assert packed.shape == (N, *expected.shape[1:]) == expected.shape
+    assert relative_error(packed, expected) <= 1e-5
+    dense_parameters = sum(p.size for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    for k, (member, output) in enumerate(zip(members, outputs, strict=True)):
+        assert relative_error(output, expected[k]) <= 1e-5
+        assert sum(p.size for p in jax.tree.leaves(nnx.state(member, nnx.Param))) <= dense_parameters
+
+
+def ones_per_layer(model: nnx.Sequential, k: int) -> list[int]:
+    return [int(np.asarray(layer.masks[...])[k].sum()) for layer in model.layers if isinstance(layer, Masksembles)]
+
+
+def test_extracted_member_is_physically_smaller() -> None:
+    model, _ = build("mlp", 2.0, 0)
+    member = extract_member(model, 1, jnp.zeros((2, 12)))
+    linears = [module for _, module in nnx.iter_modules(member) if isinstance(module, nnx.Linear)]
+    ones = ones_per_layer(model, 1)
+    shapes = [(12, ones[0]), (ones[0], ones[1]), (ones[1], 3)]
+    assert [linear.kernel.shape for linear in linears] == shapes
+    assert [(linear.in_features, linear.out_features) for linear in linears] == shapes
+
+
+def test_packed_weights_are_member_blocks_after_a_shared_prefix() -> None:
+    model, _ = build("mlp", 2.0, 0)
+    packed = pack(model, jnp.zeros((2, 12)))
+    kernels = [module.kernel.shape for _, module in nnx.iter_modules(packed) if isinstance(module, nnx.Linear)]
+    widths = [max(ones_per_layer(model, k)[i] for k in range(N)) for i in range(2)]
+    assert kernels == [(12, 48), (N, widths[0], widths[1]), (N, widths[1], 3)], "the first Linear runs once"
+
+
+@pytest.mark.parametrize("name", ["resnet", "cnn2d"])
+def test_packed_call_eager_and_jitted_on_any_batch(name: str) -> None:
+    model, shape = build(name, 2.0, 0)
+    packed = pack(model, random_input((4, *shape), 0))
+    graphdef, state = nnx.split(packed)
+    for batch in (1, 6):
+        x = random_input((batch, *shape), batch)
+        expected = mf.predict(model, x, N)
+        assert relative_error(packed(x), expected) <= 1e-5, "eager"
+        assert relative_error(nnx.jit(lambda module, v: module(v))(packed, x), expected) <= 1e-5, "nnx.jit"
+        assert relative_error(jax.jit(lambda s, v: nnx.merge(graphdef, s)(v))(state, x), expected) <= 1e-5, "jax.jit"
+
+
+def test_pack_leaves_the_model_untouched() -> None:
+    model, shape = build("cnn2d", 2.0, 0)
+    model.train()
+    before = jax.tree.map(np.asarray, nnx.state(model))
+    pack(model, jnp.zeros((4, *shape)))
+    extract_member(model, 0, jnp.zeros((4, *shape)))
+    assert model.layers[1].use_running_average is False, "the model stays in training mode"
+    after = jax.tree.map(np.asarray, nnx.state(model))
+    assert jax.tree.all(jax.tree.map(np.array_equal, before, after)), "no weight or BatchNorm statistic changes"
+
+
+def test_flatten_and_residual() -> None:
+    x = random_input((2, 3, 4, 5), 0)
+    assert Flatten()(x).shape == (2, 60)
+    assert np.array_equal(Flatten()(x)[:, 7], x[:, 0, 1, 2]), "row-major: channels last vary fastest"
+    layer = linear(5, 5, nnx.Rngs(0))
+    assert np.allclose(Residual(layer, nnx.relu)(x), x + nnx.relu(layer(x)))
+
+
+class Gate(nnx.Module):
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return x * nnx.sigmoid(x)
+
+
+def linear_masks(*tail: object, n: int = N, channel_axis: int = -1) -> nnx.Sequential:
+    return nnx.Sequential(linear(4, 8, nnx.Rngs(0)), Masksembles(8, n, 2.0, channel_axis=channel_axis), *tail)
+
+
+UNSUPPORTED = {
+    "layernorm": (linear_masks(nnx.LayerNorm(8, rngs=nnx.Rngs(0))), r"model\.layers\[2\] \(LayerNorm\)"),
+    "custom-module": (linear_masks(Gate()), r"unsupported layer model\.layers\[2\] \(Gate\)"),
+    "lambda": (linear_masks(lambda x: x * 2), r"unsupported layer model\.layers\[2\] \(function '<lambda>'\)"),
+    "unknown-function": (linear_masks(jnp.exp), r"unsupported layer model\.layers\[2\] \(function 'exp'\)"),
+    "partial-with-positional": (
+        linear_masks(functools.partial(jax.nn.leaky_relu, 0.5)),
+        r"model\.layers\[2\] \(functools\.partial of function 'leaky_relu'\)",
+    ),
+    "nested": (
+        nnx.Sequential(linear(4, 8, nnx.Rngs(0)), Residual(nnx.PReLU()), Masksembles(8, N, 2.0)),
+        r"model\.layers\[1\]\.branch\.layers\[0\] \(PReLU\)",
+    ),
+    "grouped-conv": (
+        nnx.Sequential(conv(4, 8, (1,), nnx.Rngs(0), feature_group_count=2), Masksembles(8, N, 2.0)),
+        r"model\.layers\[0\] \(Conv\) has feature_group_count=2",
+    ),
+    "residual-changes-shape": (
+        linear_masks(Residual(linear(8, 6, nnx.Rngs(0)))),
+        r"model\.layers\[2\] \(Residual\) maps shape \(2, 8\) to \(2, 6\)",
+    ),
+    "pool-over-batch-or-channels": (
+        nnx.Sequential(conv(4, 8, (1,), nnx.Rngs(0)), Masksembles(8, N, 2.0), pool(nnx.max_pool, (1, 2))),
+        r"model\.layers\[2\] \(functools\.partial of function 'max_pool'\) has window_shape=\(1, 2\) on a rank-3",
+    ),
+    "masks-not-last": (
+        nnx.Sequential(conv(4, 3, (1,), nnx.Rngs(0)), Masksembles(3, N, 1.0, channel_axis=1)),
+        r"model\.layers\[1\] \(Masksembles\) has channel_axis=1",
+    ),
+    "no-masks": (nnx.Sequential(linear(4, 8, nnx.Rngs(0)), nnx.relu), "no Masksembles layer"),
+    "mixed-n": (
+        linear_masks(linear(8, 8, nnx.Rngs(0)), Masksembles(8, 3, 2.0), n=2),
+        r"the same n; found \[2, 3\]",
+    ),
+    "not-a-layer-model": (Gate(), r"unsupported layer model \(Gate\)"),
+}
+
+
+@pytest.mark.parametrize("model,message", list(UNSUPPORTED.values()), ids=list(UNSUPPORTED))
+def test_unsupported_models_name_the_culprit(model: nnx.Module, message: str) -> None:
+    first = model.layers[0] if isinstance(model, nnx.Sequential) else None
+    x = jnp.ones((2, 3, 4)) if isinstance(first, nnx.Conv) else jnp.ones((2, 4))
+    with pytest.raises(ValueError, match=message):
+        pack(model, x)
+    with pytest.raises(ValueError, match=message):
+        extract_member(model, 0, x)
+
+
+@pytest.mark.parametrize("member", [4, -1, 1.0, True], ids=["too-large", "negative", "float", "bool"])
+def test_member_out_of_range(member: object) -> None:
+    model, _ = build("mlp", 2.0, 0)
+    with pytest.raises(ValueError, match=rf"member must be an integer in \[0, 4\); received {member!r}"):
+        extract_member(model, member, jnp.zeros((2, 12)))  # type: ignore[arg-type]
