@@ -162,6 +162,60 @@ def test_pack_and_extract_equal_the_dense_model(name: str, seed: int, scale: flo
         assert sum(p.size for p in jax.tree.leaves(nnx.state(member, nnx.Param))) <= dense_parameters
 
 
+LEAKY_RELU = functools.partial(nnx.leaky_relu, negative_slope=0.1)
+ACTIVATION_CHOICES = [nnx.relu, nnx.gelu, jnp.tanh, nnx.sigmoid, nnx.softplus, nnx.silu, LEAKY_RELU]
+
+
+def random_model(seed: int) -> tuple[nnx.Module, tuple[int, ...]]:
+    """A random CNN: conv blocks, residual blocks, masks and pools in random order, then a masked MLP head."""
+    rng = np.random.default_rng(seed)
+    rngs = nnx.Rngs(seed)
+    scale = float(rng.choice([1.0, 1.5, 2.0, 4.0]))
+    seeds = iter(range(100 * seed, 100 * seed + 100))
+
+    def activation() -> Callable[[jax.Array], jax.Array]:
+        return ACTIVATION_CHOICES[int(rng.integers(len(ACTIVATION_CHOICES)))]
+
+    def masks(channels: int) -> Masksembles:
+        return Masksembles(channels, N, scale, seed=next(seeds))
+
+    spatial, channels = int(rng.integers(3, 7)), int(rng.integers(2, 5))
+    shape = (spatial, spatial, channels)
+    layers: list[Callable[[jax.Array], jax.Array]] = []
+    for _ in range(int(rng.integers(2, 5))):
+        choice = int(rng.integers(4))
+        if choice == 0:
+            out, stride = int(rng.integers(4, 13)), int(rng.integers(1, 3))
+            after = [nnx.BatchNorm(out, rngs=rngs), activation(), masks(out)]  # after the conv, in random order
+            layers += [conv(channels, out, (3, 3), rngs, strides=stride), *(after[i] for i in rng.permutation(3))]
+            channels, spatial = out, -(-spatial // stride)
+        elif choice == 1:
+            branch = [conv(channels, channels, (3, 3), rngs), nnx.BatchNorm(channels, rngs=rngs), activation()]
+            layers.append(Residual(*branch, masks(channels), conv(channels, channels, (1, 1), rngs)))
+        elif choice == 2:
+            layers += [masks(channels), activation()]
+        else:
+            fn = [nnx.max_pool, nnx.avg_pool][int(rng.integers(2))]
+            layers.append(pool(fn, (2, 2), strides=(2, 2), padding="SAME"))
+            spatial = -(-spatial // 2)
+    hidden = int(rng.integers(4, 17))
+    features = spatial * spatial * channels
+    head = [masks(features)] if rng.random() < 0.5 else []
+    layers += [Flatten(), *head, linear(features, hidden, rngs), activation(), masks(hidden), linear(hidden, 3, rngs)]
+    return randomize_norms(nnx.Sequential(*layers), seed), shape
+
+
+@pytest.mark.parametrize("seed", range(8), ids=lambda seed: f"seed{seed}")
+def test_randomly_built_models(seed: int) -> None:
+    model, shape = random_model(seed)
+    x = random_input((4, *shape), seed)
+    members = [extract_member(model, k, x) for k in range(N)]
+    packed, expected, outputs = packed_and_dense(model, pack(model, x), members, x)
+    assert relative_error(packed, expected) <= 1e-5
+    for k, output in enumerate(outputs):
+        assert relative_error(output, expected[k]) <= 1e-5
+
+
 def ones_per_layer(model: nnx.Sequential, k: int) -> list[int]:
     return [int(np.asarray(layer.masks[...])[k].sum()) for layer in model.layers if isinstance(layer, Masksembles)]
 
