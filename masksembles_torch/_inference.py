@@ -42,12 +42,15 @@ def predict(model: nn.Module, x: Tensor, n: int, *, batch_size: int | None = Non
     return torch.cat(chunks, dim=1)
 
 
-DROPOUT_TYPES: dict[type[nn.Module], int] = {
-    nn.Dropout: -1,  # elementwise dropout, most often on (B, C) or (B, L, C) features of a Linear
-    nn.Dropout1d: 1,
-    nn.Dropout2d: 1,
-    nn.Dropout3d: 1,
-}
+DROPOUT_TYPES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
+
+
+def _dropout_channel_axis(module: nn.Module, rank: int) -> int:
+    """Channels of a dropout's input: axis 1 for Dropout1d/2d/3d and for nn.Dropout on 4-D/5-D
+    (convolution) features, the last axis for nn.Dropout on (B, C) or (B, L, C) (Linear) features."""
+    if type(module) is nn.Dropout and rank not in (4, 5):
+        return -1
+    return 1
 
 
 def convert_dropout(
@@ -65,10 +68,10 @@ def convert_dropout(
     The MC-Dropout drop-in of the paper: the channel count of each layer is read from the input
     it receives on ``example_input`` (one forward pass, in eval mode, without gradients); all
     other modules and all trained weights are kept. Channels are on axis 1 for
-    ``Dropout1d/2d/3d`` and on the last axis for ``nn.Dropout`` (the features of a Linear),
-    unless ``channel_axis`` is given. Layer ``i`` (in ``named_modules`` order) gets masks from
-    ``masksembles_core.derive_seed(seed, i)``. Dropout applied through ``F.dropout`` inside a
-    ``forward`` is not a module and is not converted.
+    ``Dropout1d/2d/3d``; for ``nn.Dropout`` on axis 1 of 4-D/5-D (convolution) features and on
+    the last axis otherwise (the features of a Linear), unless ``channel_axis`` is given. Layer
+    ``i`` (in ``named_modules`` order) gets masks from ``masksembles_core.derive_seed(seed, i)``.
+    Dropout applied through ``F.dropout`` inside a ``forward`` is not a module and is not converted.
 
     Returns:
         the converted model (a deep copy unless ``inplace``).
@@ -101,10 +104,10 @@ def convert_dropout(
             hook.remove()
         model.train(was_training)
     for index, (name, module) in enumerate(targets):
-        axis = DROPOUT_TYPES[type(module)] if channel_axis is None else channel_axis
         shapes = seen[name]
         if not shapes:
             raise ValueError(f"convert_dropout: the example input does not reach dropout module {name!r}")
+        axis = _dropout_channel_axis(module, len(shapes[0])) if channel_axis is None else channel_axis
         counts = {shape[axis] for shape in shapes}
         if len(counts) != 1:
             raise ValueError(

@@ -53,6 +53,12 @@ def test_replaces_every_dropout_with_right_channels_and_keeps_weights() -> None:
     assert converted(*example()).shape == (4, 3)
 
 
+def test_plain_dropout_on_convolution_features_uses_axis_1() -> None:
+    model = nn.Sequential(nn.Conv2d(3, 10, 1), nn.Dropout(0.2), nn.Conv2d(10, 2, 1))
+    converted = mt.convert_dropout(model, torch.randn(2, 3, 7, 5), 2, 2.0, seed=0)
+    assert (converted[1].channels, converted[1].channel_axis) == (10, 1)
+
+
 def test_inplace_and_sequence_features() -> None:
     model = nn.Sequential(nn.Linear(5, 12), nn.Dropout(0.1), nn.Linear(12, 2))
     x = torch.randn(3, 9, 5)  # (B, L, C) sequence: channels last for nn.Dropout
