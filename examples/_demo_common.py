@@ -29,6 +29,7 @@ class ModelSpec:
         rate: dropout rate (method "dropout").
         samples: members at inference: stochastic passes for "dropout", masks for "masksembles".
         masks: one (n, widths[i]) bool array per hidden block (method "masksembles").
+        scale: the S the masks were made with (method "masksembles").
     """
 
     arch: str
@@ -39,6 +40,7 @@ class ModelSpec:
     rate: float = 0.0
     samples: int = 1
     masks: tuple[NDArray[np.bool_], ...] = ()
+    scale: float = 1.0
 
     def __post_init__(self) -> None:
         blocks = {"mlp": 2, "cnn": 3}[self.arch]
@@ -55,7 +57,13 @@ class TrainConfig:
     epochs: int
     batch_size: int
     learning_rate: float
-    weight_decay: float = 0.0
+
+
+def softmax(logits: NDArray[np.floating]) -> NDArray[np.float64]:
+    """Probabilities over the last axis, in float64."""
+    shifted = np.exp(logits.astype(np.float64) - logits.max(axis=-1, keepdims=True))
+    result: NDArray[np.float64] = shifted / shifted.sum(axis=-1, keepdims=True)
+    return result
 
 
 class Trained(Protocol):

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
-from _demo_common import ModelSpec, TrainConfig
+from _demo_common import ModelSpec, TrainConfig, softmax
 from numpy.typing import NDArray
 from torch import nn
 from tqdm.auto import tqdm
@@ -24,7 +24,7 @@ PREDICT_BATCH = 1024
 def regularizer(spec: ModelSpec, block: int, *, conv: bool) -> nn.Module:
     """What follows hidden block ``block``: Masksembles with its masks, channel dropout, or nothing."""
     if spec.method == "masksembles":
-        return (mt.Masksembles2D if conv else mt.Masksembles1D)(masks=spec.masks[block])
+        return (mt.Masksembles2D if conv else mt.Masksembles1D)(scale=spec.scale, masks=spec.masks[block])
     if spec.method == "dropout":
         return nn.Dropout2d(spec.rate) if conv else nn.Dropout(spec.rate)
     return nn.Identity()
@@ -82,7 +82,7 @@ class TorchModel:
         else:
             with torch.no_grad():
                 logits = self.model(inputs)[None]
-        return logits.double().softmax(-1).numpy()
+        return softmax(logits.numpy())
 
     def mc_dropout(self, inputs: torch.Tensor) -> torch.Tensor:
         """``spec.samples`` forward passes with dropout on (the rest in eval mode): (B, ...) -> (samples, B, K)."""
@@ -104,7 +104,7 @@ def train(
     """Build ``spec`` from ``seed`` and train it with Adam on shuffled mini-batches of (x, y)."""
     torch.manual_seed(seed)
     model = build(spec)
-    optimizer = torch.optim.Adam(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
+    optimizer = torch.optim.Adam(model.parameters(), lr=config.learning_rate)
     inputs, targets = torch.from_numpy(x), torch.from_numpy(y)
     shuffle = torch.Generator().manual_seed(seed)
     model.train()
