@@ -156,7 +156,7 @@ def plot_reliability(
             centers[filled], diagram.accuracy[filled], diagram.counts[filled], strict=True
         ):
             axis.text(center, min(accuracy, 0.93) + 0.02, str(count), ha="center", fontsize=6)
-        axis.set_title(f"{name}\nECE {diagram.ece:.3f} (pooled; numbers: samples per bin)", fontsize=8)
+        axis.set_title(f"{name}\nECE {diagram.ece:.3f} (pooled)", fontsize=9)
     last = axes[-1]
     colors = plt.get_cmap("copper")(np.linspace(0.1, 0.9, max(len(by_scale), 1)))
     for color, (scale, diagram) in zip(colors, by_scale.items(), strict=False):
@@ -170,6 +170,7 @@ def plot_reliability(
         axis.plot([0, 1], [0, 1], "k--", linewidth=0.8)
         axis.set(xlim=(0, 1), ylim=(0, 1), xlabel="confidence")
     axes[0].set_ylabel("accuracy")
+    figure.suptitle("Reliability on the digits test set, all seeds pooled (numbers: samples per bin)", fontsize=10)
     figure.tight_layout()
     save(figure, path)
 

@@ -311,7 +311,7 @@ def scores(run: Run, data: DigitsSplit) -> dict[str, float]:
     return result
 
 
-def run_digits(framework: Framework, preset: Preset, base_seed: int, output: Path) -> tuple[Table, Table]:
+def run_digits(framework: Framework, preset: Preset, base_seed: int, output: Path) -> tuple[Table, Table, Table]:
     data = digits_split(base_seed)
     seeds = list(range(base_seed, base_seed + preset.digits_seeds))
     final: dict[str, list[Run]] = {"Single": [], "MC-Dropout": [], "Masksembles": [], "Deep Ensemble": []}
@@ -328,7 +328,7 @@ def run_digits(framework: Framework, preset: Preset, base_seed: int, output: Pat
 
     main = main_table(final, picks, data, seeds)
     sweep_table = sweep_table_of(sweep, picks, data, seeds)
-    corruption_study(final, data, output)
+    shift = corruption_study(final, data, output)
     diagrams = {name: pooled_reliability([run.test for run in runs], data, len(seeds)) for name, runs in final.items()}
     by_scale = {
         scale: pooled_reliability([run.test for run in sweep[f"Masksembles (S={scale:g})"]], data, len(seeds))
@@ -343,7 +343,7 @@ def run_digits(framework: Framework, preset: Preset, base_seed: int, output: Pat
         {name: [metrics.pairwise_diversity(run.test, data.y_test) for run in runs] for name, runs in diversity.items()},
         [scores(run, data)["accuracy"] for run in final["Single"]],
     )
-    return main, sweep_table
+    return main, sweep_table, shift
 
 
 def pooled_reliability(
@@ -431,8 +431,8 @@ def sweep_table_of(
     )
 
 
-def corruption_study(final: dict[str, list[Run]], data: DigitsSplit, output: Path) -> None:
-    """Accuracy and ECE of the final models on every corruption and severity; PNG and CSV."""
+def corruption_study(final: dict[str, list[Run]], data: DigitsSplit, output: Path) -> Table:
+    """Accuracy and ECE of the final models on every corruption and severity: PNG, CSV, and a summary table."""
     # clean test set first, then every corruption at every severity: one prediction call per model
     shifted = np.concatenate([data.x_test] + [corrupt(data.x_test, c, s) for c in CORRUPTIONS for s in SEVERITIES])
     results: dict[str, NDArray[np.float64]] = {}
@@ -461,6 +461,22 @@ def corruption_study(final: dict[str, list[Run]], data: DigitsSplit, output: Pat
     )
     Table("Digits under corruption", ("Model", "Corruption", "Severity", "Accuracy", "ECE"), rows).write(
         output / "digits_corruptions"
+    )
+    by_severity = values_by_severity(results)
+    return Table(
+        "Digits under corruption: mean over the 5 corruptions",
+        ("Model", "Metric", "Clean", *(f"Severity {s}" for s in SEVERITIES)),
+        by_severity,
+        note=f"Corruptions: {', '.join(CORRUPTIONS)}. Mean ± std over seeds of the mean over corruptions.",
+    )
+
+
+def values_by_severity(results: dict[str, NDArray[np.float64]]) -> tuple[tuple[str | Stat, ...], ...]:
+    """Rows (model, metric, clean, severity 1..5) from ``results[model]`` of shape (seeds, corruptions, 6, 2)."""
+    return tuple(
+        (name, metric, *(seed_stat(values[:, :, s, index].mean(axis=1)) for s in range(values.shape[2])))
+        for name, values in results.items()
+        for index, metric in enumerate(("accuracy", "ECE"))
     )
 
 
@@ -497,16 +513,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     run_theory(preset, args.seed, output)
     timed("masks and theory", section)
     section = time.perf_counter()
-    digits, sweep = run_digits(framework, preset, args.seed, output)
+    digits, sweep, shift = run_digits(framework, preset, args.seed, output)
     digits.write(output / "digits_results")
     sweep.write(output / "digits_sweep")
+    shift.write(output / "digits_shift")
     timed("digits", section)
     total = time.perf_counter() - start
 
     summary = (
         f"# Masksembles demo results ({args.framework}, {preset_name} run, seed {args.seed})\n\n"
         f"Wall time {total:.0f} s ({'; '.join(timings)}).\n\n"
-        + "\n\n".join(table.markdown() for table in (toy, digits, sweep))
+        + "\n\n".join(table.markdown() for table in (toy, digits, sweep, shift))
         + "\n\nPlots: toy_transition.png, masks.png, theory.png, corruptions.png, reliability.png, diversity.png "
         "(digits_corruptions.csv holds the corruption numbers).\n"
     )

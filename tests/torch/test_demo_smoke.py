@@ -17,7 +17,7 @@ from tests.backends import require_backend
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "demo.py"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 PLOTS = ("toy_transition", "masks", "theory", "corruptions", "reliability", "diversity")
-TABLES = ("toy_entropy", "digits_results", "digits_sweep", "digits_corruptions")
+TABLES = ("toy_entropy", "digits_results", "digits_sweep", "digits_corruptions", "digits_shift")
 DIGITS_MODELS = ["Single", "MC-Dropout", "Masksembles", "Deep Ensemble"]
 TOY_MODELS = [
     "Single",
@@ -97,10 +97,20 @@ def test_sweep_and_corruption_tables_cover_every_setting(output: Path) -> None:
         for corruption in CORRUPTIONS
         for severity in range(1, 6)
     }
+    shift = read_csv(output / "digits_shift.csv")
+    assert [(row["Model"], row["Metric"]) for row in shift] == [
+        (model, metric) for model in DIGITS_MODELS for metric in ("accuracy", "ECE")
+    ]
+    assert all(row[f"Severity {s} mean"] != "" for row in shift for s in range(1, 6))
 
 
 def test_summary_holds_every_table(output: Path) -> None:
     summary = (output / "results.md").read_text()
-    for title in ("Toy transition", "Digits: in-distribution", "Digits: the validation sweeps"):
+    for title in (
+        "Toy transition",
+        "Digits: in-distribution",
+        "Digits: the validation sweeps",
+        "Digits under corruption",
+    ):
         assert title in summary
     assert "Wall time" in summary
