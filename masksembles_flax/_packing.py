@@ -1,20 +1,24 @@
 """Packed inference for Flax NNX: every member at about the cost of one model, from the structure of the masks.
 
 Member ``k`` of a Masksembles model only ever uses its live channels, so the layers next to a Masksembles layer can
-be shrunk physically. ``extract_member`` builds member ``k`` as a standalone dense model of shrunk NNX layers;
-``pack`` runs all members in one call: the shared prefix before the first Masksembles layer runs once on the batch,
-then every member holds its compacted weights stacked on a leading member axis (padded to the widest member) and
-``jax.vmap`` runs the members together (a batched matmul for Linear, a grouped convolution for Conv). Both have eval
-semantics: BatchNorm uses its running statistics, Dropout is off, Masksembles is grouped.
+be shrunk physically. ``extract_member`` builds member ``k`` as a standalone dense model of shrunk NNX layers.
+``pack`` runs all members in one call: the shared prefix before the first Masksembles layer runs once on the batch
+(on the union of the channels the members use); after it, every member runs on its own compacted weights, padded to
+the widest member: the members' Linear layers as one batched matmul (``jax.vmap`` over their stacked kernels), their
+convolutions and per-channel layers one per member (XLA:CPU runs the grouped convolution that ``jax.vmap`` makes of
+a convolution several times slower than the separate ones). Both have eval semantics: BatchNorm uses its running
+statistics, Dropout is off, Masksembles is grouped.
 
 Supported models: ``nnx.Sequential`` (nested ones included) of ``nnx.Linear``, ``nnx.Conv`` (feature_group_count=1,
 no kernel mask), ``nnx.BatchNorm`` on the last axis, ``nnx.Dropout``, elementwise activation functions (``nnx.relu``,
 ``jax.nn.gelu``, ``jnp.tanh``, ... or a ``functools.partial`` of one with keyword arguments), pooling given as a
-``functools.partial`` of ``nnx.max_pool``/``avg_pool``/``min_pool``, ``Flatten``, ``Residual`` and Masksembles
-layers on the last axis with the same n. Anything else raises a ValueError that names the layer by its path in the
-model (``model.layers[2]``). Which channels each member computes is decided across the graph, residual additions
-included, by ``masksembles_core.packing`` (its module docstring states the rules). Channels that Masksembles zeroes
-are left out instead of multiplied by 0, so results equal the dense model's for finite activations.
+``functools.partial`` of ``nnx.max_pool``/``avg_pool``/``min_pool`` over the spatial axes, ``Flatten``, ``Residual``
+and Masksembles layers on the last axis with the same n. Anything else raises a ValueError that names the layer by
+its path in the model (``model.layers[2]``). Which channels each member computes is decided across the graph,
+residual additions included, by ``masksembles_core.packing`` (its module docstring states the rules): a residual
+addition keeps what either side needs, and a channel is skipped only where it is known to be zero. Channels that
+Masksembles zeroes are left out instead of multiplied by 0, so results equal the dense model's for finite
+activations (a masked inf or NaN gives NaN in the dense model and is absent here).
 """
 
 from __future__ import annotations
@@ -216,60 +220,39 @@ def _trace(model: Any, example_input: jax.Array | jax.ShapeDtypeStruct) -> tuple
 
 
 class _Select(nnx.Module):
-    """Move the channels (last axis) of a node into its consumer's layout (``gather``), then scale them (``multiply``).
+    """Move the channels (last axis) of one copy's input into its layout (``index``, (P,)), then scale them."""
 
-    ``index`` and ``scale``: (P,) for an unstacked target; (m, P) for a stacked one, whose output has the member axis
-    in front, (m, B, ..., P), with ``index[k]`` addressing member k's source block (or the shared source).
-    """
-
-    def __init__(
-        self, index: np.ndarray, scale: np.ndarray, *, source_stacked: bool, target_stacked: bool, gather: bool
-    ) -> None:
-        self.source_stacked, self.target_stacked, self.gather = source_stacked, target_stacked, gather
-        self.multiply = not bool((scale == 1).all())
+    def __init__(self, index: np.ndarray, scale: np.ndarray, *, gather: bool) -> None:
+        self.gather, self.multiply = gather, not bool((scale == 1).all())
         self.index = jnp.asarray(index, dtype=jnp.int32)
         self.scale = jnp.asarray(scale, dtype=jnp.float32)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        if self.gather and self.target_stacked and not self.source_stacked:
-            x = jnp.moveaxis(jnp.take(x, self.index, axis=-1), -2, 0)
-        elif self.gather and self.target_stacked:
-            x = jax.vmap(lambda member, index: jnp.take(member, index, axis=-1))(x, self.index)
-        elif self.gather:
-            x = jnp.take(x, self.index, axis=-1)
-        if not self.multiply:
-            return x
-        scale = self.scale.astype(x.dtype)
-        if self.target_stacked:
-            scale = scale.reshape((scale.shape[0], *([1] * (x.ndim - 2)), scale.shape[1]))
-        return x * scale
+        if self.gather:
+            x = jnp.take(x, self.index, axis=-1, mode="clip")
+        return x * self.scale.astype(x.dtype) if self.multiply else x
 
 
-def _select(
-    source: Placement,
-    target: Placement,
-    members: int,
-    scales: Sequence[np.ndarray] | None,
-    *,
-    source_stacked: bool,
-    target_stacked: bool,
-) -> _Select | None:
-    """The module that moves ``source``'s channels into ``target``'s layout, or None if nothing moves."""
+def _selects(
+    source: Placement, target: Placement, copies: int, members: int, scales: Sequence[np.ndarray] | None
+) -> list[_Select | None]:
+    """For each of the target's copies, the module that moves its source copy into its layout (None: nothing moves).
+
+    ``copies``: 1 for a shared node or an extracted member, else ``members``; a source with one copy feeds them all.
+    """
     plan = gather_plan(source, target, members, scales)
     if plan is None:
-        return None
-    index, scale = plan
+        return [None] * copies
     width = target.width
-    if target_stacked:
-        index, scale = index.reshape(members, width), scale.reshape(members, width)
-        if source_stacked:  # gather_plan addresses the members' blocks side by side
-            index = index - (np.arange(members) * source.width)[:, None]
-    else:  # a shared target repeats its one layout for every member; an extracted member is one block
-        index, scale = index[:width], scale[:width]
-    gather = source_stacked != target_stacked or source.width != width or not (index == np.arange(width)).all()
-    if not gather and (scale == 1).all():
-        return None
-    return _Select(index, scale, source_stacked=source_stacked, target_stacked=target_stacked, gather=gather)
+    index, scale = plan[0].reshape(members, width), plan[1].reshape(members, width)
+    if not source.shared:  # gather_plan addresses the members' blocks side by side
+        index = index - (np.arange(members) * source.width)[:, None]
+    selects: list[_Select | None] = []
+    for k in range(copies):
+        gather = source.width != width or not (index[k] == np.arange(width)).all()
+        moves = gather or not (scale[k] == 1).all()
+        selects.append(_Select(index[k], scale[k], gather=gather) if moves else None)
+    return selects
 
 
 def _blocks(kernel: np.ndarray, rows: Sequence[np.ndarray], cols: Sequence[np.ndarray]) -> np.ndarray:
@@ -280,87 +263,86 @@ def _blocks(kernel: np.ndarray, rows: Sequence[np.ndarray], cols: Sequence[np.nd
     return np.transpose(picked, (spatial, *range(spatial), spatial + 2, spatial + 1))
 
 
-def _per_channel(vector: np.ndarray, layouts: Sequence[np.ndarray], padding: float) -> np.ndarray:
-    """A per-channel vector laid out like ``layouts``: (L, P), ``padding`` at padded positions."""
-    index, valid = channel_indices(layouts)
-    picked = np.where(valid, vector[index], np.asarray(padding, vector.dtype))
-    return picked.reshape(len(layouts), -1)
+def _per_channel(vector: np.ndarray, layout: np.ndarray, padding: float) -> np.ndarray:
+    """A per-channel vector laid out like ``layout``, ``padding`` at padded positions."""
+    index, valid = channel_indices([layout])
+    result: np.ndarray = np.where(valid, vector[index], np.asarray(padding, vector.dtype))
+    return result
 
 
-def _shrink_mixing(layer: nnx.Linear | nnx.Conv, rows: Sequence[np.ndarray], cols: Sequence[np.ndarray]) -> nnx.Module:
-    """A copy of a Linear/Conv holding the member blocks ``rows`` x ``cols``, stacked on a leading axis if several."""
-    stacked = len(rows) > 1
+def _shrink_mixing(layer: nnx.Linear | nnx.Conv, rows: Sequence[np.ndarray], cols: Sequence[np.ndarray]) -> Any:
+    """A copy of a Linear/Conv cut to output channels ``rows[k]`` and input channels ``cols[k]`` (-1: zero padding).
+
+    One layout pair gives a plain shrunk layer; several give kernels stacked on a leading member axis (``jax.vmap``).
+    """
     kernel = _blocks(np.asarray(layer.kernel[...]), rows, cols)
     shrunk = nnx.clone(layer)
-    shrunk.kernel = nnx.Param(jnp.asarray(kernel if stacked else kernel[0]))
+    shrunk.kernel = nnx.Param(jnp.asarray(kernel if len(rows) > 1 else kernel[0]))
     if layer.bias is not None:
-        bias = _per_channel(np.asarray(layer.bias[...]), rows, 0.0)
-        shrunk.bias = nnx.Param(jnp.asarray(bias if stacked else bias[0]))
+        bias = np.stack([_per_channel(np.asarray(layer.bias[...]), row, 0.0) for row in rows])
+        shrunk.bias = nnx.Param(jnp.asarray(bias if len(rows) > 1 else bias[0]))
     shrunk.in_features, shrunk.out_features = kernel.shape[-2:]
     if isinstance(shrunk, nnx.Conv):
         shrunk.kernel_shape = kernel.shape[1:]
     return shrunk
 
 
-def _shrink_norm(layer: nnx.BatchNorm, layouts: Sequence[np.ndarray]) -> nnx.BatchNorm:
-    """A copy of a BatchNorm with running statistics laid out like ``layouts`` (stacked if several)."""
-    stacked = len(layouts) > 1
-
-    def lay_out(vector: jax.Array, padding: float) -> jax.Array:
-        result = _per_channel(np.asarray(vector), layouts, padding)
-        return jnp.asarray(result if stacked else result[0])
-
+def _shrink_norm(layer: nnx.BatchNorm, layout: np.ndarray) -> nnx.BatchNorm:
+    """A copy of a BatchNorm in eval mode with its statistics and affine parameters laid out like ``layout``."""
     shrunk = nnx.clone(layer)
-    shrunk.mean = nnx.BatchStat(lay_out(layer.mean[...], 0.0))
-    shrunk.var = nnx.BatchStat(lay_out(layer.var[...], 1.0))
+    shrunk.mean = nnx.BatchStat(jnp.asarray(_per_channel(np.asarray(layer.mean[...]), layout, 0.0)))
+    shrunk.var = nnx.BatchStat(jnp.asarray(_per_channel(np.asarray(layer.var[...]), layout, 1.0)))
     if layer.scale is not None:
-        shrunk.scale = nnx.Param(lay_out(layer.scale[...], 1.0))
+        shrunk.scale = nnx.Param(jnp.asarray(_per_channel(np.asarray(layer.scale[...]), layout, 1.0)))
     if layer.bias is not None:
-        shrunk.bias = nnx.Param(lay_out(layer.bias[...], 0.0))
-    shrunk.num_features = len(layouts[0])
+        shrunk.bias = nnx.Param(jnp.asarray(_per_channel(np.asarray(layer.bias[...]), layout, 0.0)))
+    shrunk.num_features = len(layout)
     shrunk.use_running_average = True
     return shrunk
 
 
-class _Step(nnx.Module):
-    """One node: bring its inputs into its layout, then compute it; ``stacked`` outputs have the member axis first.
+class _Copy(nnx.Module):
+    """One copy of a node (shared, or one member's): the selects of its inputs and its compacted operation."""
 
-    ``how``: "layer" (a compacted Linear, Conv or BatchNorm, vmapped over stacked weights), "function", "add",
-    "flatten" or "identity".
-    """
-
-    def __init__(
-        self,
-        name: str,
-        inputs: tuple[str, ...],
-        selects: Sequence[_Select | None],
-        how: str,
-        operation: Any,
-        *,
-        stacked: bool,
-    ) -> None:
-        self.name, self.inputs, self.how, self.stacked = name, inputs, how, stacked
+    def __init__(self, selects: Sequence[_Select | None], operation: Any) -> None:
         self.selects = nnx.List(selects)
         self.operation = operation
 
-    def __call__(self, *values: jax.Array) -> jax.Array:
-        args = [x if select is None else select(x) for x, select in zip(values, self.selects, strict=True)]
-        if self.how == "add":
-            return args[0] + args[1]
-        x = args[0]
-        if self.how == "flatten":
-            return x.reshape((*x.shape[: 2 if self.stacked else 1], -1))
-        if self.how == "identity":
-            return x
-        if self.how == "function":
-            result: jax.Array = jax.vmap(self.operation)(x) if self.stacked else self.operation(x)
-            return result
-        if not self.stacked:
-            result = self.operation(x)
-            return result
-        graphdef, state = nnx.split(self.operation)
-        result = jax.vmap(lambda member, v: nnx.merge(graphdef, member)(v))(state, x)
-        return result
+
+class _Step(nnx.Module):
+    """One node, as one copy (shared, or an extracted member) or one per member; ``how``: apply, add, flatten, identity.
+
+    Values are tuples of arrays, one per copy; a one-copy input feeds every copy.
+    """
+
+    def __init__(self, name: str, inputs: tuple[str, ...], how: str, copies: Sequence[_Copy]) -> None:
+        self.name, self.inputs, self.how = name, inputs, how
+        self.copies = nnx.List(copies)
+
+    def __call__(self, *sources: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+        outputs = []
+        for k, copy in enumerate(self.copies):
+            args = [source[k] if len(source) > 1 else source[0] for source in sources]
+            args = [x if select is None else select(x) for x, select in zip(args, copy.selects, strict=True)]
+            if self.how == "add":
+                outputs.append(args[0] + args[1])
+            elif self.how == "flatten":
+                outputs.append(args[0].reshape((args[0].shape[0], -1)))
+            else:
+                outputs.append(args[0] if self.how == "identity" else copy.operation(args[0]))
+        return tuple(outputs)
+
+
+class _BatchedLinear(nnx.Module):
+    """A Linear node for every member at once: one batched matmul over the members' stacked compacted kernels."""
+
+    def __init__(self, name: str, inputs: tuple[str, ...], layer: nnx.Linear) -> None:
+        self.name, self.inputs, self.layer = name, inputs, layer
+
+    def __call__(self, source: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+        graphdef, state = nnx.split(self.layer)
+        outputs = jax.vmap(lambda member, x: nnx.merge(graphdef, member)(x))(state, jnp.stack(source))
+        return tuple(outputs)
 
 
 class PackedMasksembles(nnx.Module):
@@ -386,46 +368,41 @@ class PackedMasksembles(nnx.Module):
             if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < n:
                 raise ValueError(f"member must be an integer in [0, {n}); received {k!r}")
         placements = plan_members([node.graph_node() for node in nodes], output, chosen)
-        stacked = {name: not squeeze and not placement.shared for name, placement in placements.items()}
         steps = []
         for node in nodes[1:]:
             target = placements[node.name]
+            copies = 1 if squeeze or target.shared else len(chosen)
             if node.kind in MIXING:
-                source = placements[node.inputs[0]]
-                operation = _shrink_mixing(node.layer, target.layouts, source.member_layouts(len(target.layouts)))
-                steps.append(_Step(node.name, node.inputs, [None], "layer", operation, stacked=stacked[node.name]))
+                rows, cols = target.layouts, placements[node.inputs[0]].member_layouts(len(target.layouts))
+                if node.kind == "linear" and copies > 1:
+                    steps.append(_BatchedLinear(node.name, node.inputs, _shrink_mixing(node.layer, rows, cols)))
+                else:
+                    operations = [_shrink_mixing(node.layer, [rows[k]], [cols[k]]) for k in range(copies)]
+                    steps.append(_Step(node.name, node.inputs, "apply", [_Copy([None], op) for op in operations]))
                 continue
             if node.kind == "flatten":
-                steps.append(_Step(node.name, node.inputs, [None], "flatten", None, stacked=stacked[node.name]))
+                steps.append(_Step(node.name, node.inputs, "flatten", [_Copy([None], None) for _ in range(copies)]))
                 continue
             scales = [masks[node.name][k].astype(np.float64) for k in chosen] if node.kind == "masks" else None
-            selects = [
-                _select(
-                    placements[name],
-                    target,
-                    len(chosen),
-                    scales,
-                    source_stacked=stacked[name],
-                    target_stacked=stacked[node.name],
-                )
-                for name in node.inputs
+            selects = [_selects(placements[name], target, copies, len(chosen), scales) for name in node.inputs]
+            how = {"add": "add", "function": "apply", "norm": "apply"}.get(node.kind, "identity")
+            operations = [
+                _shrink_norm(node.layer, target.layouts[k]) if node.kind == "norm" else node.layer
+                for k in range(copies)
             ]
-            how, operation = {"add": ("add", None), "function": ("function", node.layer)}.get(
-                node.kind, ("identity", None)
-            )
-            if node.kind == "norm":
-                how, operation = "layer", _shrink_norm(node.layer, target.layouts)
-            steps.append(_Step(node.name, node.inputs, selects, how, operation, stacked=stacked[node.name]))
+            step_copies = [_Copy([per_input[k] for per_input in selects], operations[k]) for k in range(copies)]
+            steps.append(_Step(node.name, node.inputs, how, step_copies))
         self.steps = nnx.List(steps)
         self.input_name, self.output_name = nodes[0].name, output
-        self.members, self.squeeze = len(chosen), squeeze
+        self.squeeze = squeeze
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """(B, ...) -> (m, B, ...) every member's output, or (B, ...) for an extracted member."""
-        values = {self.input_name: x}
+        values = {self.input_name: (x,)}
         for step in self.steps:
             values[step.name] = step(*(values[name] for name in step.inputs))
-        return values[self.output_name]
+        outputs = values[self.output_name]
+        return outputs[0] if self.squeeze else jnp.stack(outputs)
 
 
 def pack(model: Any, example_input: jax.Array | jax.ShapeDtypeStruct) -> PackedMasksembles:

@@ -238,6 +238,14 @@ def test_packed_weights_are_member_blocks_after_a_shared_prefix() -> None:
     assert kernels == [(12, 48), (N, widths[0], widths[1]), (N, widths[1], 3)], "the first Linear runs once"
 
 
+def test_packed_convolutions_are_one_shrunk_convolution_per_member() -> None:
+    model, shape = build("cnn2d", 2.0, 0)
+    packed = pack(model, jnp.zeros((2, *shape)))
+    kernels = [module.kernel.shape for _, module in nnx.iter_modules(packed) if isinstance(module, nnx.Conv)]
+    widths = [max(ones_per_layer(model, k)[i] for k in range(N)) for i in range(2)]
+    assert kernels == [(3, 3, 3, 16)] + [(3, 3, widths[0], widths[1])] * N, "the first Conv runs once"
+
+
 @pytest.mark.parametrize("name", ["resnet", "cnn2d"])
 def test_packed_call_eager_and_jitted_on_any_batch(name: str) -> None:
     model, shape = build(name, 2.0, 0)
