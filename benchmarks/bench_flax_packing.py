@@ -71,16 +71,19 @@ def jitted(module: nnx.Module, call: Callable[[nnx.Module, jax.Array], jax.Array
 def macs(fn: Callable[[jax.Array], jax.Array], x: jax.Array) -> int:
     """Multiply-accumulates of the dot_general and conv_general_dilated operations of ``fn(x)``."""
 
+    def shape(var: Any) -> tuple[int, ...]:
+        return tuple(var.aval.shape)
+
     def count(jaxpr: jex.Jaxpr) -> int:
         total = 0
         for eqn in jaxpr.eqns:
-            out = int(np.prod(eqn.outvars[0].aval.shape))
+            out = int(np.prod(shape(eqn.outvars[0])))
             if eqn.primitive.name == "dot_general":
                 (contracting, _), _ = eqn.params["dimension_numbers"]
-                lhs = eqn.invars[0].aval.shape
+                lhs = shape(eqn.invars[0])
                 total += out * int(np.prod([lhs[d] for d in contracting]))
             elif eqn.primitive.name == "conv_general_dilated":
-                rhs = eqn.invars[1].aval.shape
+                rhs = shape(eqn.invars[1])
                 total += out * int(np.prod(rhs)) // rhs[eqn.params["dimension_numbers"].rhs_spec[0]]
             total += sum(count(sub) for sub in jex.jaxprs_in_params(eqn.params))
         return total

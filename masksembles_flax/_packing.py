@@ -61,7 +61,8 @@ class Flatten(nnx.Module):
     """(B, *rest) -> (B, prod(rest)) in row-major order: for channels-last input, feature ``s*C + c``."""
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return x.reshape((x.shape[0], -1))
+        flat: jax.Array = x.reshape((x.shape[0], -1))
+        return flat
 
 
 class Residual(nnx.Module):
@@ -71,7 +72,8 @@ class Residual(nnx.Module):
         self.branch = nnx.Sequential(*layers)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return x + self.branch(x)
+        y: jax.Array = x + self.branch(x)
+        return y
 
 
 @dataclass
@@ -368,7 +370,7 @@ class PackedMasksembles(nnx.Module):
             if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < n:
                 raise ValueError(f"member must be an integer in [0, {n}); received {k!r}")
         placements = plan_members([node.graph_node() for node in nodes], output, chosen)
-        steps = []
+        steps: list[_Step | _BatchedLinear] = []
         for node in nodes[1:]:
             target = placements[node.name]
             copies = 1 if squeeze or target.shared else len(chosen)
@@ -398,7 +400,7 @@ class PackedMasksembles(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """(B, ...) -> (m, B, ...) every member's output, or (B, ...) for an extracted member."""
-        values = {self.input_name: (x,)}
+        values: dict[str, tuple[jax.Array, ...]] = {self.input_name: (x,)}
         for step in self.steps:
             values[step.name] = step(*(values[name] for name in step.inputs))
         outputs = values[self.output_name]

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +16,7 @@ import masksembles_flax as mf
 from masksembles_flax.nnx import Flatten, Masksembles, Residual, extract_member, pack
 
 N = 4
-ModelFactory = Callable[[float, int, nnx.Rngs], nnx.Module]
+ModelFactory = Callable[[float, int, nnx.Rngs], nnx.Sequential]
 
 
 def relative_error(actual: jax.Array, expected: jax.Array) -> float:
@@ -36,7 +37,7 @@ def linear(inputs: int, outputs: int, rngs: nnx.Rngs) -> nnx.Linear:
     return nnx.Linear(inputs, outputs, kernel_init=numpy_init, bias_init=numpy_init, rngs=rngs)
 
 
-def conv(inputs: int, outputs: int, kernel: tuple[int, ...], rngs: nnx.Rngs, **options: object) -> nnx.Conv:
+def conv(inputs: int, outputs: int, kernel: tuple[int, ...], rngs: nnx.Rngs, **options: Any) -> nnx.Conv:
     return nnx.Conv(inputs, outputs, kernel, kernel_init=numpy_init, bias_init=numpy_init, rngs=rngs, **options)
 
 
@@ -44,7 +45,7 @@ def random_input(shape: tuple[int, ...], seed: int) -> jax.Array:
     return jnp.asarray(np.random.default_rng(seed).normal(size=shape), jnp.float32)
 
 
-def randomize_norms(model: nnx.Module, seed: int) -> nnx.Module:
+def randomize_norms(model: nnx.Sequential, seed: int) -> nnx.Sequential:
     """Random running statistics, scale and bias in every BatchNorm, then eval mode."""
     rng = np.random.default_rng(seed)
     for _, module in nnx.iter_modules(model):
@@ -59,11 +60,11 @@ def randomize_norms(model: nnx.Module, seed: int) -> nnx.Module:
     return model
 
 
-def pool(fn: Callable[..., jax.Array], window: tuple[int, ...], **kwargs: object) -> Callable[..., jax.Array]:
+def pool(fn: Callable[..., jax.Array], window: tuple[int, ...], **kwargs: Any) -> Callable[..., jax.Array]:
     return functools.partial(fn, window_shape=window, **kwargs)
 
 
-def mlp(scale: float, seed: int, rngs: nnx.Rngs) -> nnx.Module:
+def mlp(scale: float, seed: int, rngs: nnx.Rngs) -> nnx.Sequential:
     return nnx.Sequential(
         linear(12, 48, rngs), nnx.gelu, Masksembles(48, N, scale, seed=seed),
         linear(48, 40, rngs), jnp.tanh, nnx.Dropout(0.3, rngs=rngs), Masksembles(40, N, scale, seed=seed + 1),
@@ -71,7 +72,7 @@ def mlp(scale: float, seed: int, rngs: nnx.Rngs) -> nnx.Module:
     )  # fmt: skip
 
 
-def cnn2d(scale: float, seed: int, rngs: nnx.Rngs) -> nnx.Module:
+def cnn2d(scale: float, seed: int, rngs: nnx.Rngs) -> nnx.Sequential:
     return nnx.Sequential(
         conv(3, 16, (3, 3), rngs, padding="VALID"), nnx.BatchNorm(16, rngs=rngs), nnx.relu,
         Masksembles(16, N, scale, seed=seed), pool(nnx.max_pool, (2, 2), strides=(2, 2)),
@@ -81,7 +82,7 @@ def cnn2d(scale: float, seed: int, rngs: nnx.Rngs) -> nnx.Module:
     )  # fmt: skip
 
 
-def cnn1d(scale: float, seed: int, rngs: nnx.Rngs) -> nnx.Module:
+def cnn1d(scale: float, seed: int, rngs: nnx.Rngs) -> nnx.Sequential:
     return nnx.Sequential(
         conv(2, 12, (3,), rngs, padding="VALID"), nnx.relu, Masksembles(12, N, scale, seed=seed),
         conv(12, 8, (1,), rngs), pool(nnx.avg_pool, (2,), strides=(2,)), nnx.sigmoid,
@@ -89,7 +90,7 @@ def cnn1d(scale: float, seed: int, rngs: nnx.Rngs) -> nnx.Module:
     )  # fmt: skip
 
 
-def cnn3d(scale: float, seed: int, rngs: nnx.Rngs) -> nnx.Module:
+def cnn3d(scale: float, seed: int, rngs: nnx.Rngs) -> nnx.Sequential:
     return nnx.Sequential(
         conv(1, 8, (2, 2, 2), rngs, padding="VALID"), nnx.BatchNorm(8, use_bias=False, rngs=rngs),
         Masksembles(8, N, scale, seed=seed), functools.partial(nnx.leaky_relu, negative_slope=0.2),
@@ -98,12 +99,12 @@ def cnn3d(scale: float, seed: int, rngs: nnx.Rngs) -> nnx.Module:
     )  # fmt: skip
 
 
-def sequence_model(scale: float, seed: int, rngs: nnx.Rngs) -> nnx.Module:
+def sequence_model(scale: float, seed: int, rngs: nnx.Rngs) -> nnx.Sequential:
     """A Linear on (B, T, F): channels on the last axis, T an extra batch-like axis."""
     return nnx.Sequential(linear(6, 32, rngs), nnx.relu, Masksembles(32, N, scale, seed=seed), linear(32, 5, rngs))
 
 
-def resnet(scale: float, seed: int, rngs: nnx.Rngs, *, masked_input: bool = False) -> nnx.Module:
+def resnet(scale: float, seed: int, rngs: nnx.Rngs, *, masked_input: bool = False) -> nnx.Sequential:
     """Residual blocks with Masksembles in the branch; ``masked_input`` also masks what the first skip carries."""
 
     def block(channels: int, block_seed: int) -> Residual:
@@ -132,14 +133,14 @@ MODELS: dict[str, tuple[ModelFactory, tuple[int, ...]]] = {
 }
 
 
-def build(name: str, scale: float, seed: int) -> tuple[nnx.Module, tuple[int, ...]]:
+def build(name: str, scale: float, seed: int) -> tuple[nnx.Sequential, tuple[int, ...]]:
     factory, shape = MODELS[name]
     return randomize_norms(factory(scale, seed, nnx.Rngs(seed)), seed), shape
 
 
 @nnx.jit
 def packed_and_dense(
-    model: nnx.Module, packed: nnx.Module, members: list[nnx.Module], x: jax.Array
+    model: nnx.Module, packed: nnx.Module, members: Sequence[nnx.Module], x: jax.Array
 ) -> tuple[jax.Array, jax.Array, list[jax.Array]]:
     """One compilation for pack(x), predict(model, x, N) and every extracted member on x."""
     return packed(x), mf.predict(model, x, N), [member(x) for member in members]
@@ -163,17 +164,18 @@ def test_pack_and_extract_equal_the_dense_model(name: str, seed: int, scale: flo
 
 
 LEAKY_RELU = functools.partial(nnx.leaky_relu, negative_slope=0.1)
-ACTIVATION_CHOICES = [nnx.relu, nnx.gelu, jnp.tanh, nnx.sigmoid, nnx.softplus, nnx.silu, LEAKY_RELU]
+Activation = Callable[[jax.Array], jax.Array]
+ACTIVATION_CHOICES: list[Activation] = [nnx.relu, nnx.gelu, jnp.tanh, nnx.sigmoid, nnx.softplus, nnx.silu, LEAKY_RELU]
 
 
-def random_model(seed: int) -> tuple[nnx.Module, tuple[int, ...]]:
+def random_model(seed: int) -> tuple[nnx.Sequential, tuple[int, ...]]:
     """A random CNN: conv blocks, residual blocks, masks and pools in random order, then a masked MLP head."""
     rng = np.random.default_rng(seed)
     rngs = nnx.Rngs(seed)
     scale = float(rng.choice([1.0, 1.5, 2.0, 4.0]))
     seeds = iter(range(100 * seed, 100 * seed + 100))
 
-    def activation() -> Callable[[jax.Array], jax.Array]:
+    def activation() -> Activation:
         return ACTIVATION_CHOICES[int(rng.integers(len(ACTIVATION_CHOICES)))]
 
     def masks(channels: int) -> Masksembles:
@@ -181,7 +183,7 @@ def random_model(seed: int) -> tuple[nnx.Module, tuple[int, ...]]:
 
     spatial, channels = int(rng.integers(3, 7)), int(rng.integers(2, 5))
     shape = (spatial, spatial, channels)
-    layers: list[Callable[[jax.Array], jax.Array]] = []
+    layers: list[Activation] = []
     for _ in range(int(rng.integers(2, 5))):
         choice = int(rng.integers(4))
         if choice == 0:
@@ -190,7 +192,11 @@ def random_model(seed: int) -> tuple[nnx.Module, tuple[int, ...]]:
             layers += [conv(channels, out, (3, 3), rngs, strides=stride), *(after[i] for i in rng.permutation(3))]
             channels, spatial = out, -(-spatial // stride)
         elif choice == 1:
-            branch = [conv(channels, channels, (3, 3), rngs), nnx.BatchNorm(channels, rngs=rngs), activation()]
+            branch: list[Callable[..., Any]] = [
+                conv(channels, channels, (3, 3), rngs),
+                nnx.BatchNorm(channels, rngs=rngs),
+            ]
+            branch.append(activation())
             layers.append(Residual(*branch, masks(channels), conv(channels, channels, (1, 1), rngs)))
         elif choice == 2:
             layers += [masks(channels), activation()]
@@ -265,7 +271,8 @@ def test_pack_leaves_the_model_untouched() -> None:
     before = jax.tree.map(np.asarray, nnx.state(model))
     pack(model, jnp.zeros((4, *shape)))
     extract_member(model, 0, jnp.zeros((4, *shape)))
-    assert model.layers[1].use_running_average is False, "the model stays in training mode"
+    norm = model.layers[1]
+    assert isinstance(norm, nnx.BatchNorm) and norm.use_running_average is False, "the model stays in training mode"
     after = jax.tree.map(np.asarray, nnx.state(model))
     assert jax.tree.all(jax.tree.map(np.array_equal, before, after)), "no weight or BatchNorm statistic changes"
 
@@ -283,7 +290,7 @@ class Gate(nnx.Module):
         return x * nnx.sigmoid(x)
 
 
-def linear_masks(*tail: object, n: int = N, channel_axis: int = -1) -> nnx.Sequential:
+def linear_masks(*tail: Callable[..., Any], n: int = N, channel_axis: int = -1) -> nnx.Sequential:
     return nnx.Sequential(linear(4, 8, nnx.Rngs(0)), Masksembles(8, n, 2.0, channel_axis=channel_axis), *tail)
 
 
