@@ -433,15 +433,15 @@ def sweep_table_of(
 
 def corruption_study(final: dict[str, list[Run]], data: DigitsSplit, output: Path) -> Table:
     """Accuracy and ECE of the final models on every corruption and severity: PNG, CSV, and a summary table."""
-    # clean test set first, then every corruption at every severity: one prediction call per model
-    shifted = np.concatenate([data.x_test] + [corrupt(data.x_test, c, s) for c in CORRUPTIONS for s in SEVERITIES])
+    # every corruption at every severity in one prediction call per model; the clean column reuses run.test
+    shifted = np.concatenate([corrupt(data.x_test, c, s) for c in CORRUPTIONS for s in SEVERITIES])
     results: dict[str, NDArray[np.float64]] = {}
     for name, runs in final.items():
         values = np.zeros((len(runs), len(CORRUPTIONS), len(SEVERITIES) + 1, 2))
         for seed_index, run in enumerate(runs):
             members = run.model.predict(shifted).reshape(run.test.shape[0], -1, *run.test.shape[1:])
-            for index in range(members.shape[1]):
-                probs = metrics.predictive_mean(members[:, index])
+            for index, test_members in enumerate([run.test, *members.swapaxes(0, 1)]):
+                probs = metrics.predictive_mean(test_members)
                 scores_at = (
                     metrics.accuracy(probs, data.y_test),
                     metrics.expected_calibration_error(probs, data.y_test, bins=ECE_BINS),
