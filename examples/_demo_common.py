@@ -69,8 +69,15 @@ def softmax(logits: NDArray[np.floating]) -> NDArray[np.float64]:
 class Trained(Protocol):
     """A trained model: its size, its training time and its members' predictions."""
 
-    parameters: int
-    seconds: float
+    @property
+    def parameters(self) -> int:
+        """Number of trained parameters (masks are not parameters)."""
+        ...
+
+    @property
+    def seconds(self) -> float:
+        """Training wall time."""
+        ...
 
     def predict(self, x: NDArray[np.float32]) -> NDArray[np.float64]:
         """Member probabilities, (B, ...) -> (members, B, K)."""

@@ -118,19 +118,26 @@ def gaussian_blur(images: FloatArray, severity: int, rng: np.random.Generator) -
     kernel /= kernel.sum()
     height, width = images.shape[-2:]
     padded = np.pad(images, [(0, 0), (0, 0), (3, 3), (3, 3)])
-    rows = sum(k * padded[..., 3 + o : 3 + o + height, :] for k, o in zip(kernel, offsets, strict=True))
-    return sum(k * rows[..., 3 + o : 3 + o + width] for k, o in zip(kernel, offsets, strict=True)).astype(np.float32)
+    rows = np.zeros(padded[..., 3 : 3 + height, :].shape)  # float64 sums, separable: along H, then along W
+    for weight, offset in zip(kernel, offsets, strict=True):
+        rows += weight * padded[..., 3 + offset : 3 + offset + height, :]
+    blurred = np.zeros(images.shape)
+    for weight, offset in zip(kernel, offsets, strict=True):
+        blurred += weight * rows[..., 3 + offset : 3 + offset + width]
+    return blurred.astype(np.float32)
 
 
 def contrast(images: FloatArray, severity: int, rng: np.random.Generator) -> FloatArray:
     factor = (0.5, 0.35, 0.25, 0.15, 0.1)[severity - 1]
     mean = images.mean(axis=(-2, -1), keepdims=True)
-    return ((images - mean) * factor + mean).astype(np.float32)
+    reduced: FloatArray = ((images - mean) * factor + mean).astype(np.float32)
+    return reduced
 
 
 def brightness(images: FloatArray, severity: int, rng: np.random.Generator) -> FloatArray:
     shift = (0.1, 0.2, 0.3, 0.4, 0.5)[severity - 1]
-    return np.clip(images + shift, 0.0, 1.0).astype(np.float32)
+    brighter: FloatArray = np.clip(images + shift, 0.0, 1.0).astype(np.float32)
+    return brighter
 
 
 CORRUPTIONS: dict[str, Callable[[FloatArray, int, np.random.Generator], FloatArray]] = {

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import matplotlib
@@ -12,6 +12,8 @@ matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
 from numpy.typing import NDArray
 
 import masksembles_core as mc
@@ -22,7 +24,7 @@ MODEL_COLORS = {"Single": "#4c9f95", "MC-Dropout": "#e0695f", "Masksembles": "#d
 TOY_COLORS = ("#d62728", "#1f77b4")  # red (label 0), blue (label 1)
 
 
-def save(figure: plt.Figure, path: Path) -> None:
+def save(figure: Figure, path: Path) -> None:
     figure.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(figure)
 
@@ -89,10 +91,11 @@ def plot_theory(path: Path, *, draws: int, ones: int = 100, channels: int = 512)
     size_axis.set(xlabel="S", ylabel="total model size: layer width / M", title=f"Relative model size, M={ones} fixed")
     size_axis.legend(title="lines: M·S·(1−(1−1/S)^N)/M\ndots: measured", fontsize=8, title_fontsize=8)
     iou_axis.plot(dense, 1.0 / (2.0 * dense - 1.0), "k-", label="analytical 1/(2S−1)")
-    for label, make in (
-        (f"paper's algorithm, M={ones}", lambda s, d: mc.sample_masks(ones, 4, s, seed=d)),
-        (f"generate_masks, C={channels}", lambda s, d: mc.generate_masks(channels, 4, s, seed=d)),
-    ):
+    makers: dict[str, Callable[[float, int], NDArray[np.bool_]]] = {
+        f"paper's algorithm, M={ones}": lambda s, d: mc.sample_masks(ones, 4, s, seed=d),
+        f"generate_masks, C={channels}": lambda s, d: mc.generate_masks(channels, 4, s, seed=d),
+    }
+    for label, make in makers.items():
         measured = [np.mean([mc.mask_stats(make(s, d)).mean_iou for d in range(draws)]) for s in scales]
         iou_axis.plot(scales, measured, "o", markersize=4, label=f"measured: {label}")
     iou_axis.set(xlabel="S", ylabel="mean pairwise IoU", title="Mask IoU, N=4", ylim=(0, 1.02))
@@ -129,7 +132,7 @@ def plot_corruptions(path: Path, results: Mapping[str, NDArray[np.float64]], cor
         axis.set_xticks(range(6), ["clean", "1", "2", "3", "4", "5"])
         axis.set(xlabel="corruption severity", ylabel=name)
         axis.grid(axis="y", alpha=0.3)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=MODEL_COLORS[m.split(" (")[0]]) for m in models]
+    handles = [Rectangle((0, 0), 1, 1, color=MODEL_COLORS[m.split(" (")[0]]) for m in models]
     figure.suptitle(f"Digits under corruption ({', '.join(corruptions)})\nboxes: quartiles over seeds × corruptions")
     figure.tight_layout()
     figure.legend(handles, models, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=len(models), fontsize=9)

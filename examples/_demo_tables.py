@@ -5,7 +5,7 @@ from __future__ import annotations
 import csv
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,5 +86,5 @@ class Table:
             csv.writer(handle).writerows(self.csv_rows())
 
 
-def seed_stat(values: Sequence[float], digits: int = 3) -> Stat:
+def seed_stat(values: Iterable[float], digits: int = 3) -> Stat:
     return Stat(tuple(float(v) for v in values), digits)

@@ -47,7 +47,7 @@ from _demo_data import (
     toy_points,
 )
 from _demo_plots import plot_corruptions, plot_diversity, plot_masks, plot_reliability, plot_theory, plot_toy
-from _demo_tables import Stat, Table, seed_stat
+from _demo_tables import Cell, Stat, Table, seed_stat
 from numpy.typing import NDArray
 from tqdm.auto import tqdm
 
@@ -121,7 +121,7 @@ PRESETS = {
 def load_framework(name: str) -> Framework:
     """The demo's model code for ``name`` (``examples/_demo_<name>.py``), or exit saying what to install."""
     try:
-        framework: Framework = importlib.import_module(FRAMEWORKS[name])  # type: ignore[assignment]
+        framework: Framework = importlib.import_module(FRAMEWORKS[name])
     except ImportError as error:
         raise SystemExit(
             f"--framework {name} needs {EXTRAS[name]} ({error}); e.g. python -m pip install -e '.[{name}]'"
@@ -372,7 +372,7 @@ def metric_cells(runs: Sequence[Run], data: DigitsSplit) -> tuple[Stat, ...]:
 
 
 def main_table(final: dict[str, list[Run]], picks: dict[str, list[str]], data: DigitsSplit, seeds: list[int]) -> Table:
-    rows = tuple(
+    rows: tuple[tuple[Cell, ...], ...] = tuple(
         (
             name,
             ", ".join(picks.get(name, [])) or "—",
