@@ -200,7 +200,7 @@ def plan_members(nodes: Sequence[GraphNode], output: str, members: Sequence[int]
 
 
 def gather_plan(
-    source: Placement, target: Placement, members: int, scales: Sequence[NDArray[np.float64]] | None = None
+    source: Placement, target: Placement, scales: Sequence[NDArray[np.float64]] | None = None
 ) -> tuple[IntArray, NDArray[np.float64]] | None:
     """Index and scale that move ``source``'s positions into ``target``'s layout, or None if nothing moves.
 
@@ -213,7 +213,7 @@ def gather_plan(
         return None
     index: list[int] = []
     scale: list[float] = []
-    for k, layout in enumerate(target.member_layouts(members)):
+    for k, layout in enumerate(target.layouts):  # a shared target has one layout: its source is shared too
         own = source.layouts[0 if source.shared else k]
         position = {int(c): p for p, c in enumerate(own) if c >= 0}
         offset = 0 if source.shared else k * len(own)

@@ -236,19 +236,20 @@ class _Select(nnx.Module):
 
 
 def _selects(
-    source: Placement, target: Placement, copies: int, members: int, scales: Sequence[np.ndarray] | None
+    source: Placement, target: Placement, copies: int, scales: Sequence[np.ndarray] | None
 ) -> list[_Select | None]:
     """For each of the target's copies, the module that moves its source copy into its layout (None: nothing moves).
 
-    ``copies``: 1 for a shared node or an extracted member, else ``members``; a source with one copy feeds them all.
+    ``copies``: 1 for a shared node or an extracted member, else the member count; a source with one copy feeds
+    them all.
     """
-    plan = gather_plan(source, target, members, scales)
+    plan = gather_plan(source, target, scales)
     if plan is None:
         return [None] * copies
-    width = target.width
-    index, scale = plan[0].reshape(members, width), plan[1].reshape(members, width)
+    width, blocks = target.width, len(target.layouts)  # one block for a shared target, else one per member
+    index, scale = plan[0].reshape(blocks, width), plan[1].reshape(blocks, width)
     if not source.shared:  # gather_plan addresses the members' blocks side by side
-        index = index - (np.arange(members) * source.width)[:, None]
+        index = index - (np.arange(blocks) * source.width)[:, None]
     selects: list[_Select | None] = []
     for k in range(copies):
         gather = source.width != width or not (index[k] == np.arange(width)).all()
@@ -386,7 +387,7 @@ class PackedMasksembles(nnx.Module):
                 steps.append(_Step(node.name, node.inputs, "flatten", [_Copy([None], None) for _ in range(copies)]))
                 continue
             scales = [masks[node.name][k].astype(np.float64) for k in chosen] if node.kind == "masks" else None
-            selects = [_selects(placements[name], target, copies, len(chosen), scales) for name in node.inputs]
+            selects = [_selects(placements[name], target, copies, scales) for name in node.inputs]
             how = {"add": "add", "function": "apply", "norm": "apply"}.get(node.kind, "identity")
             operations = [
                 _shrink_norm(node.layer, target.layouts[k]) if node.kind == "norm" else node.layer

@@ -344,7 +344,7 @@ class PackedMasksembles(nn.Module):
         self.output_shared = self.placements[output].shared
 
     def _select(self, source: str, target: _Node, scales: Sequence[np.ndarray] | None = None) -> _Select | None:
-        plan = gather_plan(self.placements[source], self.placements[target.name], self.members, scales)
+        plan = gather_plan(self.placements[source], self.placements[target.name], scales)
         return None if plan is None else _Select(*plan, target.axis, target.rank, self.dtype)
 
     def _compile(self, node: _Node) -> tuple[str, str, tuple[str, ...]]:

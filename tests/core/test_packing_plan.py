@@ -90,7 +90,7 @@ def test_shared_prefix_computes_the_union_once() -> None:
     nodes = chain(GraphNode("relu", "channelwise", (), 4), GraphNode("m", "masks", (), 4, masks=MASKS[:2]))
     placements = plan_members(nodes, "fc2", range(2))
     assert placements["fc1"].shared and placements["fc1"].layouts[0].tolist() == [0, 1, 2]
-    plan = gather_plan(placements["relu"], placements["m"], 2, [mask.astype(float) for mask in MASKS[:2]])
+    plan = gather_plan(placements["relu"], placements["m"], [mask.astype(float) for mask in MASKS[:2]])
     assert plan is not None
     index, scale = plan
     assert index.tolist() == [0, 1, 1, 2] and scale.tolist() == [1, 1, 1, 1]
@@ -99,10 +99,14 @@ def test_shared_prefix_computes_the_union_once() -> None:
 def test_gather_plan_zero_fill_and_padding() -> None:
     source = Placement(False, (np.array([0, 2]), np.array([1, -1])))
     target = Placement(False, (np.array([0, 1, 2]), np.array([1, -1, -1])))
-    index, scale = gather_plan(source, target, 2)  # type: ignore[misc]
+    index, scale = gather_plan(source, target)  # type: ignore[misc]
     assert index.tolist() == [0, 0, 1, 2, 2, 2], "padding reads the first position of its own block"
     assert scale.tolist() == [1, 0, 1, 1, 1, 1], "channel 1 is a known zero for member 0; padding keeps 1"
-    assert gather_plan(source, source, 2) is None
+    assert gather_plan(source, source) is None
+    shared_source = Placement(True, (np.array([0, 1, 2]),))
+    shared_target = Placement(True, (np.array([0, 2]),))
+    index, scale = gather_plan(shared_source, shared_target)  # type: ignore[misc]
+    assert index.tolist() == [0, 2] and scale.tolist() == [1, 1], "a shared target is computed once, not per member"
 
 
 def test_block_and_channel_indices() -> None:
