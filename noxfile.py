@@ -28,6 +28,7 @@ METRICS_TEST = nox.project.dependency_groups(PYPROJECT, "test-metrics")
 DEMO = nox.project.dependency_groups(PYPROJECT, "demo")
 CONSTRAINTS = ("-c", "constraints/cpu.txt")
 CORE_TESTS = ("tests/core", "tests/test_conformance.py", "tests/test_backends_installed.py")
+ADAPTER_TESTS = ("tests/test_conformance.py", "tests/test_backends_installed.py", "tests/test_demo_smoke.py")
 
 
 def run_pytest(session: nox.Session, backends: str, *paths: str) -> None:
@@ -64,7 +65,7 @@ def torch(session: nox.Session) -> None:
     session.install(
         *CONSTRAINTS, "-e", ".[torch]", *TEST, *nox.project.dependency_groups(PYPROJECT, "test-torch"), *DEMO
     )
-    run_pytest(session, "torch", "tests/torch", "tests/test_conformance.py", "tests/test_backends_installed.py")
+    run_pytest(session, "torch", "tests/torch", *ADAPTER_TESTS)
 
 
 KERAS_BACKEND_PACKAGES = {"tensorflow": ("tensorflow-cpu>=2.21",), "jax": ("jax>=0.10",), "torch": ("torch",)}
@@ -74,19 +75,17 @@ KERAS_BACKEND_PACKAGES = {"tensorflow": ("tensorflow-cpu>=2.21",), "jax": ("jax>
 @nox.parametrize("backend", list(KERAS_BACKEND_PACKAGES), ids=list(KERAS_BACKEND_PACKAGES))
 def keras(session: nox.Session, backend: str) -> None:
     """The Keras 3 adapter on one backend (KERAS_BACKEND is read once per process)."""
-    session.install(*CONSTRAINTS, "-e", ".[keras]", *KERAS_BACKEND_PACKAGES[backend], *TEST)
+    session.install(*CONSTRAINTS, "-e", ".[keras]", *KERAS_BACKEND_PACKAGES[backend], *TEST, *DEMO)
     session.env["KERAS_BACKEND"] = backend
-    run_pytest(
-        session, f"keras-{backend}", "tests/keras", "tests/test_conformance.py", "tests/test_backends_installed.py"
-    )
+    run_pytest(session, f"keras-{backend}", "tests/keras", *ADAPTER_TESTS)
 
 
 @nox.session
 def flax(session: nox.Session) -> None:
     """The Flax adapter (linen and NNX), with 4 virtual CPU devices for the sharding tests."""
-    session.install("-e", ".[flax]", *TEST, *nox.project.dependency_groups(PYPROJECT, "test-flax"))
+    session.install("-e", ".[flax]", *TEST, *nox.project.dependency_groups(PYPROJECT, "test-flax"), *DEMO)
     session.env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-    run_pytest(session, "flax", "tests/flax", "tests/test_conformance.py", "tests/test_backends_installed.py")
+    run_pytest(session, "flax", "tests/flax", *ADAPTER_TESTS)
 
 
 @nox.session
@@ -103,10 +102,17 @@ def typecheck(session: nox.Session) -> None:
     session.run("mypy", "masksembles_core", "tests/core", "tests/golden")
 
 
+DEMO_INSTALL = {"torch": (".[torch]",), "keras": (".[keras]", "torch"), "flax": (".[flax]", "optax>=0.2")}
+
+
 @nox.session(default=False)
 def demo(session: nox.Session) -> None:
-    """The README's main demo (pass options after --, e.g. `nox -s demo -- --quick`)."""
-    session.install(*CONSTRAINTS, "-e", ".[torch]", *DEMO)
+    """The README's main demo (options after --, e.g. `nox -s demo -- --quick --framework flax`)."""
+    args = list(session.posargs)
+    framework = args[args.index("--framework") + 1] if "--framework" in args else "torch"
+    session.install(*CONSTRAINTS, "-e", *DEMO_INSTALL[framework], *DEMO)
+    if framework == "keras":
+        session.env.setdefault("KERAS_BACKEND", "torch")
     session.run("python", "examples/demo.py", *session.posargs)
 
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.backends import require_backend
+from tests.backends import requested_backends
 
-DEMO = Path(__file__).resolve().parents[2] / "examples" / "demo.py"
+DEMO = Path(__file__).resolve().parents[1] / "examples" / "demo.py"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 PLOTS = ("toy_transition", "masks", "theory", "corruptions", "reliability", "diversity")
 TABLES = ("toy_entropy", "digits_results", "digits_sweep", "digits_corruptions", "digits_shift")
@@ -31,13 +31,22 @@ SMOKE_SWEEP = [("MC-Dropout", "p=0.1"), ("MC-Dropout", "p=0.3"), ("Masksembles",
 CORRUPTIONS = ["gaussian noise", "impulse noise", "gaussian blur", "contrast", "brightness"]
 
 
-@pytest.fixture(scope="module")
-def output(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    require_backend("torch")  # module fixtures run before the autouse check of conftest.py
-    folder = tmp_path_factory.mktemp("demo")
-    result = subprocess.run(
-        [sys.executable, str(DEMO), "--smoke", "--output", str(folder)], capture_output=True, text=True, check=False
-    )
+# the demo's --framework for each test backend (Keras runs on the backend KERAS_BACKEND names)
+FRAMEWORKS = {
+    "torch": "torch",
+    "keras-tensorflow": "keras",
+    "keras-jax": "keras",
+    "keras-torch": "keras",
+    "flax": "flax",
+}
+RUNS = sorted({FRAMEWORKS[backend] for backend in requested_backends() if backend in FRAMEWORKS})
+
+
+@pytest.fixture(scope="module", params=RUNS)
+def output(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp(f"demo-{request.param}")
+    command = [sys.executable, str(DEMO), "--smoke", "--framework", request.param, "--output", str(folder)]
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return folder
 
