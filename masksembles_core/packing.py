@@ -241,7 +241,7 @@ def block_indices(rows: Sequence[IntArray], cols: Sequence[IntArray]) -> tuple[I
     c = np.stack([np.asarray(col) for col in cols])[:, None, :]
     valid = (r >= 0) & (c >= 0)
     shape = np.broadcast_shapes(r.shape, c.shape)
-    return np.broadcast_to(np.maximum(r, 0), shape), np.broadcast_to(np.maximum(c, 0), shape), valid
+    return np.broadcast_to(np.maximum(r, 0), shape).copy(), np.broadcast_to(np.maximum(c, 0), shape).copy(), valid
 
 
 def channel_indices(layouts: Sequence[IntArray]) -> tuple[IntArray, BoolArray]:
