@@ -96,7 +96,8 @@ def main() -> None:
         "",
         f"torch {torch.__version__}, float32, N={N}, S={SCALE} at fixed capacity (M·S = C); medians of {args.rounds} "
         f"interleaved rounds on {machine()}. Every ratio is ÷ one forward of the same network without Masksembles "
-        "on the same batch; in brackets, the MAC ratio of its Linear/Conv layers (the bound it cannot beat). "
+        "on the same batch; in brackets, the MAC ratio of its Linear/Conv layers: the bound on its time ratio when "
+        "both run at the same speed per MAC (small or grouped kernels run slower per MAC, large ones faster). "
         "Targets: packed within 1.3× of its MAC ratio and ≤ 1.5× for the MLP; tiled predict ≈ N×.",
         "",
         "| model | batch | single (ms) | (a) packed ÷ single [MACs] | (b) tiled predict ÷ single [MACs] "
