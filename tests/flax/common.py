@@ -11,15 +11,26 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
 from masksembles_flax import linen as masksembles_linen
 from masksembles_flax import nnx as masksembles_nnx
+from masksembles_flax.linen import MASKS_COLLECTION
 from tests.conformance import assert_same_bits as shared_assert_same_bits
 from tests.conformance import oracle, special_values
 
-__all__ = ["DTYPES", "LinenMLP", "NnxMLP", "assert_same_bits", "oracle", "raises_like", "special_values"]
+__all__ = [
+    "DTYPES",
+    "LinenMLP",
+    "NnxMLP",
+    "assert_same_bits",
+    "oracle",
+    "raises_like",
+    "special_values",
+    "train_linen_mlp",
+]
 
 DTYPES = ("bfloat16", "float16", "float32")
 
@@ -49,6 +60,30 @@ class LinenMLP(nn.Module):
         x = nn.relu(nn.Dense(32)(x))
         x = masksembles_linen.Masksembles(n=4, scale=2.0, seed=0, mode=self.mode)(x, deterministic=not train)
         return nn.Dense(1)(x)
+
+
+def train_linen_mlp(
+    model: LinenMLP, variables: Any, x: jax.Array, target: jax.Array, keys: jax.Array
+) -> tuple[list[float], Any]:
+    """Adam on the mean squared error, one jitted step per key; returns (losses, trained variables)."""
+    params, masks = variables["params"], variables[MASKS_COLLECTION]
+    optimizer = optax.adam(1e-2)
+
+    @jax.jit
+    def step(params: Any, opt_state: Any, key: jax.Array) -> tuple[Any, Any, jax.Array]:
+        def loss_fn(params: Any) -> jax.Array:
+            y = model.apply({"params": params, MASKS_COLLECTION: masks}, x, train=True, rngs={"dropout": key})
+            return jnp.mean((y - target) ** 2)
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    opt_state, losses = optimizer.init(params), []
+    for key in keys:
+        params, opt_state, loss = step(params, opt_state, key)
+        losses.append(float(loss))
+    return losses, {"params": params, MASKS_COLLECTION: masks}
 
 
 class NnxMLP(nnx.Module):

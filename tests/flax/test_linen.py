@@ -8,14 +8,21 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import orbax.checkpoint as ocp
 import pytest
 from flax import errors, serialization
 
 import masksembles_core as mc
 from masksembles_flax.linen import MASKS_COLLECTION, Masksembles
-from tests.flax.common import DTYPES, LinenMLP, assert_same_bits, oracle, raises_like, special_values
+from tests.flax.common import (
+    DTYPES,
+    LinenMLP,
+    assert_same_bits,
+    oracle,
+    raises_like,
+    special_values,
+    train_linen_mlp,
+)
 
 KEY = jax.random.key(0)
 
@@ -235,24 +242,8 @@ def test_optax_training_leaves_the_masks_unchanged(mode: str) -> None:
     x = jax.random.normal(KEY, (64, 3))
     target = jnp.sin(x.sum(axis=1, keepdims=True))
     variables = model.init(KEY, x)
-    params, masks = variables["params"], variables[MASKS_COLLECTION]
-    optimizer = optax.adam(1e-2)
-
-    @jax.jit
-    def step(params: Any, opt_state: Any, key: jax.Array) -> tuple[Any, Any, jax.Array]:
-        def loss_fn(params: Any) -> jax.Array:
-            y = model.apply({"params": params, MASKS_COLLECTION: masks}, x, train=True, rngs={"dropout": key})
-            return jnp.mean((y - target) ** 2)
-
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    opt_state = optimizer.init(params)
-    losses = []
-    for key in jax.random.split(KEY, 30):
-        params, opt_state, loss = step(params, opt_state, key)
-        losses.append(float(loss))
+    losses, trained = train_linen_mlp(model, variables, x, target, jax.random.split(KEY, 30))
+    params, masks = trained["params"], trained[MASKS_COLLECTION]
     assert losses[-1] < 0.5 * losses[0]
     assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(params)), "no mask among the trained params"
     assert np.array_equal(mlp_masks({MASKS_COLLECTION: masks}), mlp_masks(variables))

@@ -21,8 +21,7 @@ from jax.sharding import PartitionSpec as P
 import masksembles_core as mc
 from masksembles_flax import linen as masksembles_linen
 from masksembles_flax import nnx as masksembles_nnx
-from masksembles_flax.linen import MASKS_COLLECTION
-from tests.flax.common import LinenMLP, NnxMLP, assert_same_bits
+from tests.flax.common import LinenMLP, NnxMLP, assert_same_bits, train_linen_mlp
 
 KEY = jax.random.key(0)
 
@@ -85,28 +84,12 @@ def assert_trees_close(actual: Any, expected: Any) -> None:
 
 
 def train_linen(mesh: Mesh | None, mode: str) -> tuple[list[float], Any]:
-    model, optimizer = LinenMLP(mode=mode), optax.adam(1e-2)
+    model = LinenMLP(mode=mode)
     x, target = regression_data()
     variables = model.init(KEY, x)
     if mesh is not None:
         variables, x, target = replicated(mesh, variables), batch_sharded(mesh, x), batch_sharded(mesh, target)
-    params, masks = variables["params"], variables[MASKS_COLLECTION]
-
-    @jax.jit
-    def step(params: Any, opt_state: Any, key: jax.Array) -> tuple[Any, Any, jax.Array]:
-        def loss_fn(params: Any) -> jax.Array:
-            y = model.apply({"params": params, MASKS_COLLECTION: masks}, x, train=True, rngs={"dropout": key})
-            return jnp.mean((y - target) ** 2)
-
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    opt_state, losses = optimizer.init(params), []
-    for key in jax.random.split(KEY, 3):
-        params, opt_state, loss = step(params, opt_state, key)
-        losses.append(float(loss))
-    return losses, {"params": params, MASKS_COLLECTION: masks}
+    return train_linen_mlp(model, variables, x, target, jax.random.split(KEY, 3))
 
 
 def train_nnx(mesh: Mesh | None, mode: str) -> tuple[list[float], Any]:
