@@ -66,3 +66,10 @@ def write_section(name: str, markdown: str) -> None:
     pattern = re.compile(rf"<!-- {re.escape(name)}:start -->.*?<!-- {re.escape(name)}:end -->", re.S)
     text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n"
     BENCHMARKS_MD.write_text(text)
+
+
+def publish(name: str, markdown: str, *, write: bool) -> None:
+    """Print a benchmark's section and, when ``write``, put it into BENCHMARKS.md."""
+    print(markdown)
+    if write:
+        write_section(name, markdown)

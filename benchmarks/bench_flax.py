@@ -19,7 +19,7 @@ from functools import partial
 from typing import Any, TypeVar
 
 import jax
-from _report import machine, write_section
+from _report import machine, publish
 from flax import nnx
 
 from masksembles_flax import linen as masksembles_linen
@@ -112,9 +112,7 @@ def main() -> None:
             *rows,
         ]
     )
-    print(text)
-    if not args.no_write:
-        write_section("flax", text)
+    publish("flax", text, write=not args.no_write)
 
 
 if __name__ == "__main__":

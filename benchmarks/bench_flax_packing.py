@@ -24,7 +24,7 @@ import flax
 import jax
 import jax.extend.core as jex
 import numpy as np
-from _report import interleaved_medians, machine, write_section
+from _report import interleaved_medians, machine, publish
 from flax import nnx
 
 import masksembles_flax as mf
@@ -147,9 +147,7 @@ def main() -> None:
             lines.append(row)
             print(row, flush=True)
     text = "\n".join(lines)
-    print(text)
-    if not args.no_write:
-        write_section("packing-flax", text)
+    publish("packing-flax", text, write=not args.no_write)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import time
 from multiprocessing.connection import Connection
 
 import numpy as np
-from _report import machine, median_seconds, write_section
+from _report import machine, median_seconds, publish
 
 import masksembles_core as mc
 
@@ -99,9 +99,7 @@ def main() -> None:
             *rows,
         ]
     )
-    print(text)
-    if not args.no_write:
-        write_section("generation", text)
+    publish("generation", text, write=not args.no_write)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _report import interleaved_medians, machine, write_section
+from _report import interleaved_medians, machine, publish
 
 SHAPE = (64, 32, 32, 256)
 N, SCALE = 4, 2.0
@@ -133,9 +133,7 @@ def main() -> None:
             *rows,
         ]
     )
-    print(text)
-    if not args.no_write:
-        write_section("keras", text)
+    publish("keras", text, write=not args.no_write)
 
 
 if __name__ == "__main__":

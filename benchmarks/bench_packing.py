@@ -18,7 +18,7 @@ import copy
 
 import torch
 import torch.nn.functional as F
-from _report import arguments, interleaved_medians, machine, write_section
+from _report import arguments, interleaved_medians, machine, publish
 from _torch_setup import torch_device
 from torch import nn
 
@@ -144,9 +144,7 @@ def main() -> None:
             lines.append(row)
             print(row, flush=True)
     text = "\n".join(lines)
-    print(text)
-    if not args.no_write:
-        write_section(f"packing-{device.type}", text)
+    publish(f"packing-{device.type}", text, write=not args.no_write)
 
 
 if __name__ == "__main__":

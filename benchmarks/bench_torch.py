@@ -17,7 +17,7 @@ from types import ModuleType
 
 import torch
 import torch.nn.functional as F
-from _report import arguments, interleaved_medians, machine, write_section
+from _report import arguments, interleaved_medians, machine, publish
 from _torch_setup import torch_device
 
 import masksembles_torch as mt
@@ -104,9 +104,7 @@ def main() -> None:
             lines.append(row)
             print(row, flush=True)
     text = "\n".join(lines)
-    print(text)
-    if not args.no_write:
-        write_section(f"torch-{device.type}", text)
+    publish(f"torch-{device.type}", text, write=not args.no_write)
 
 
 if __name__ == "__main__":
