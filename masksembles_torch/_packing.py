@@ -15,10 +15,12 @@ gives NaN in the dense model and is absent here).
 
 from __future__ import annotations
 
+import copy
+import inspect
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -41,7 +43,6 @@ POOL_TYPES = (
 ACTIVATION_MODULES: dict[type[nn.Module], bool] = {
     nn.ReLU: True, nn.ReLU6: True, nn.LeakyReLU: True, nn.GELU: True, nn.SiLU: True, nn.Tanh: True,
     nn.ELU: True, nn.Hardswish: True, nn.Hardtanh: True, nn.Mish: True, nn.Identity: True,
-    nn.Dropout: True, nn.Dropout1d: True, nn.Dropout2d: True, nn.Dropout3d: True,
     nn.Sigmoid: False, nn.Softplus: False, nn.Hardsigmoid: False,
 }  # fmt: skip
 ACTIVATION_FUNCTIONS: dict[Any, bool] = {
@@ -53,6 +54,11 @@ ACTIVATION_METHODS: dict[str, tuple[Callable[..., Tensor], bool]] = {
     "tanh": (torch.tanh, True),
     "sigmoid": (torch.sigmoid, False),
 }
+IN_PLACE_FUNCTIONS: dict[Any, Callable[[Tensor], Tensor]] = {
+    F.relu: torch.relu_, torch.relu: torch.relu_, torch.tanh: torch.tanh_, torch.sigmoid: torch.sigmoid_,
+    F.sigmoid: torch.sigmoid_,
+}  # fmt: skip
+DROPOUT_TYPES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)  # identities in eval, even in place
 ADD_FUNCTIONS = (operator.add, torch.add, operator.iadd)
 MIXING = ("linear", "conv")
 CHANNELS_FIRST = ("conv", "norm", "pool", "flatten")
@@ -64,10 +70,20 @@ class _Tracer(fx.Tracer):
 
 
 class _Function(nn.Module):
-    """An elementwise function from the traced graph, with its extra arguments."""
+    """An elementwise function from the traced graph, with its extra arguments (``inplace`` split off)."""
 
     def __init__(self, fn: Callable[..., Tensor], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         super().__init__()
+        kwargs = dict(kwargs)
+        self.inplace = bool(kwargs.pop("inplace", False))
+        try:
+            parameters = list(inspect.signature(fn).parameters)
+        except (TypeError, ValueError):  # a builtin: no inplace argument
+            parameters = []
+        position = parameters.index("inplace") - 1 if "inplace" in parameters else len(args)
+        if position < len(args):
+            self.inplace = bool(args[position])
+            args = args[:position] + args[position + 1 :]
         self.fn, self.args, self.kwargs = fn, args, kwargs
 
     def forward(self, x: Tensor) -> Tensor:
@@ -84,6 +100,7 @@ class _Node:
     module: nn.Module | None
     shape: tuple[int, ...]
     zero_preserving: bool = True
+    mutates: bool = False  # an in-place activation or +=: overwrites its (first) input
     axis: int = -1
     spatial: int = 1  # flatten: positions per input channel
     masks: np.ndarray | None = None  # masks: (n, C) bool
@@ -136,6 +153,8 @@ def _classify(node: fx.Node, model: nn.Module) -> tuple[str, nn.Module | None, b
             return "norm", sub, False
         if isinstance(sub, POOL_TYPES):
             return "pool", sub, True
+        if isinstance(sub, DROPOUT_TYPES):
+            return "act", None, True  # eval semantics: the identity
         if type(sub) in ACTIVATION_MODULES:
             return "act", sub, ACTIVATION_MODULES[type(sub)]
         if isinstance(sub, Masksembles):
@@ -179,7 +198,7 @@ def _trace(model: nn.Module, example_input: Tensor) -> tuple[list[_Node], str]:
     model.eval()
     try:
         with torch.no_grad():
-            ShapeProp(fx.GraphModule(model, graph)).propagate(example_input)
+            ShapeProp(fx.GraphModule(model, graph)).propagate(example_input.clone())  # the model may work in place
     finally:
         model.train(was_training)
     nodes: dict[str, _Node] = {}
@@ -200,7 +219,8 @@ def _trace(model: nn.Module, example_input: Tensor) -> tuple[list[_Node], str]:
         else:
             kind, sub, zero = _classify(node, model)
         inputs = [a.name for a in node.args if isinstance(a, fx.Node)]
-        entry = _Node(node.name, kind, inputs, sub, tuple(meta.shape), zero)
+        mutates = node.target is operator.iadd or (kind == "act" and bool(getattr(sub, "inplace", False)))
+        entry = _Node(node.name, kind, inputs, sub, tuple(meta.shape), zero, mutates)
         if kind == "masks":
             entry.masks = sub.masks.detach().cpu().numpy() != 0  # type: ignore[union-attr]
         nodes[node.name] = entry
@@ -262,26 +282,90 @@ def _assign_axes(nodes: list[_Node], model: nn.Module) -> None:
             raise ValueError(f"pack/extract_member: cannot tell the channel axis of node {node.name!r}")
 
 
+def _gather(x: Tensor, axis: int, index: Tensor) -> Tensor:
+    """``x.index_select(axis, index)``, along the contiguous axis when ``x`` is channels-last."""
+    if axis == 1 and x.dim() > 2 and not x.is_contiguous() and x.movedim(1, -1).is_contiguous():
+        rows = x.movedim(1, -1)
+        flat = rows.reshape(-1, rows.shape[-1])
+        picked = torch.gather(flat, 1, index.expand(flat.shape[0], -1))  # faster than index_select here
+        return picked.view(*rows.shape[:-1], -1).movedim(-1, 1)
+    return x.index_select(axis, index)
+
+
 class _Select(nn.Module):
-    """Gather positions along ``axis`` with one global index (member blocks included), then scale."""
+    """Gather positions along ``axis`` with one global index (member blocks included), then scale.
+
+    When the index repeats one block for every member with scale 1 (a shared tensor read by every
+    member), ``tile`` holds that block, so an addition can broadcast it instead of copying it.
+    """
 
     index: Tensor
     scale: Tensor
+    tile: Tensor
 
-    def __init__(self, index: np.ndarray, scale: np.ndarray, axis: int, rank: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self, index: np.ndarray, scale: np.ndarray, axis: int, rank: int, dtype: torch.dtype, members: int
+    ) -> None:
         super().__init__()
         self.axis = axis
         self.gather = not np.array_equal(index, np.arange(len(index)))
         self.multiply = not bool((scale == 1).all())
+        blocks = index.reshape(members, -1)
+        self.repeats = members if members > 1 and not self.multiply and bool((blocks == blocks[0]).all()) else 1
+        self.tile_gather = not np.array_equal(blocks[0], np.arange(blocks.shape[1]))
         shape = [1] * rank
         shape[axis] = len(scale)
         self.register_buffer("index", torch.as_tensor(index, dtype=torch.long))
         self.register_buffer("scale", torch.as_tensor(scale, dtype=dtype).view(shape))
+        self.register_buffer("tile", torch.as_tensor(blocks[0], dtype=torch.long))
+
+    @property
+    def fresh(self) -> bool:
+        """Whether ``forward`` returns a new tensor (else its input, unchanged)."""
+        return self.gather or self.multiply
 
     def forward(self, x: Tensor) -> Tensor:
         if self.gather:
-            x = x.index_select(self.axis, self.index)
+            x = _gather(x, self.axis, self.index)
+            return x.mul_(self.scale) if self.multiply else x
         return x * self.scale if self.multiply else x
+
+    def add_tiled(self, x: Tensor, other: Tensor, inplace: bool) -> Tensor:
+        """``forward(x) + other`` without materializing the repeated blocks (``repeats > 1``)."""
+        block = _gather(x, self.axis, self.tile) if self.tile_gather else x
+        grouped = other.unflatten(self.axis, (self.repeats, -1))
+        if inplace:
+            grouped.add_(block.unsqueeze(self.axis))
+            return other
+        return (grouped + block.unsqueeze(self.axis)).flatten(self.axis, self.axis + 1)
+
+
+class _Elementwise(nn.Module):
+    """An elementwise activation, run in place on a tensor that nothing else reads."""
+
+    def __init__(self, out_of_place: Callable[[Tensor], Tensor], in_place: Callable[[Tensor], Tensor] | None) -> None:
+        super().__init__()
+        self.out_of_place, self.in_place = out_of_place, in_place
+
+    def forward(self, x: Tensor, inplace: bool = False) -> Tensor:
+        return self.in_place(x) if inplace and self.in_place is not None else self.out_of_place(x)
+
+
+class _Affine(nn.Module):
+    """BatchNorm with running statistics as the per-channel map ``x * scale + shift``."""
+
+    scale: Tensor
+    shift: Tensor
+
+    def __init__(self, scale: Tensor, shift: Tensor, axis: int, rank: int) -> None:
+        super().__init__()
+        shape = [1] * rank
+        shape[axis] = len(scale)
+        self.register_buffer("scale", scale.view(shape))
+        self.register_buffer("shift", shift.view(shape))
+
+    def forward(self, x: Tensor, inplace: bool = False) -> Tensor:
+        return x.mul_(self.scale).add_(self.shift) if inplace else torch.addcmul(self.shift, x, self.scale)
 
 
 class _GroupedLinear(nn.Module):
@@ -336,43 +420,83 @@ class PackedMasksembles(nn.Module):
         self.dtype = next(node.module.masks.dtype for node in nodes if node.kind == "masks")  # type: ignore[union-attr]
         self.input_name = nodes[0].name
         self.ops = nn.ModuleDict()
-        self.steps: list[tuple[str, str, tuple[str, ...]]] = []  # (node, how, inputs)
-        for node in nodes[1:]:
-            self.steps.append(self._compile(node))
+        self.steps = [self._compile(node, {n.name: n for n in nodes}) for node in nodes[1:]]
+        self._mark_writable(output)
         final = next(node for node in nodes if node.name == output)
         self.output_name, self.output_axis = output, final.axis
         self.output_shared = self.placements[output].shared
 
     def _select(self, source: str, target: _Node, scales: Sequence[np.ndarray] | None = None) -> _Select | None:
         plan = gather_plan(self.placements[source], self.placements[target.name], scales)
-        return None if plan is None else _Select(*plan, target.axis, target.rank, self.dtype)
+        return None if plan is None else _Select(*plan, target.axis, target.rank, self.dtype, self.members)
 
-    def _compile(self, node: _Node) -> tuple[str, str, tuple[str, ...]]:
+    def _compile(self, node: _Node, nodes: dict[str, _Node]) -> _Step:
         names = tuple(node.inputs)
         if node.kind in MIXING:
             self.ops[node.name] = self._mixing(node)
-            return node.name, "module", names
+            return _Step(node.name, "conv" if node.kind == "conv" else "op", names, _memory_format(node.rank))
         if node.kind == "flatten":
-            return node.name, "flatten", names
+            return _Step(node.name, "flatten", names)
         if node.kind == "masks":
             select = self._select(names[0], node, [m.astype(np.float64) for m in self.member_masks[node.name]])
-            if select is None:
-                return node.name, "identity", names
+            if select is None or not select.fresh:
+                return _Step(node.name, "identity", names)
             self.ops[node.name] = select
-            return node.name, "module", names
+            return _Step(node.name, "op", names)
+        selects = []
         for i, name in enumerate(names):
             select = self._select(name, node)
-            if select is not None:
+            if select is not None and select.fresh:
                 self.ops[f"{node.name}__in{i}"] = select
+            selects.append(select is not None and select.fresh)
+        same_shape = all(nodes[name].shape[1:] == node.shape[1:] for name in names)
         if node.kind == "add":
-            return node.name, "add", names
+            return _Step(node.name, "add", names, selects=tuple(selects), same_shape=same_shape, mutates=node.mutates)
         if node.kind == "norm":
             self.ops[node.name] = self._norm(node)
+            how = "elementwise"
+        elif node.kind == "act" and node.module is not None:
+            self.ops[node.name] = _elementwise(copy.deepcopy(node.module))
+            how = "elementwise"
         elif node.module is not None:
-            self.ops[node.name] = node.module
+            self.ops[node.name] = copy.deepcopy(node.module)  # pooling: its own copy, whatever the model's mode
+            how = "op"
         else:
-            return node.name, "identity", names
-        return node.name, "module", names
+            how = "identity"
+        return _Step(node.name, how, names, selects=tuple(selects), same_shape=same_shape, mutates=node.mutates)
+
+    def _mark_writable(self, output: str) -> None:
+        """Which inputs each step may overwrite: fresh copies, and tensors it is the only one to read.
+
+        A step of the model that itself works in place (``ReLU(inplace=True)``, ``+=``) on a tensor
+        that other steps also read would change what they see; that is refused, not imitated.
+        """
+        root = {self.input_name: self.input_name}
+        readers: dict[str, int] = {}
+        for step in self.steps:
+            if step.how in ("identity", "flatten"):  # the same tensor, or a view of it
+                root[step.name] = root[step.inputs[0]]
+                continue
+            root[step.name] = step.name
+            for source in step.inputs:
+                readers[root[source]] = readers.get(root[source], 0) + 1
+        readers[root[output]] = readers.get(root[output], 0) + 1
+        for step in self.steps:
+            if step.mutates and readers[root[step.inputs[0]]] > 1:
+                raise ValueError(
+                    f"pack/extract_member: node {step.name!r} overwrites {step.inputs[0]!r} in place while other "
+                    "layers read it too; make that operation out of place"
+                )
+        readers[self.input_name] = 2  # never overwrite the caller's input
+        self.steps = [
+            step._replace(
+                writable=tuple(
+                    step.same_shape and (fresh or readers[root[source]] == 1)
+                    for source, fresh in zip(step.inputs, step.selects or (False,) * len(step.inputs), strict=True)
+                )
+            )
+            for step in self.steps
+        ]
 
     def _mixing(self, node: _Node) -> nn.Module:
         module = node.module
@@ -399,7 +523,8 @@ class PackedMasksembles(nn.Module):
             padding=module.padding, dilation=module.dilation, groups=groups, bias=new_bias is not None,
             padding_mode=module.padding_mode, device=weight.device, dtype=weight.dtype,
         )  # fmt: skip
-        return self._load(conv, conv_weight, new_bias)
+        memory_format = _memory_format(node.rank)
+        return self._load(conv, conv_weight, new_bias).to(memory_format=memory_format or torch.contiguous_format)
 
     @staticmethod
     def _load(module: nn.Module, weight: Tensor, bias: Tensor | None) -> nn.Module:
@@ -409,44 +534,96 @@ class PackedMasksembles(nn.Module):
                 module.bias.copy_(bias)
         return module
 
-    def _norm(self, node: _Node) -> nn.Module:
+    def _norm(self, node: _Node) -> _Affine:
         module = node.module
+        mean, var = module.running_mean.double(), module.running_var.double()  # type: ignore[union-attr]
+        weight = module.weight.detach().double() if module.affine else torch.ones_like(mean)  # type: ignore[union-attr]
+        bias = module.bias.detach().double() if module.affine else torch.zeros_like(mean)  # type: ignore[union-attr]
+        scale = weight / torch.sqrt(var + module.eps)  # type: ignore[operator]
+        shift = bias - mean * scale
         layouts = self.placements[node.name].layouts
-        mean, var = module.running_mean, module.running_var  # type: ignore[union-attr]
-        weight = module.weight if module.affine else torch.ones_like(mean)  # type: ignore[union-attr]
-        bias = module.bias if module.affine else torch.zeros_like(mean)  # type: ignore[union-attr]
-        norm = type(module)(
-            sum(len(layout) for layout in layouts), eps=module.eps, device=mean.device, dtype=mean.dtype
-        )  # type: ignore[union-attr, arg-type]
-        with torch.no_grad():
-            norm.running_mean.copy_(_per_channel(mean, layouts, 0.0))
-            norm.running_var.copy_(_per_channel(var, layouts, 1.0))
-            norm.weight.copy_(_per_channel(weight.detach(), layouts, 1.0))
-            norm.bias.copy_(_per_channel(bias.detach(), layouts, 0.0))
-        return norm.eval()
+        dtype = module.running_mean.dtype  # type: ignore[union-attr]
+        return _Affine(
+            _per_channel(scale, layouts, 1.0).to(dtype),
+            _per_channel(shift, layouts, 0.0).to(dtype),
+            node.axis,
+            node.rank,
+        )
 
     def forward(self, x: Tensor) -> Tensor:
         values = {self.input_name: x}
-        for name, how, inputs in self.steps:
-            args = [values[source] for source in inputs]
-            for i in range(len(args)):
-                select = f"{name}__in{i}"
-                if select in self.ops:
-                    args[i] = self.ops[select](args[i])
-            if how == "module":
-                values[name] = self.ops[name](args[0])
-            elif how == "add":
-                values[name] = args[0] + args[1]
-            elif how == "flatten":
-                values[name] = args[0].flatten(1)
+        for step in self.steps:
+            args = [values[source] for source in step.inputs]
+            if step.how == "add":
+                values[step.name] = self._add(step, args)
+                continue
+            if step.selects and step.selects[0]:
+                args[0] = self.ops[f"{step.name}__in0"](args[0])
+            if step.how == "op":
+                values[step.name] = self.ops[step.name](args[0])
+            elif step.how == "conv":
+                if step.memory_format is not None:
+                    args[0] = args[0].contiguous(memory_format=step.memory_format)
+                values[step.name] = self.ops[step.name](args[0])
+            elif step.how == "elementwise":
+                values[step.name] = self.ops[step.name](args[0], inplace=step.writable[0])
+            elif step.how == "flatten":
+                values[step.name] = args[0].flatten(1)
             else:
-                values[name] = args[0]
+                values[step.name] = args[0]
         y = values[self.output_name]
         if self.output_shared:
             return y if self.squeeze else y.unsqueeze(0).expand(self.members, *y.shape)
         y = y.unflatten(self.output_axis, (self.members, y.shape[self.output_axis] // self.members))
         y = y.movedim(self.output_axis, 0)
         return y[0] if self.squeeze else y
+
+    def _add(self, step: _Step, args: list[Tensor]) -> Tensor:
+        """A residual addition, in place where it may, broadcasting a shared tensor read by every member."""
+        selects = [self.ops[f"{step.name}__in{i}"] if step.selects[i] else None for i in (0, 1)]
+        for i, j in ((0, 1), (1, 0)):
+            tiled, other = selects[i], selects[j]
+            if tiled is not None and tiled.repeats > 1 and (other is None or other.repeats == 1):
+                partner = args[j] if other is None else other(args[j])
+                return tiled.add_tiled(args[i], partner, inplace=step.writable[j])
+        for i in (0, 1):
+            if selects[i] is not None:
+                args[i] = selects[i](args[i])
+        if step.writable[0]:
+            return args[0].add_(args[1])
+        if step.writable[1]:
+            return args[1].add_(args[0])
+        return args[0] + args[1]
+
+
+class _Step(NamedTuple):
+    """One node of the packed forward: how it runs, what it reads, which inputs it may overwrite."""
+
+    name: str
+    how: str  # op, conv, elementwise, add, flatten, identity
+    inputs: tuple[str, ...]
+    memory_format: torch.memory_format | None = None
+    selects: tuple[bool, ...] = ()  # whether input i goes through ops[f"{name}__in{i}"]
+    same_shape: bool = False
+    mutates: bool = False
+    writable: tuple[bool, ...] = ()
+
+
+def _memory_format(rank: int) -> torch.memory_format | None:
+    """Channels-last for 2-D and 3-D convolutions: grouped kernels run at the dense speed per MAC there."""
+    return {4: torch.channels_last, 5: torch.channels_last_3d}.get(rank)
+
+
+def _elementwise(module: nn.Module) -> _Elementwise:
+    """An activation, out of place, with its in-place form where torch has one (used on tensors it owns)."""
+    if isinstance(module, _Function):
+        in_place = IN_PLACE_FUNCTIONS.get(module.fn) if not module.args and not module.kwargs else None
+        return _Elementwise(module, in_place)
+    if hasattr(module, "inplace"):
+        in_place = copy.copy(module)
+        module.inplace, in_place.inplace = False, True
+        return _Elementwise(module, in_place)
+    return _Elementwise(module, None)
 
 
 def pack(model: nn.Module, example_input: Tensor) -> PackedMasksembles:

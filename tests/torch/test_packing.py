@@ -95,6 +95,25 @@ def sequence_model(scale: float, seed: int) -> nn.Module:
     )
 
 
+class Branches(nn.Module):
+    """Tensors read by several layers, next to an in-place activation and a +=."""
+
+    def __init__(self, scale: float, seed: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 12, 3, padding=1)
+        self.masks = mt.Masksembles2D(12, N, scale, seed=seed)
+        self.conv2 = nn.Conv2d(12, 12, 1)
+        self.relu = nn.ReLU(inplace=True)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(12, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.masks(self.conv(x))  # read by three layers below
+        c = self.relu(self.conv2(torch.relu(h) + torch.sigmoid(h)))
+        c += h
+        return self.fc(torch.flatten(self.pool(torch.tanh(c)), 1))
+
+
 MODELS = {
     "mlp": (mlp, (12,)),
     "cnn2d": (cnn2d, (3, 8, 8)),
@@ -103,6 +122,7 @@ MODELS = {
     "sequence": (sequence_model, (7, 6)),
     "resnet": (lambda s, seed: ResNetLike(s, seed, masks_on_skip=False), (3, 6, 6)),
     "resnet-masked-skip": (lambda s, seed: ResNetLike(s, seed, masks_on_skip=True), (3, 6, 6)),
+    "branches": (Branches, (3, 5, 5)),
 }
 
 
@@ -114,7 +134,7 @@ def build(name: str, scale: float, seed: int) -> tuple[nn.Module, tuple[int, ...
 
 
 @pytest.mark.parametrize(
-    "seed,scale", enumerate([1.0, 1.7, 3.0, 50.0]), ids=lambda v: f"S{v}" if isinstance(v, float) else f"seed{v}"
+    "seed,scale", list(enumerate([1.0, 1.7, 3.0, 50.0])), ids=lambda v: f"S{v}" if isinstance(v, float) else f"seed{v}"
 )
 @pytest.mark.parametrize("name", list(MODELS))
 def test_pack_and_extract_equal_the_dense_model(name: str, seed: int, scale: float) -> None:
@@ -146,6 +166,47 @@ def test_packed_module_compiles() -> None:
     packed = mt.pack(model, x)
     compiled = torch.compile(packed, fullgraph=True)
     assert relative_error(compiled(x), mt.predict(model, x, N)) <= 1e-5
+
+
+def test_packed_forward_leaves_its_input_alone_and_repeats() -> None:
+    for model, shape in (
+        build("branches", 2.0, 0),
+        (
+            nn.Sequential(nn.ReLU(inplace=True), nn.Linear(12, 16), mt.Masksembles1D(16, N, 2.0), nn.Linear(16, 2)),
+            (12,),
+        ),
+    ):
+        x = torch.randn(6, *shape)
+        before = x.clone()
+        packed = mt.pack(model.eval(), x)
+        first = packed(x).clone()
+        assert torch.equal(x, before)
+        assert torch.equal(packed(x), first)
+        assert relative_error(first, mt.predict(model, x, N)) <= 1e-5
+
+
+def test_packing_a_model_in_training_mode_gives_eval_semantics() -> None:
+    model, shape = build("mlp", 2.0, 0)
+    model.train()
+    x = torch.randn(6, *shape)
+    packed = mt.pack(model, x)
+    assert torch.equal(packed(x), packed(x)), "Dropout must be off in the packed model"
+    assert relative_error(packed(x), mt.predict(model, x, N)) <= 1e-5
+
+
+class InPlaceOnShared(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear, self.masks, self.out = nn.Linear(4, 8), mt.Masksembles1D(8, N, 2.0), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.masks(self.linear(x))
+        return self.out(F.relu(h, inplace=True) + h)  # the dense model sees relu(h) twice
+
+
+def test_in_place_operation_on_a_tensor_read_twice_is_refused() -> None:
+    with pytest.raises(ValueError, match="node 'relu' overwrites 'masks' in place while other layers read it"):
+        mt.pack(InPlaceOnShared(), torch.randn(2, 4))
 
 
 def test_pack_keeps_the_model_mode_and_weights() -> None:
