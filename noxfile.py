@@ -97,9 +97,10 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def typecheck(session: nox.Session) -> None:
-    """mypy, strict on masksembles_core."""
-    session.install("-e", ".", *nox.project.dependency_groups(PYPROJECT, "typecheck"))
-    session.run("mypy", "masksembles_core", "tests/core", "tests/golden")
+    """mypy, strict on masksembles_core and the PyTorch, Keras and Flax adapters (their frameworks installed)."""
+    session.install(*CONSTRAINTS, "-e", ".[torch,keras,flax]", *nox.project.dependency_groups(PYPROJECT, "typecheck"))
+    packages = ("masksembles_core", "masksembles_torch", "masksembles_keras", "masksembles_flax")
+    session.run("mypy", *packages, "tests/core", "tests/golden")
 
 
 DEMO_INSTALL = {"torch": (".[torch]",), "keras": (".[keras]", "torch"), "flax": (".[flax]", "optax>=0.2")}

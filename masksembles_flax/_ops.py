@@ -39,7 +39,7 @@ def apply_masks(x: jax.Array, masks: jax.Array, *, channel_axis: int, mask_index
     batch = x.shape[0]
     # XLA's simplifier turns x * convert(bool) into select(bool, x, 0), which maps masked inf/NaN to 0 instead of NaN
     # (and -x to +0); behind the barrier the factors are plain floats, so the product stays an IEEE multiply.
-    factors: jax.Array = jax.lax.optimization_barrier(masks.astype(x.dtype))
+    factors: jax.Array = jax.lax.optimization_barrier(masks.astype(x.dtype))  # type: ignore[no-untyped-call]
     if mask_index is None and batch % n == 0:
         # n contiguous groups of B//n samples: one broadcast multiply over a (n, B//n, ...) view of the batch.
         groups = x.reshape((n, batch // n, *x.shape[1:]))

@@ -51,7 +51,7 @@ def _apply_masks(x: Any, masks: Any, *, channel_axis: int, index: Any = None) ->
 
 
 @keras.saving.register_keras_serializable(package=SERIALIZATION_PACKAGE)
-class Masksembles(keras.layers.Layer):
+class Masksembles(keras.layers.Layer):  # type: ignore[misc]  # keras is untyped: Layer is Any to mypy
     """Masksembles over the channels of any layout (Durasov et al., CVPR 2021).
 
     Holds ``n`` fixed binary masks over the C channels of its input, created in ``build()``

@@ -44,7 +44,7 @@ def masksembles(
     if index is None and isinstance(batch, int) and batch % n == 0:
         # Concrete batch that n divides: the batch viewed as (n, B/n, ...) times the masks viewed
         # as (n, 1, ..., C, ...).
-        grouped = x.unflatten(0, (n, batch // n))
+        grouped: Tensor = x.unflatten(0, (n, batch // n))  # type: ignore[no-untyped-call]
         shape = [1] * grouped.ndim
         shape[0], shape[axis + 1] = n, channels
         return (grouped * masks.view(shape)).flatten(0, 1)

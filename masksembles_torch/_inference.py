@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -20,7 +21,7 @@ def tile(x: Tensor, n: int) -> Tensor:
 def untile(y: Tensor, n: int) -> Tensor:
     """(n*B, ...) -> (n, B, ...): ``y[k]`` is member ``k``'s output."""
     batch = mc.check_tiled_batch(y.shape[0], n)
-    return y.unflatten(0, (n, batch))
+    return cast(Tensor, y.unflatten(0, (n, batch)))  # type: ignore[no-untyped-call]
 
 
 def predict(model: nn.Module, x: Tensor, n: int, *, batch_size: int | None = None) -> Tensor:
@@ -36,7 +37,7 @@ def predict(model: nn.Module, x: Tensor, n: int, *, batch_size: int | None = Non
     model.eval()
     try:
         with torch.no_grad():
-            chunks = [untile(model(tile(chunk, n)), n) for chunk in x.split(max(step, 1))]
+            chunks = [untile(model(tile(chunk, n)), n) for chunk in x.split(max(step, 1))]  # type: ignore[no-untyped-call]
     finally:
         model.train(was_training)
     return torch.cat(chunks, dim=1)

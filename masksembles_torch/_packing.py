@@ -20,7 +20,7 @@ import inspect
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar, cast
 
 import numpy as np
 import torch
@@ -62,6 +62,10 @@ DROPOUT_TYPES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)  # identi
 ADD_FUNCTIONS = (operator.add, torch.add, operator.iadd)
 MIXING = ("linear", "conv")
 CHANNELS_FIRST = ("conv", "norm", "pool", "flatten")
+_ConvModule = nn.Conv1d | nn.Conv2d | nn.Conv3d
+_MixingModule = nn.Linear | _ConvModule  # the module of a "linear" or "conv" node
+_NormModule = nn.BatchNorm1d | nn.BatchNorm2d | nn.BatchNorm3d  # the module of a "norm" node
+_M = TypeVar("_M", bound=_MixingModule)
 
 
 class _Tracer(fx.Tracer):
@@ -173,7 +177,8 @@ def _classify(node: fx.Node, model: nn.Module) -> tuple[str, nn.Module | None, b
         fn = node.target
         if fn is F.dropout:
             return "act", None, True  # dropout has eval semantics here: the identity
-        return "act", _Function(fn, tuple(node.args[1:]), dict(node.kwargs)), ACTIVATION_FUNCTIONS[fn]
+        function = cast(Callable[..., Tensor], fn)  # a call_function target: a callable, not a name
+        return "act", _Function(function, tuple(node.args[1:]), dict(node.kwargs)), ACTIVATION_FUNCTIONS[fn]
     if node.op == "call_method" and node.target in ACTIVATION_METHODS and len(node.args) == 1:
         fn, zero = ACTIVATION_METHODS[str(node.target)]
         return "act", _Function(fn, (), {}), zero
@@ -222,7 +227,7 @@ def _trace(model: nn.Module, example_input: Tensor) -> tuple[list[_Node], str]:
         mutates = node.target is operator.iadd or (kind == "act" and bool(getattr(sub, "inplace", False)))
         entry = _Node(node.name, kind, inputs, sub, tuple(meta.shape), zero, mutates)
         if kind == "masks":
-            entry.masks = sub.masks.detach().cpu().numpy() != 0  # type: ignore[union-attr]
+            entry.masks = cast(Masksembles, sub).masks.detach().cpu().numpy() != 0
         nodes[node.name] = entry
     result = list(nodes.values())
     _assign_axes(result, model)
@@ -249,7 +254,7 @@ def _assign_axes(nodes: list[_Node], model: nn.Module) -> None:
         if node.kind in CHANNELS_FIRST:
             return 1
         if node.kind == "masks":
-            return node.module.channel_axis % rank  # type: ignore[union-attr]
+            return cast(Masksembles, node.module).channel_axis % rank
         return None
 
     for node in nodes:  # outputs with a definite axis
@@ -333,7 +338,7 @@ class _Select(nn.Module):
     def add_tiled(self, x: Tensor, other: Tensor, inplace: bool) -> Tensor:
         """``forward(x) + other`` without materializing the repeated blocks (``repeats > 1``)."""
         block = _gather(x, self.axis, self.tile) if self.tile_gather else x
-        grouped = other.unflatten(self.axis, (self.repeats, -1))
+        grouped: Tensor = other.unflatten(self.axis, (self.repeats, -1))  # type: ignore[no-untyped-call]
         if inplace:
             grouped.add_(block.unsqueeze(self.axis))
             return other
@@ -417,7 +422,7 @@ class PackedMasksembles(nn.Module):
         self.member_masks = {node.name: [node.masks[k] for k in members] for node in nodes if node.masks is not None}
         self.members = len(members)
         self.squeeze = squeeze
-        self.dtype = next(node.module.masks.dtype for node in nodes if node.kind == "masks")  # type: ignore[union-attr]
+        self.dtype = next(cast(Masksembles, node.module).masks.dtype for node in nodes if node.kind == "masks")
         self.input_name = nodes[0].name
         self.ops = nn.ModuleDict()
         self.steps = [self._compile(node, {n.name: n for n in nodes}) for node in nodes[1:]]
@@ -499,9 +504,9 @@ class PackedMasksembles(nn.Module):
         ]
 
     def _mixing(self, node: _Node) -> nn.Module:
-        module = node.module
-        weight = module.weight.detach()  # type: ignore[union-attr]
-        bias = None if module.bias is None else module.bias.detach()  # type: ignore[union-attr]
+        module = cast(_MixingModule, node.module)
+        weight = module.weight.detach()
+        bias = None if module.bias is None else module.bias.detach()
         target, source = self.placements[node.name], self.placements[node.inputs[0]]
         grouped = not target.shared and not source.shared and self.members > 1
         blocks = _blocks(
@@ -518,31 +523,36 @@ class PackedMasksembles(nn.Module):
             return self._load(linear, flat, new_bias)
         conv_weight = blocks.flatten(0, 1)
         groups = self.members if grouped else 1
-        conv = type(module)(
+        # the attributes are tuple[int, ...], the constructors' stubs want a tuple of the convolution's rank
+        conv = cast(Callable[..., _ConvModule], type(module))(
             conv_weight.shape[1] * groups, conv_weight.shape[0], module.kernel_size, stride=module.stride,
             padding=module.padding, dilation=module.dilation, groups=groups, bias=new_bias is not None,
             padding_mode=module.padding_mode, device=weight.device, dtype=weight.dtype,
         )  # fmt: skip
         memory_format = _memory_format(node.rank)
-        return self._load(conv, conv_weight, new_bias).to(memory_format=memory_format or torch.contiguous_format)
+        loaded = self._load(conv, conv_weight, new_bias)
+        # Module.to takes memory_format at runtime, but its stubs leave it out
+        return loaded.to(memory_format=memory_format or torch.contiguous_format)  # type: ignore[call-overload,no-any-return]
 
     @staticmethod
-    def _load(module: nn.Module, weight: Tensor, bias: Tensor | None) -> nn.Module:
+    def _load(module: _M, weight: Tensor, bias: Tensor | None) -> _M:
         with torch.no_grad():
             module.weight.copy_(weight)
             if bias is not None:
-                module.bias.copy_(bias)
+                cast(Tensor, module.bias).copy_(bias)  # built with a bias when there is one
         return module
 
     def _norm(self, node: _Node) -> _Affine:
-        module = node.module
-        mean, var = module.running_mean.double(), module.running_var.double()  # type: ignore[union-attr]
-        weight = module.weight.detach().double() if module.affine else torch.ones_like(mean)  # type: ignore[union-attr]
-        bias = module.bias.detach().double() if module.affine else torch.zeros_like(mean)  # type: ignore[union-attr]
-        scale = weight / torch.sqrt(var + module.eps)  # type: ignore[operator]
+        module = cast(_NormModule, node.module)
+        # _classify refused BatchNorm without running statistics
+        running_mean, running_var = cast(Tensor, module.running_mean), cast(Tensor, module.running_var)
+        mean, var = running_mean.double(), running_var.double()
+        weight = module.weight.detach().double() if module.affine else torch.ones_like(mean)
+        bias = module.bias.detach().double() if module.affine else torch.zeros_like(mean)
+        scale = weight / torch.sqrt(var + module.eps)
         shift = bias - mean * scale
         layouts = self.placements[node.name].layouts
-        dtype = module.running_mean.dtype  # type: ignore[union-attr]
+        dtype = running_mean.dtype
         return _Affine(
             _per_channel(scale, layouts, 1.0).to(dtype),
             _per_channel(shift, layouts, 0.0).to(dtype),
@@ -574,21 +584,22 @@ class PackedMasksembles(nn.Module):
         y = values[self.output_name]
         if self.output_shared:
             return y if self.squeeze else y.unsqueeze(0).expand(self.members, *y.shape)
-        y = y.unflatten(self.output_axis, (self.members, y.shape[self.output_axis] // self.members))
+        size = (self.members, y.shape[self.output_axis] // self.members)
+        y = cast(Tensor, y.unflatten(self.output_axis, size))  # type: ignore[no-untyped-call]
         y = y.movedim(self.output_axis, 0)
         return y[0] if self.squeeze else y
 
     def _add(self, step: _Step, args: list[Tensor]) -> Tensor:
         """A residual addition, in place where it may, broadcasting a shared tensor read by every member."""
-        selects = [self.ops[f"{step.name}__in{i}"] if step.selects[i] else None for i in (0, 1)]
+        selects = [cast(_Select, self.ops[f"{step.name}__in{i}"]) if step.selects[i] else None for i in (0, 1)]
         for i, j in ((0, 1), (1, 0)):
             tiled, other = selects[i], selects[j]
             if tiled is not None and tiled.repeats > 1 and (other is None or other.repeats == 1):
                 partner = args[j] if other is None else other(args[j])
                 return tiled.add_tiled(args[i], partner, inplace=step.writable[j])
-        for i in (0, 1):
-            if selects[i] is not None:
-                args[i] = selects[i](args[i])
+        for i, select in enumerate(selects):
+            if select is not None:
+                args[i] = select(args[i])
         if step.writable[0]:
             return args[0].add_(args[1])
         if step.writable[1]:
@@ -621,7 +632,8 @@ def _elementwise(module: nn.Module) -> _Elementwise:
         return _Elementwise(module, in_place)
     if hasattr(module, "inplace"):
         in_place = copy.copy(module)
-        module.inplace, in_place.inplace = False, True
+        # torch's stubs type Module.__setattr__ for tensors and modules only; a bool flag is fine at runtime
+        module.inplace, in_place.inplace = False, True  # type: ignore[assignment]
         return _Elementwise(module, in_place)
     return _Elementwise(module, None)
 
