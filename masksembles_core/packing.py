@@ -227,7 +227,9 @@ def gather_plan(
                 scale.append(0.0)
     index_array = np.asarray(index, dtype=np.int64)
     scale_array = np.asarray(scale, dtype=np.float64)
-    moves = not np.array_equal(index_array, np.arange(len(index))) or not (scale_array == 1).all()
+    source_length = source.width * (1 if source.shared else len(source.layouts))
+    moves = len(index) != source_length or not np.array_equal(index_array, np.arange(len(index)))
+    moves = moves or not (scale_array == 1).all()
     return (index_array, scale_array) if moves or source.shared != target.shared else None
 
 

@@ -107,6 +107,12 @@ def test_gather_plan_zero_fill_and_padding() -> None:
     shared_target = Placement(True, (np.array([0, 2]),))
     index, scale = gather_plan(shared_source, shared_target)  # type: ignore[misc]
     assert index.tolist() == [0, 2] and scale.tolist() == [1, 1], "a shared target is computed once, not per member"
+    index, scale = gather_plan(shared_source, Placement(True, (np.array([0, 1]),)))  # type: ignore[misc]
+    assert index.tolist() == [0, 1] and scale.tolist() == [1, 1], "dropping trailing channels is a move too"
+    wide = Placement(False, (np.array([0, 1, 2]), np.array([0, 1, 2])))
+    narrow = Placement(False, (np.array([0, 1]), np.array([0, 1])))
+    index, _ = gather_plan(wide, narrow)  # type: ignore[misc]
+    assert index.tolist() == [0, 1, 3, 4]
 
 
 def test_block_and_channel_indices() -> None:
