@@ -309,11 +309,11 @@ class _Select(nn.Module):
     tile: Tensor
 
     def __init__(
-        self, index: np.ndarray, scale: np.ndarray, axis: int, rank: int, dtype: torch.dtype, members: int
+        self, index: np.ndarray, scale: np.ndarray, axis: int, rank: int, dtype: torch.dtype, members: int, source: int
     ) -> None:
         super().__init__()
         self.axis = axis
-        self.gather = not np.array_equal(index, np.arange(len(index)))
+        self.gather = len(index) != source or not np.array_equal(index, np.arange(len(index)))
         self.multiply = not bool((scale == 1).all())
         blocks = index.reshape(members, -1)
         self.repeats = members if members > 1 and not self.multiply and bool((blocks == blocks[0]).all()) else 1
@@ -432,8 +432,10 @@ class PackedMasksembles(nn.Module):
         self.output_shared = self.placements[output].shared
 
     def _select(self, source: str, target: _Node, scales: Sequence[np.ndarray] | None = None) -> _Select | None:
-        plan = gather_plan(self.placements[source], self.placements[target.name], scales)
-        return None if plan is None else _Select(*plan, target.axis, target.rank, self.dtype, self.members)
+        placement = self.placements[source]
+        plan = gather_plan(placement, self.placements[target.name], scales)
+        length = placement.width * len(placement.layouts)  # positions on the source's channel axis
+        return None if plan is None else _Select(*plan, target.axis, target.rank, self.dtype, self.members, length)
 
     def _compile(self, node: _Node, nodes: dict[str, _Node]) -> _Step:
         names = tuple(node.inputs)

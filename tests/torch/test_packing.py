@@ -152,6 +152,20 @@ def test_pack_and_extract_equal_the_dense_model(name: str, seed: int, scale: flo
         assert sum(p.numel() for p in member.parameters()) <= dense_parameters
 
 
+def test_a_shared_layer_narrower_than_its_input() -> None:
+    """Member 0 needs only the first two input channels before its mask; the pooled input is cut to them."""
+    masks = torch.tensor([[1.0, 1, 0], [0, 1, 1], [1, 0, 1], [1, 1, 1]])
+    model = nn.Sequential(
+        nn.MaxPool2d(2), nn.BatchNorm2d(3), mt.Masksembles2D(masks=masks), nn.Conv2d(3, 4, 1), nn.Flatten(),
+        nn.Linear(16, 2),
+    )  # fmt: skip
+    model = randomize_norms(model, torch.Generator().manual_seed(0))
+    x = torch.randn(5, 3, 4, 4)
+    expected = mt.predict(model, x, N)
+    for k in range(N):
+        assert relative_error(mt.extract_member(model, k, x)(x), expected[k]) <= 1e-5
+
+
 def test_extracted_member_is_physically_smaller() -> None:
     model, _ = build("mlp", 2.0, 0)
     member = mt.extract_member(model, 0, torch.randn(2, 12))
