@@ -186,17 +186,18 @@ def plan_members(nodes: Sequence[GraphNode], output: str, members: Sequence[int]
             placements[node.name] = Placement(source.shared, layouts)
         elif node.kind != "masks" and all(source.shared for source in sources):
             union = np.logical_or.reduce([member[node.name] for member in kept])
-            placements[node.name] = Placement(True, (np.flatnonzero(union).astype(np.int64),))
+            placements[node.name] = Placement(True, (_padded(union, 1),))
         else:
-            width = max(int(member[node.name].sum()) for member in kept)
-            layouts = tuple(
-                np.concatenate(
-                    [np.flatnonzero(member[node.name]), np.full(width - int(member[node.name].sum()), -1)]
-                ).astype(np.int64)
-                for member in kept
-            )
-            placements[node.name] = Placement(False, layouts)
+            width = max(1, *(int(member[node.name].sum()) for member in kept))
+            placements[node.name] = Placement(False, tuple(_padded(member[node.name], width) for member in kept))
     return placements
+
+
+def _padded(kept: BoolArray, width: int) -> IntArray:
+    """The kept channels in increasing order, padded with -1 to ``width`` (at least one position: kernels need one)."""
+    channels = np.flatnonzero(kept)
+    result: IntArray = np.concatenate([channels, np.full(max(width - len(channels), 0), -1)]).astype(np.int64)
+    return result
 
 
 def gather_plan(

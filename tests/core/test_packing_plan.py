@@ -49,6 +49,20 @@ def test_non_zero_preserving_op_after_masks_keeps_the_zeros() -> None:
     assert kept["fc1"].tolist() == MASKS[0].tolist(), "but the producer need not compute them"
 
 
+def test_a_node_that_keeps_nothing_gets_one_padding_position() -> None:
+    disjoint = ~MASKS
+    nodes = chain(
+        GraphNode("m1", "masks", (), 4, masks=MASKS),
+        GraphNode("bn", "channelwise", (), 4, zero_preserving=False),
+        GraphNode("m2", "masks", (), 4, masks=disjoint),
+    )
+    kept = kept_channels(nodes, "fc2", 0)
+    assert not kept["fc1"].any(), "m1 zeroes every channel m2 lets through: fc1's values never reach the output"
+    placements = plan_members(nodes, "fc2", [0])
+    assert placements["fc1"].layouts[0].tolist() == [-1]
+    assert placements["m2"].layouts[0].tolist() == np.flatnonzero(disjoint[0]).tolist()
+
+
 def test_residual_keeps_what_either_branch_needs() -> None:
     nodes = [
         GraphNode("x", "input", (), 4),

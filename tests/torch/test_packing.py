@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -150,6 +151,78 @@ def test_pack_and_extract_equal_the_dense_model(name: str, seed: int, scale: flo
         member = mt.extract_member(model, k, x)
         assert relative_error(member(x), expected[k]) <= 1e-5
         assert sum(p.numel() for p in member.parameters()) <= dense_parameters
+
+
+class Residual(nn.Module):
+    """``x + branch(x)``, optionally ``+=`` in place on the branch's output."""
+
+    def __init__(self, *layers: nn.Module, in_place: bool) -> None:
+        super().__init__()
+        self.branch, self.in_place = nn.Sequential(*layers), in_place
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.branch(x)
+        if self.in_place:
+            y += x
+            return y
+        return x + y
+
+
+ACTIVATIONS = (
+    lambda: nn.ReLU(inplace=True), nn.GELU, nn.Tanh, nn.Sigmoid, lambda: nn.LeakyReLU(0.1), nn.SiLU, nn.Softplus,
+)  # fmt: skip
+
+
+def random_model(seed: int) -> tuple[nn.Module, tuple[int, ...]]:
+    """A random CNN: conv blocks, residual blocks, masks and pools in random order, then a masked MLP head."""
+    rng = np.random.default_rng(seed)
+    torch.manual_seed(seed)
+    scale = float(rng.choice([1.0, 1.5, 2.0, 4.0]))
+    seeds = iter(range(100 * seed, 100 * seed + 100))
+
+    def activation() -> nn.Module:
+        return ACTIVATIONS[int(rng.integers(len(ACTIVATIONS)))]()
+
+    def masks(channels: int, layer: type[mt.Masksembles] = mt.Masksembles2D) -> nn.Module:
+        return layer(channels, N, scale, seed=next(seeds))
+
+    spatial, channels = int(rng.integers(3, 7)), int(rng.integers(2, 5))
+    shape = (channels, spatial, spatial)
+    layers: list[nn.Module] = []
+    for _ in range(int(rng.integers(2, 5))):
+        choice = int(rng.integers(5))
+        if choice == 0:
+            out, stride = int(rng.integers(4, 13)), int(rng.integers(1, 3))
+            after = [nn.BatchNorm2d(out), activation(), masks(out)]  # after the conv, in random order
+            layers += [nn.Conv2d(channels, out, 3, stride, padding=1), *(after[i] for i in rng.permutation(3))]
+            channels, spatial = out, -(-spatial // stride)
+        elif choice == 1:
+            branch = [nn.Conv2d(channels, channels, 3, padding=1), nn.BatchNorm2d(channels), activation()]
+            branch += [masks(channels), nn.Conv2d(channels, channels, 1)]
+            layers.append(Residual(*branch, in_place=bool(rng.integers(2))))
+        elif choice == 2:
+            layers += [masks(channels), activation()]
+        elif choice == 3:
+            layers += [nn.BatchNorm2d(channels), nn.Dropout2d(0.5)]
+        else:
+            layers.append([nn.MaxPool2d, nn.AvgPool2d][int(rng.integers(2))](2, 2, ceil_mode=True))
+            spatial = -(-spatial // 2)
+    hidden = int(rng.integers(4, 17))
+    features = spatial * spatial * channels
+    head = [masks(features, mt.Masksembles1D)] if rng.random() < 0.5 else []
+    layers += [nn.Flatten(), *head, nn.Linear(features, hidden), activation(), masks(hidden, mt.Masksembles1D)]
+    layers.append(nn.Linear(hidden, 3))
+    return randomize_norms(nn.Sequential(*layers), torch.Generator().manual_seed(seed)), shape
+
+
+@pytest.mark.parametrize("seed", range(12), ids=lambda seed: f"seed{seed}")
+def test_randomly_built_models(seed: int) -> None:
+    model, shape = random_model(seed)
+    x = torch.randn(4, *shape, generator=torch.Generator().manual_seed(seed))
+    expected = mt.predict(model, x, N)
+    assert relative_error(mt.pack(model, x)(x), expected) <= 1e-5
+    for k in range(N):
+        assert relative_error(mt.extract_member(model, k, x)(x), expected[k]) <= 1e-5
 
 
 def test_a_shared_layer_narrower_than_its_input() -> None:
