@@ -234,12 +234,15 @@ class _Select(nnx.Module):
     def __init__(self, index: np.ndarray, scale: np.ndarray, *, gather: bool, channels: int, matmul: bool) -> None:
         self.gather, self.multiply = gather, not bool((scale == 1).all())
         self.matmul = gather and matmul
-        self.index = jnp.asarray(index, dtype=jnp.int32)
-        self.scale = jnp.asarray(scale, dtype=jnp.float32)
-        selection = np.zeros((channels, len(index)) if self.matmul else (0, 0), dtype=np.float32)
-        if self.matmul:
+        if self.matmul:  # only the arrays the call uses: they are the module's state
+            selection = np.zeros((channels, len(index)), dtype=np.float32)
             selection[np.clip(index, 0, channels - 1), np.arange(len(index))] = scale
-        self.selection = jnp.asarray(selection)
+            self.selection = jnp.asarray(selection)
+            return
+        if self.gather:
+            self.index = jnp.asarray(index, dtype=jnp.int32)
+        if self.multiply:
+            self.scale = jnp.asarray(scale, dtype=jnp.float32)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         if self.matmul:
@@ -306,18 +309,29 @@ def _shrink_mixing(layer: nnx.Linear | nnx.Conv, rows: Sequence[np.ndarray], col
     return shrunk
 
 
-def _shrink_norm(layer: nnx.BatchNorm, layout: np.ndarray) -> nnx.BatchNorm:
-    """A copy of a BatchNorm in eval mode with its statistics and affine parameters laid out like ``layout``."""
-    shrunk = nnx.clone(layer)
-    shrunk.mean = nnx.BatchStat(jnp.asarray(_per_channel(np.asarray(layer.mean[...]), layout, 0.0)))
-    shrunk.var = nnx.BatchStat(jnp.asarray(_per_channel(np.asarray(layer.var[...]), layout, 1.0)))
-    if layer.scale is not None:
-        shrunk.scale = nnx.Param(jnp.asarray(_per_channel(np.asarray(layer.scale[...]), layout, 1.0)))
-    if layer.bias is not None:
-        shrunk.bias = nnx.Param(jnp.asarray(_per_channel(np.asarray(layer.bias[...]), layout, 0.0)))
-    shrunk.num_features = len(layout)
-    shrunk.use_running_average = True
-    return shrunk
+class _Affine(nnx.Module):
+    """BatchNorm with running statistics as its per-channel map ``x * scale + shift`` on the last axis."""
+
+    def __init__(self, scale: np.ndarray, shift: np.ndarray, dtype: Any) -> None:
+        self.scale, self.shift, self.dtype = jnp.asarray(scale), jnp.asarray(shift), dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dtype = self.dtype or jnp.result_type(x.dtype, self.scale.dtype)  # as BatchNorm promotes
+        y: jax.Array = x.astype(dtype) * self.scale.astype(dtype) + self.shift.astype(dtype)
+        return y
+
+
+def _shrink_norm(layer: nnx.BatchNorm, layout: np.ndarray) -> _Affine:
+    """A BatchNorm in eval mode as its affine map, laid out like ``layout`` (computed once, in float64)."""
+    mean, var = np.asarray(layer.mean[...]), np.asarray(layer.var[...])
+    dtype = np.result_type(mean.dtype, var.dtype)
+    scale = np.ones_like(mean, np.float64) if layer.scale is None else np.asarray(layer.scale[...], np.float64)
+    bias = np.zeros_like(mean, np.float64) if layer.bias is None else np.asarray(layer.bias[...], np.float64)
+    factor = scale / np.sqrt(var.astype(np.float64) + layer.epsilon)
+    shift = bias - mean.astype(np.float64) * factor
+    return _Affine(
+        _per_channel(factor, layout, 1.0).astype(dtype), _per_channel(shift, layout, 0.0).astype(dtype), layer.dtype
+    )
 
 
 class _Copy(nnx.Module):
