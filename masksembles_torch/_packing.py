@@ -425,7 +425,8 @@ class PackedMasksembles(nn.Module):
         self.dtype = next(cast(Masksembles, node.module).masks.dtype for node in nodes if node.kind == "masks")
         self.input_name = nodes[0].name
         self.ops = nn.ModuleDict()
-        self.steps = [self._compile(node, {n.name: n for n in nodes}) for node in nodes[1:]]
+        by_name = {node.name: node for node in nodes}
+        self.steps = [self._compile(node, by_name) for node in nodes[1:]]
         self._mark_writable(output)
         final = next(node for node in nodes if node.name == output)
         self.output_name, self.output_axis = output, final.axis
