@@ -62,7 +62,7 @@ class Masksembles(nn.Module):
     ) -> None:
         super().__init__()
         if isinstance(masks, Tensor):
-            masks = masks.detach().cpu().numpy()
+            masks = masks.detach().cpu().float().numpy()  # NumPy has no bfloat16; 0/1 stay exact
         resolved = mc.resolve_masks(channels, n, scale, seed=seed, masks=masks)
         self.n, self.channels = resolved.shape
         self.scale = None if scale is None else mc.check_scale(scale)

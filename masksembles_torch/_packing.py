@@ -227,7 +227,7 @@ def _trace(model: nn.Module, example_input: Tensor) -> tuple[list[_Node], str]:
         mutates = node.target is operator.iadd or (kind == "act" and bool(getattr(sub, "inplace", False)))
         entry = _Node(node.name, kind, inputs, sub, tuple(meta.shape), zero, mutates)
         if kind == "masks":
-            entry.masks = cast(Masksembles, sub).masks.detach().cpu().numpy() != 0
+            entry.masks = (cast(Masksembles, sub).masks != 0).cpu().numpy()
         nodes[node.name] = entry
     result = list(nodes.values())
     _assign_axes(result, model)

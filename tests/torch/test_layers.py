@@ -100,7 +100,7 @@ def test_argument_errors_use_core_text(kwargs: dict, error: type[Exception], mes
 
 def test_user_masks_tensor_or_array() -> None:
     masks = np.array([[1, 0, 1, 1], [0, 1, 1, 0]])
-    for given in (masks, torch.tensor(masks), masks.astype(bool)):
+    for given in (masks, torch.tensor(masks), masks.astype(bool), torch.tensor(masks, dtype=torch.bfloat16)):
         layer = mt.Masksembles(masks=given)
         assert (layer.n, layer.channels, layer.scale) == (2, 4, None)
         assert np.array_equal(layer.masks.numpy(), masks)

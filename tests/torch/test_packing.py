@@ -225,6 +225,18 @@ def test_randomly_built_models(seed: int) -> None:
         assert relative_error(mt.extract_member(model, k, x)(x), expected[k]) <= 1e-5
 
 
+@pytest.mark.parametrize(
+    "dtype,tolerance", [(torch.float64, 1e-12), (torch.float16, 5e-3), (torch.bfloat16, 2e-2)], ids=str
+)
+def test_pack_in_other_dtypes(dtype: torch.dtype, tolerance: float) -> None:
+    model, shape = build("resnet", 2.0, 0)
+    model = model.to(dtype)
+    x = torch.randn(5, *shape, dtype=dtype)
+    packed = mt.pack(model, x)(x)
+    assert packed.dtype == dtype
+    assert relative_error(packed.double(), mt.predict(model, x, N).double()) <= tolerance
+
+
 def test_a_shared_layer_narrower_than_its_input() -> None:
     """Member 0 needs only the first two input channels before its mask; the pooled input is cut to them."""
     masks = torch.tensor([[1.0, 1, 0], [0, 1, 1], [1, 0, 1], [1, 1, 1]])
