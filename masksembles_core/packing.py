@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from numpy.typing import NDArray
+from numpy.typing import ArrayLike, NDArray
 
 KINDS = ("input", "mixing", "channelwise", "masks", "add", "flatten")
 IntArray = NDArray[np.int64]
@@ -232,6 +232,19 @@ def gather_plan(
     moves = len(index) != source_length or not np.array_equal(index_array, np.arange(len(index)))
     moves = moves or not (scale_array == 1).all()
     return (index_array, scale_array) if moves or source.shared != target.shared else None
+
+
+def norm_affine(
+    mean: ArrayLike, var: ArrayLike, weight: ArrayLike | None, bias: ArrayLike | None, eps: float
+) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+    """BatchNorm with running statistics as ``x * scale + shift``: (scale, shift), computed in float64.
+
+    ``weight``/``bias`` None: a BatchNorm without learned scale/offset (1 and 0).
+    """
+    mean64, var64 = np.asarray(mean, np.float64), np.asarray(var, np.float64)
+    scale = (1.0 if weight is None else np.asarray(weight, np.float64)) / np.sqrt(var64 + eps)
+    shift = (0.0 if bias is None else np.asarray(bias, np.float64)) - mean64 * scale
+    return np.broadcast_to(scale, mean64.shape).copy(), shift
 
 
 def block_indices(rows: Sequence[IntArray], cols: Sequence[IntArray]) -> tuple[IntArray, IntArray, BoolArray]:

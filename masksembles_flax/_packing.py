@@ -40,6 +40,7 @@ from masksembles_core.packing import (
     block_indices,
     channel_indices,
     gather_plan,
+    norm_affine,
     plan_members,
 )
 
@@ -324,13 +325,12 @@ class _Affine(nnx.Module):
 def _shrink_norm(layer: nnx.BatchNorm, layout: np.ndarray) -> _Affine:
     """A BatchNorm in eval mode as its affine map, laid out like ``layout`` (computed once, in float64)."""
     mean, var = np.asarray(layer.mean[...]), np.asarray(layer.var[...])
+    weight = None if layer.scale is None else np.asarray(layer.scale[...])
+    bias = None if layer.bias is None else np.asarray(layer.bias[...])
+    scale, shift = norm_affine(mean, var, weight, bias, layer.epsilon)
     dtype = np.result_type(mean.dtype, var.dtype)
-    scale = np.ones_like(mean, np.float64) if layer.scale is None else np.asarray(layer.scale[...], np.float64)
-    bias = np.zeros_like(mean, np.float64) if layer.bias is None else np.asarray(layer.bias[...], np.float64)
-    factor = scale / np.sqrt(var.astype(np.float64) + layer.epsilon)
-    shift = bias - mean.astype(np.float64) * factor
     return _Affine(
-        _per_channel(factor, layout, 1.0).astype(dtype), _per_channel(shift, layout, 0.0).astype(dtype), layer.dtype
+        _per_channel(scale, layout, 1.0).astype(dtype), _per_channel(shift, layout, 0.0).astype(dtype), layer.dtype
     )
 
 

@@ -28,7 +28,14 @@ import torch.nn.functional as F
 from torch import Tensor, fx, nn
 from torch.fx.passes.shape_prop import ShapeProp
 
-from masksembles_core.packing import GraphNode, block_indices, channel_indices, gather_plan, plan_members
+from masksembles_core.packing import (
+    GraphNode,
+    block_indices,
+    channel_indices,
+    gather_plan,
+    norm_affine,
+    plan_members,
+)
 
 from ._layers import Masksembles
 
@@ -549,16 +556,16 @@ class PackedMasksembles(nn.Module):
         module = cast(_NormModule, node.module)
         # _classify refused BatchNorm without running statistics
         running_mean, running_var = cast(Tensor, module.running_mean), cast(Tensor, module.running_var)
-        mean, var = running_mean.double(), running_var.double()
-        weight = module.weight.detach().double() if module.affine else torch.ones_like(mean)
-        bias = module.bias.detach().double() if module.affine else torch.zeros_like(mean)
-        scale = weight / torch.sqrt(var + module.eps)
-        shift = bias - mean * scale
+
+        def numpy(tensor: Tensor) -> np.ndarray:
+            return tensor.detach().cpu().double().numpy()
+
+        weight, bias = (numpy(module.weight), numpy(module.bias)) if module.affine else (None, None)
+        scale, shift = norm_affine(numpy(running_mean), numpy(running_var), weight, bias, module.eps)
         layouts = self.placements[node.name].layouts
-        dtype = running_mean.dtype
         return _Affine(
-            _per_channel(scale, layouts, 1.0).to(dtype),
-            _per_channel(shift, layouts, 0.0).to(dtype),
+            _per_channel(torch.as_tensor(scale), layouts, 1.0).to(running_mean),
+            _per_channel(torch.as_tensor(shift), layouts, 0.0).to(running_mean),
             node.axis,
             node.rank,
         )

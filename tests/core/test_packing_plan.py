@@ -13,6 +13,7 @@ from masksembles_core.packing import (
     flatten_layout,
     gather_plan,
     kept_channels,
+    norm_affine,
     plan_members,
 )
 
@@ -144,3 +145,12 @@ def test_graph_errors() -> None:
         kept_channels([GraphNode("x", "input", (), 2), GraphNode("z", "add", ("x", "y"), 2)], "z", 0)
     with pytest.raises(ValueError, match="output 'w' is not a node"):
         kept_channels([GraphNode("x", "input", (), 2)], "w", 0)
+
+
+def test_norm_affine_is_batchnorm_in_eval() -> None:
+    mean, var, weight, bias = np.array([1.0, -2.0]), np.array([4.0, 0.25]), np.array([2.0, 3.0]), np.array([0.5, 0.0])
+    x = np.array([[3.0, -1.0], [0.0, 2.0]])
+    scale, shift = norm_affine(mean, var, weight, bias, 1e-5)
+    np.testing.assert_allclose(x * scale + shift, (x - mean) / np.sqrt(var + 1e-5) * weight + bias, rtol=1e-15)
+    scale, shift = norm_affine(mean, var, None, None, 0.0)
+    assert scale.tolist() == [0.5, 2.0] and shift.tolist() == [-0.5, 4.0]
