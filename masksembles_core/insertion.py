@@ -1,0 +1,174 @@
+"""Where a model gets Masksembles layers: the rule shared by every framework's ``insert`` and ``convert_dropout``.
+
+An adapter lists the layers of a model in order (their paths) and the candidates among them (the layers whose input
+may get masks, with their input channel count), and ``plan_insertion`` decides, the same way in every framework:
+
+- the network's first candidate reads the raw input (image or feature channels): it is skipped unless
+  ``include_first`` is set;
+- with ``start`` (a layer path, e.g. ``"layer3"``), candidates before that layer in the model's order are skipped;
+  a ``start`` that names no layer is an error that lists the model's top-level layers;
+- a candidate the adapter marked with a reason (e.g. a depthwise convolution) is skipped with that reason, and so is
+  one with a single input channel (every mask would keep it);
+- the ``i``-th inserted layer gets masks from ``derive_seed(seed, i)``.
+
+The result is a ``LayerReport``: one row per candidate, what was done and why, printable as a Markdown table.
+``convert_dropout`` reports its decisions with the same class.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ._generation import derive_seed
+from ._validation import check_int, check_n, check_scale
+
+INSERTED = "inserted"
+CONVERTED = "converted"
+LEFT = "left as is"
+
+
+@dataclass(frozen=True)
+class LayerChange:
+    """One layer that ``insert`` or ``convert_dropout`` looked at.
+
+    Attributes:
+        path: the layer's path in the model (``"layer3.0.conv1"``, a Keras layer name, ``"blocks[2].conv"``).
+        layer: the layer's type name.
+        action: ``"inserted"`` (masks placed on the layer's input), ``"converted"`` (a dropout replaced by masks)
+            or ``"left as is"``.
+        channels: number of channels the masks cover (None when nothing was placed).
+        channel_axis: axis of those channels in the layer's input (None when nothing was placed).
+        seed: seed the masks were generated from (None when nothing was placed).
+        reason: why a layer was left as is (empty otherwise).
+    """
+
+    path: str
+    layer: str
+    action: str
+    channels: int | None = None
+    channel_axis: int | None = None
+    seed: int | None = None
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class LayerReport:
+    """What ``insert``/``convert_dropout`` did to a model, one row per layer it looked at; prints as a table."""
+
+    operation: str
+    n: int
+    scale: float
+    rows: tuple[LayerChange, ...]
+
+    @property
+    def changed(self) -> tuple[LayerChange, ...]:
+        """The rows where masks were placed."""
+        return tuple(row for row in self.rows if row.action != LEFT)
+
+    @property
+    def unchanged(self) -> tuple[LayerChange, ...]:
+        """The rows left as is, each with its reason."""
+        return tuple(row for row in self.rows if row.action == LEFT)
+
+    def __str__(self) -> str:
+        header = (
+            f"{self.operation}: Masksembles n={self.n}, scale={self.scale:g} on {len(self.changed)} of "
+            f"{len(self.rows)} layers"
+        )
+        lines = [
+            header,
+            "",
+            "| layer | type | action | channels | axis | seed | reason |",
+            "|---|---|---|---:|---:|---:|---|",
+        ]
+        for row in self.rows:
+            cells = (row.channels, row.channel_axis, row.seed)
+            numbers = " | ".join("" if value is None else str(value) for value in cells)
+            lines.append(f"| {row.path} | {row.layer} | {row.action} | {numbers} | {row.reason} |")
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A layer whose input may get masks, as an adapter found it.
+
+    Attributes:
+        path: the layer's path in the model, one of the paths given to ``plan_insertion`` as ``order``.
+        layer: the layer's type name.
+        channels: channels of its input (``in_channels``/``in_features``, or the last axis of a Keras input).
+        channel_axis: axis of those channels in its input.
+        reason: set by the adapter when masks cannot or should not go there (the layer is then left as is).
+    """
+
+    path: str
+    layer: str
+    channels: int
+    channel_axis: int
+    reason: str = ""
+
+
+def check_insert_arguments(n: object, scale: object, seed: object, start: object) -> tuple[int, float, int | None]:
+    """Validate ``insert``'s common arguments, in one order for every framework; return (n, scale, seed)."""
+    n = check_n(n)
+    scale = check_scale(scale)
+    checked_seed = None if seed is None else check_int("seed", seed, minimum=0)
+    if start is not None and not isinstance(start, str):
+        raise TypeError(f"start must be a layer path (str) or None; received {start!r} ({type(start).__name__})")
+    return n, scale, checked_seed
+
+
+def plan_insertion(
+    candidates: Sequence[Candidate],
+    order: Sequence[str],
+    n: int,
+    scale: float,
+    *,
+    seed: int | None,
+    start: str | None = None,
+    include_first: bool = False,
+) -> LayerReport:
+    """Decide which candidates get masks on their input (rules in the module docstring).
+
+    Args:
+        candidates: the layers matching the user's choice of types, in the model's order.
+        order: the paths of all layers of the model, in order (``start`` is looked up here).
+        n, scale, seed: as given to ``insert`` (validated by ``check_insert_arguments``).
+        start: the path of the layer insertion starts from, or None for the whole model.
+        include_first: also mask the input of the first candidate (the raw input).
+
+    Raises:
+        ValueError: ``start`` names no layer of the model, or no candidate gets masks (the message holds the report).
+    """
+    position = {path: i for i, path in enumerate(order)}
+    first_allowed = 0
+    if start is not None:
+        if start not in position:
+            top = sorted({path.split(".")[0].split("[")[0] for path in order if path})
+            shown = ", ".join(repr(name) for name in top[:20]) + (", ..." if len(top) > 20 else "")
+            raise ValueError(f"start={start!r} names no layer of the model; its top-level layers are {shown}")
+        first_allowed = position[start]
+    rows: list[LayerChange] = []
+    inserted = 0
+    for index, candidate in enumerate(candidates):
+        reason = candidate.reason
+        if not reason and index == 0 and not include_first:
+            reason = "the network's first layer: it reads the raw input (include_first=True masks it)"
+        if not reason and position[candidate.path] < first_allowed:
+            reason = f"before start={start!r}"
+        if not reason and candidate.channels < 2:
+            reason = "a single input channel: every mask would keep it"
+        if reason:
+            rows.append(LayerChange(candidate.path, candidate.layer, LEFT, reason=reason))
+            continue
+        layer_seed = derive_seed(seed, inserted)
+        inserted += 1
+        rows.append(
+            LayerChange(
+                candidate.path, candidate.layer, INSERTED, candidate.channels, candidate.channel_axis, layer_seed
+            )
+        )
+    report = LayerReport("insert", n, scale, tuple(rows))
+    if not inserted:
+        raise ValueError(f"insert found no layer to put masks before ({len(candidates)} candidates)\n{report}")
+    return report

@@ -1,0 +1,108 @@
+"""The insertion rule shared by every framework's insert: first layer, start, adapter reasons, seeds, the report."""
+
+from __future__ import annotations
+
+import pytest
+
+import masksembles_core as mc
+from masksembles_core.insertion import (
+    INSERTED,
+    LEFT,
+    Candidate,
+    LayerReport,
+    check_insert_arguments,
+    plan_insertion,
+)
+
+ORDER = ("stem", "stem.conv", "layer1", "layer1.conv", "layer2", "layer2.dw", "layer2.conv", "head", "head.fc")
+CANDIDATES = (
+    Candidate("stem.conv", "Conv2d", 3, 1),
+    Candidate("layer1.conv", "Conv2d", 16, 1),
+    Candidate("layer2.dw", "Conv2d", 16, 1, reason="depthwise convolution"),
+    Candidate("layer2.conv", "Conv2d", 16, 1),
+    Candidate("head.fc", "Linear", 32, -1),
+)
+
+
+def actions(report: LayerReport) -> dict[str, str]:
+    return {row.path: row.action for row in report.rows}
+
+
+def test_defaults_skip_the_first_layer_and_adapter_reasons() -> None:
+    report = plan_insertion(CANDIDATES, ORDER, 4, 2.0, seed=0)
+    assert actions(report) == {
+        "stem.conv": LEFT,
+        "layer1.conv": INSERTED,
+        "layer2.dw": LEFT,
+        "layer2.conv": INSERTED,
+        "head.fc": INSERTED,
+    }
+    reasons = {row.path: row.reason for row in report.unchanged}
+    assert "first layer" in reasons["stem.conv"]
+    assert reasons["layer2.dw"] == "depthwise convolution"
+    assert [row.channels for row in report.changed] == [16, 16, 32]
+    assert [row.channel_axis for row in report.changed] == [1, 1, -1]
+
+
+def test_seeds_are_derived_per_inserted_layer() -> None:
+    report = plan_insertion(CANDIDATES, ORDER, 4, 2.0, seed=7)
+    assert [row.seed for row in report.changed] == [mc.derive_seed(7, i) for i in range(3)]
+    assert all(row.seed is None for row in report.unchanged)
+    again = plan_insertion(CANDIDATES, ORDER, 4, 2.0, seed=7)
+    assert again == report
+    fresh = [row.seed for row in plan_insertion(CANDIDATES, ORDER, 4, 2.0, seed=None).changed]
+    assert len(set(fresh)) == 3
+
+
+def test_include_first_and_start() -> None:
+    report = plan_insertion(CANDIDATES, ORDER, 4, 2.0, seed=0, include_first=True)
+    assert actions(report)["stem.conv"] == INSERTED
+    report = plan_insertion(CANDIDATES, ORDER, 4, 2.0, seed=0, start="layer2")
+    assert [row.path for row in report.changed] == ["layer2.conv", "head.fc"]
+    assert {row.path: row.reason for row in report.unchanged}["layer1.conv"] == "before start='layer2'"
+    report = plan_insertion(CANDIDATES, ORDER, 4, 2.0, seed=0, start="head.fc")
+    assert [row.path for row in report.changed] == ["head.fc"]
+
+
+def test_start_must_name_a_layer() -> None:
+    with pytest.raises(ValueError, match=r"start='layer9' names no layer of the model; its top-level layers are"):
+        plan_insertion(CANDIDATES, ORDER, 4, 2.0, seed=0, start="layer9")
+
+
+def test_single_channel_inputs_are_left_alone() -> None:
+    candidates = (Candidate("a", "Linear", 5, -1), Candidate("b", "Linear", 1, -1), Candidate("c", "Linear", 4, -1))
+    report = plan_insertion(candidates, ("a", "b", "c"), 2, 2.0, seed=0)
+    assert actions(report) == {"a": LEFT, "b": LEFT, "c": INSERTED}
+    assert "single input channel" in report.unchanged[1].reason
+
+
+def test_nothing_to_insert_is_an_error_that_shows_the_report() -> None:
+    message = r"(?s)insert found no layer to put masks before \(1 candidates\)\n.*first layer"
+    with pytest.raises(ValueError, match=message):
+        plan_insertion((Candidate("fc", "Linear", 8, -1),), ("fc",), 4, 2.0, seed=0)
+
+
+def test_report_prints_as_a_markdown_table() -> None:
+    text = str(plan_insertion(CANDIDATES, ORDER, 4, 2.0, seed=0))
+    lines = text.splitlines()
+    assert lines[0] == "insert: Masksembles n=4, scale=2 on 3 of 5 layers"
+    assert lines[2].startswith("| layer | type | action |")
+    assert len(lines) == 4 + len(CANDIDATES)
+    assert f"| layer1.conv | Conv2d | inserted | 16 | 1 | {mc.derive_seed(0, 0)} |  |" in lines
+
+
+@pytest.mark.parametrize(
+    "arguments,error,message",
+    [
+        ((0, 2.0, None, None), ValueError, "n must be an integer >= 1; received 0"),
+        ((4, 0.5, None, None), ValueError, "scale must be a finite real number >= 1; received 0.5"),
+        ((4, 2.0, -1, None), ValueError, "seed must be an integer >= 0; received -1"),
+        ((4, 2.0, 1.5, None), TypeError, "seed must be an integer >= 0"),
+        ((4, 2.0, 0, 3), TypeError, "start must be a layer path"),
+    ],
+    ids=["n", "scale", "seed-negative", "seed-float", "start"],
+)
+def test_arguments_are_checked_in_one_order(arguments: tuple[object, ...], error: type, message: str) -> None:
+    with pytest.raises(error, match=message):
+        check_insert_arguments(*arguments)
+    assert check_insert_arguments(4, 2, None, "layer3") == (4, 2.0, None)
