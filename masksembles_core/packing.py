@@ -24,7 +24,8 @@ Kinds (what output channel ``c`` reads; ``channels`` is the size of the node's c
   ``channels_last``, (B, *spatial, C) -> (B, spatial*C), feature ``s*C + c`` from channel ``c``;
 - ``"fallback"``: anything else. It runs as the dense model would run it, at full width on the member-stacked batch
   (member ``k``'s copy of the batch in block ``k``), so its result is exact whatever it computes; it needs every
-  channel of every input, and its output is never known to be zero.
+  channel of every input, and its output is never known to be zero. With ``batch_dependent`` it runs per member even
+  when its inputs are shared (it uses the batch size, which is the member-stacked batch's in the dense model).
 
 Rules, per member:
 
@@ -80,6 +81,7 @@ class GraphNode:
     groups: int = 1
     zero_rule: str = "all"
     parts: tuple[int, ...] = ()
+    batch_dependent: bool = False
 
     def zero_map(self) -> BoolArray:
         """``zero_preserving`` as one bool per channel."""
@@ -413,7 +415,7 @@ def plan_program(nodes: Sequence[GraphNode], output: str, members: Sequence[int]
     steps: list[Step] = []
     for node in nodes:
         sources = [placements[name] for name in node.inputs]
-        shared = node.kind != "masks" and all(source.shared for source in sources)
+        shared = node.kind != "masks" and not node.batch_dependent and all(source.shared for source in sources)
         member_kept = [member[node.name] for member in kept]
         reads: list[Placement] = list(sources)  # what the node reads, before the moves are planned
         groups = 1
@@ -449,6 +451,8 @@ def plan_program(nodes: Sequence[GraphNode], output: str, members: Sequence[int]
             placement = Placement(False, tuple(_padded(k, width) for k in member_kept))
         if node.kind in ("channelwise", "combine", "add", "masks") and not placement.dense:
             reads = [placement] * len(node.inputs)
+        elif node.kind == "mixing":  # reads its input as it is, a dense one with its channels side by side
+            reads = [Placement(source.shared, source.layouts) for source in sources]
         edges = []
         for name, read in zip(node.inputs, reads, strict=True):
             scales = None

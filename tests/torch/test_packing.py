@@ -1,4 +1,4 @@
-"""pack and extract_member equal the dense masked model; unsupported models are named errors."""
+"""pack and extract_member equal the dense masked model: fixed models, randomly built ones, dtypes, modes."""
 
 from __future__ import annotations
 
@@ -293,21 +293,6 @@ def test_packing_a_model_in_training_mode_gives_eval_semantics() -> None:
     assert relative_error(packed(x), mt.predict(model, x, N)) <= 1e-5
 
 
-class InPlaceOnShared(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear, self.masks, self.out = nn.Linear(4, 8), mt.Masksembles1D(8, N, 2.0), nn.Linear(8, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.masks(self.linear(x))
-        return self.out(F.relu(h, inplace=True) + h)  # the dense model sees relu(h) twice
-
-
-def test_in_place_operation_on_a_tensor_read_twice_is_refused() -> None:
-    with pytest.raises(ValueError, match="node 'relu' overwrites 'masks' in place while other layers read it"):
-        mt.pack(InPlaceOnShared(), torch.randn(2, 4))
-
-
 def test_pack_keeps_the_model_mode_and_weights() -> None:
     model, shape = build("cnn2d", 2.0, 0)
     model.train()
@@ -318,28 +303,19 @@ def test_pack_keeps_the_model_mode_and_weights() -> None:
         assert torch.equal(value, state[key]), "packing must not touch BatchNorm statistics"
 
 
-class Gate(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.sigmoid(x)
-
-
 @pytest.mark.parametrize(
     "model,message",
     [
-        (nn.Sequential(nn.Linear(4, 8), mt.Masksembles1D(8, N, 2.0), nn.LayerNorm(8)), "module '2' \\(LayerNorm\\)"),
-        (nn.Sequential(nn.Linear(4, 8), mt.Masksembles1D(8, N, 2.0), Gate()), "unsupported call_function 'mul'"),
-        (nn.Sequential(nn.Conv1d(4, 8, 1, groups=2), mt.Masksembles1D(8, N, 2.0)), "groups=2"),
         (nn.Sequential(nn.Linear(4, 8), nn.ReLU()), "no Masksembles layer"),
         (
             nn.Sequential(nn.Linear(4, 8), mt.Masksembles1D(8, 2, 2.0), nn.Linear(8, 8), mt.Masksembles1D(8, 3, 2.0)),
             r"the same n; found \[2, 3\]",
         ),
-        (nn.Sequential(nn.Linear(4, 8), nn.PReLU(8), mt.Masksembles1D(8, N, 2.0)), "PReLU"),
     ],
-    ids=["layernorm", "gating-mul", "grouped-conv", "no-masks", "mixed-n", "prelu"],
+    ids=["no-masks", "mixed-n"],
 )
-def test_unsupported_models_name_the_culprit(model: nn.Module, message: str) -> None:
-    x = torch.randn(2, 4) if not isinstance(model[0], nn.Conv1d) else torch.randn(2, 4, 3)
+def test_models_that_cannot_pack(model: nn.Module, message: str) -> None:
+    x = torch.randn(2, 4)
     with pytest.raises(ValueError, match=message):
         mt.pack(model, x)
     with pytest.raises(ValueError, match=message):
