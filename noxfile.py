@@ -122,6 +122,6 @@ def bench(session: nox.Session) -> None:
     """Benchmarks against the official masksembles 1.1.1; results go to BENCHMARKS.md."""
     session.install(*CONSTRAINTS, "-e", ".[torch,keras,flax]", "tensorflow-cpu>=2.21", "masksembles==1.1.1")
     session.install("--no-deps", "torch-uncertainty==0.13.0")  # only its masking layers are timed
-    scripts = ("bench_generation", "bench_torch", "bench_packing", "bench_keras", "bench_flax", "bench_flax_packing")
+    scripts = ("generation", "torch", "packing", "keras", "flax", "flax_barrier", "flax_packing")
     for script in scripts:
-        session.run("python", f"benchmarks/{script}.py")
+        session.run("python", f"benchmarks/bench_{script}.py")
