@@ -161,8 +161,8 @@ def generate_masks(channels: int, n: int, scale: float, *, seed: Seed = None) ->
     distinct = _distinct_subsets(channels, ones, at_most=n)
     if distinct < n and scale > 1.0:
         warnings.warn(
-            f"{n} masks with {ones} of {channels} channels each cannot all differ: only {distinct} such masks exist, "
-            f"so {n - distinct} members repeat others (channels={channels}, n={n}, scale={scale}); "
+            f"{n} masks cannot all differ: the number of distinct masks with {ones} ones among {channels} channels "
+            f"is {distinct}, less than n, so members share masks (channels={channels}, n={n}, scale={scale}); "
             "use more channels or fewer masks",
             DuplicateMasksWarning,
             stacklevel=2,

@@ -77,8 +77,8 @@ def test_no_repeated_masks_where_the_first_generator_repeated_them(channels: int
 def test_too_few_distinct_masks_warns_with_the_numbers(channels: int, n: int, scale: float, distinct: int) -> None:
     ones = mc.ones_per_mask(channels, n, scale)
     message = (
-        f"{n} masks with {ones} of {channels} channels each cannot all differ: only {distinct} such masks exist, "
-        f"so {n - distinct} members repeat others"
+        rf"{n} masks cannot all differ: the number of distinct masks with {ones} ones among {channels} channels "
+        rf"is {distinct}, less than n, so members share masks \(channels={channels}, n={n}, scale={scale}\)"
     )
     with pytest.warns(mc.DuplicateMasksWarning, match=message):
         masks = mc.generate_masks(channels, n, scale, seed=0)
