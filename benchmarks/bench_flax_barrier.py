@@ -6,10 +6,11 @@ The barrier keeps XLA from rewriting ``x * mask`` as a select, so that a masked 
 reference. Each workload is compiled twice from the package's own code: as shipped, and traced with
 ``jax.lax.optimization_barrier`` replaced by the identity (the same function without the barrier). Workloads, float32,
 n=4, scale=2, the Masksembles variables passed as arguments as in training: the linen layer alone (forward, and
-forward+backward via ``jax.vjp``) on an MLP activation, on a batch that n does not divide (the gather path) and on an
-NHWC feature map; a small CNN's forward; the same CNN's training step (loss, gradient and an SGD update). The two
-versions run in interleaved rounds (alternating which goes first), and each cell is the median over rounds of the
-per-round ratio. The table also says whether XLA compiled the two to the same program (source metadata aside).
+forward+backward via ``jax.vjp``) on a batch of exactly n samples (where XLA would rewrite the product), on an MLP
+activation, on a batch that n does not divide (the gather path) and on an NHWC feature map; a small CNN's forward; the
+same CNN's training step (loss, gradient and an SGD update). The two versions run in interleaved rounds (alternating
+which goes first), and each cell is the median over rounds of the per-round ratio. The table also says whether XLA
+compiled the two to the same program (source metadata aside).
 """
 
 from __future__ import annotations
