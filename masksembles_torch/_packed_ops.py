@@ -110,15 +110,19 @@ class Affine(nn.Module):
     scale: Tensor
     shift: Tensor
 
-    def __init__(self, scale: Tensor, shift: Tensor, axis: int, rank: int) -> None:
+    def __init__(self, scale: Tensor, shift: Tensor, axis: int, rank: int, *, inplace: bool = False) -> None:
         super().__init__()
         shape = [1] * rank
         shape[axis] = len(scale)
         self.register_buffer("scale", scale.reshape(shape))
         self.register_buffer("shift", shift.reshape(shape))
+        self.inplace = inplace
 
     def forward(self, x: Tensor) -> Tensor:
-        return torch.addcmul(self.shift, x, self.scale)
+        return x.mul_(self.scale).add_(self.shift) if self.inplace else torch.addcmul(self.shift, x, self.scale)
+
+    def extra_repr(self) -> str:
+        return f"channels={self.scale.numel()}, inplace={self.inplace}"
 
 
 class MemberLinear(nn.Module):

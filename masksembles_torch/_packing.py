@@ -921,9 +921,11 @@ class _Emitter:
         self.moved: dict[tuple[Any, ...], fx.Node] = {}
         self.copies: dict[str, str] = {}
         self.macs = {"dense": 0, "packed": 0, "fallback": 0}
+        self.same_shape: dict[fx.Node, tuple[int, ...]] = {}  # combines: the arguments shaped like the result
         for step in program.steps:
             self.values[step.name] = self._step(step)
         self._output(squeeze)
+        self._in_place()
 
     # ---- attributes of the root
 
@@ -1051,6 +1053,9 @@ class _Emitter:
     def _step(self, step: Step) -> fx.Node:
         if step.node.kind == "input":
             return self.graph.placeholder(step.name)
+        shared_sum = self._shared_sum(step)
+        if shared_sum is not None:
+            return shared_sum
         inputs = [self._edge(step, i) for i in range(len(step.edges))]
         if step.name == OUTPUT:
             return self.graph.call_function(tuple, (inputs,))
@@ -1060,6 +1065,30 @@ class _Emitter:
         if step.placement.dense:
             return self._as_model(op, inputs)
         return self._compact(step, op, inputs)
+
+    def _shared_sum(self, step: Step) -> fx.Node | None:
+        """``member + shared`` where the shared tensor is repeated for every member: added by broadcasting its one
+        block instead of copying it m times (a residual connection around the first masked block)."""
+        node = self.by_name.get(step.name)
+        op = self.capture.ops.get(node) if node is not None else None
+        if op is None or step.node.kind != "combine" or step.placement.dense or step.placement.shared or self.m < 2:
+            return None
+        if node is None or node.target not in (operator.add, torch.add, operator.iadd) or node.kwargs:
+            return None
+        for shared, other in ((0, 1), (1, 0)):
+            (move, *rest) = step.edges[shared].moves or (None,)
+            if move is None or rest or move.repeats != self.m or move.index is None:
+                continue
+            source = self.values[step.edges[shared].source]
+            block = move.index[: len(move.index) // self.m]
+            if not np.array_equal(block, np.arange(self.program.step(step.edges[shared].source).placement.width)):
+                index = torch.as_tensor(block, dtype=torch.long, device=self.capture.device)
+                axis = self.axis[cast(fx.Node, self.by_name[step.edges[shared].source])]
+                source = self.graph.call_function(ops.gather_channels, (source, axis, self._attribute("index", index)))
+            value = self._edge(step, other)
+            self._count(step, op)
+            return self.graph.call_function(ops.add_shared, (value, source, self.m, op.axis))
+        return None
 
     def _as_model(self, op: _Op, inputs: list[fx.Node], constants: Callable[[Tensor], Any] | None = None) -> fx.Node:
         """The model's own operation on the given values of its model inputs (dense, or compacted elementwise)."""
@@ -1125,7 +1154,12 @@ class _Emitter:
                 return self.graph.call_function(ops.flatten_members_last, (inputs[0], self.m))
             return self.graph.call_function(torch.flatten, (inputs[0], 1))
         if kind == "combine" and len(inputs) == 2:
-            return self._as_model(op, inputs, constants=lambda t: t)
+            result = self._as_model(op, inputs, constants=lambda t: t)
+            shape = self.capture.seen[op.node].shapes[0]
+            self.same_shape[result] = tuple(
+                i for i, t in enumerate(op.tensors) if self.capture.seen[t].shapes[0] == shape
+            )
+            return result
         return self._as_model(op, inputs, constants=lambda t: self._laid_out(t, step, op))
 
     def _laid_out(self, constant: Tensor, step: Step, op: _Op) -> fx.Node:
@@ -1238,6 +1272,59 @@ class _Emitter:
             inputs = step.edges[0].placement.width
             self.macs["packed"] += positions * copies * width * inputs * math.prod(op.weight.shape[2:])
 
+    # ---- in place where nothing else reads
+
+    def _in_place(self) -> None:
+        """Run elementwise operations, BatchNorm maps and sums in place on tensors that this graph made and that
+        nothing else reads (fresh allocations of large activations cost more than the operations themselves)."""
+        for node in list(self.graph.nodes):
+            module = self.root.get_submodule(str(node.target)) if node.op == "call_module" else None
+            if isinstance(module, ops.Affine) and self._owned(node.args[0]):
+                module.inplace = True
+            elif _activation(module) and self._owned(node.args[0]):
+                twin = copy.copy(module)
+                twin.inplace = True  # type: ignore[union-attr]
+                name = f"{node.target}_inplace"
+                self.root.add_module(name, twin)
+                node.target = name
+            elif node.op == "call_function" and node.target in IN_PLACE_FUNCTIONS and self._owned(node.args[0]):
+                if len(node.args) == 1 and not node.kwargs:
+                    node.target = IN_PLACE_FUNCTIONS[node.target]
+            elif node.op == "call_function" and node.target in INPLACE_KEYWORD and self._owned(node.args[0]):
+                if ("inplace" not in node.kwargs and len(node.args) == 1) or node.kwargs.get("inplace") is False:
+                    node.kwargs = {**node.kwargs, "inplace": True}
+            elif node in self.same_shape and node.op == "call_function" and node.target in (operator.add, operator.mul):
+                for i in self.same_shape[node]:
+                    if not node.kwargs and self._owned(node.args[i]):
+                        other = node.args[1 - i]
+                        name = "add_" if node.target is operator.add else "mul_"
+                        with self.graph.inserting_before(node):
+                            replacement = self.graph.call_method(name, (node.args[i], other))
+                        node.replace_all_uses_with(replacement)
+                        self.graph.erase_node(node)
+                        break
+
+    def _owned(self, value: Any) -> bool:
+        """A tensor this graph allocated (not the caller's input, a view or a buffer) that only one node reads."""
+        if not isinstance(value, fx.Node) or len(value.users) != 1:
+            return False
+        if value.op == "call_module":
+            module = self.root.get_submodule(str(value.target))
+            return isinstance(module, FRESH_MODULES) or (_activation(module) and not getattr(module, "inplace", True))
+        if value.op == "call_function":
+            return value.target in FRESH_FUNCTIONS or (
+                value.target in (operator.add, operator.mul) and value in self.same_shape
+            )
+        return value.op == "call_method" and str(value.target) in ("add_", "mul_") and self._owned_chain(value)
+
+    def _owned_chain(self, value: fx.Node) -> bool:
+        """An in-place sum or product returns its first argument: owned if that was."""
+        first = value.args[0]
+        return isinstance(first, fx.Node) and (
+            (first.op == "call_module" and isinstance(self.root.get_submodule(str(first.target)), FRESH_MODULES))
+            or (first.op == "call_function" and first.target in FRESH_FUNCTIONS)
+        )
+
     # ---- the result
 
     def _output(self, squeeze: bool) -> None:
@@ -1281,6 +1368,21 @@ def _fallback_macs(op: _Op, capture: _Capture, per_sample: int) -> int:
         tokens = per_sample // module.embed_dim
         return int(tokens * 4 * module.embed_dim * module.embed_dim)
     return 0
+
+
+# producers whose result is a new tensor, and elementwise functions with an in-place form
+FRESH_MODULES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear, ops.MemberLinear, ops.Affine)
+FRESH_FUNCTIONS = {
+    ops.gather_channels, ops.add_shared, ops.concat_members, ops.layer_norm_members, ops.group_norm_members,
+    torch.relu, torch.sigmoid, torch.tanh, F.relu, F.gelu, F.silu, F.hardswish, F.hardsigmoid, F.prelu,
+}  # fmt: skip
+IN_PLACE_FUNCTIONS = {torch.relu: torch.relu_, torch.sigmoid: torch.sigmoid_, torch.tanh: torch.tanh_}
+INPLACE_KEYWORD = {F.relu, F.relu6, F.silu, F.hardswish, F.hardsigmoid, F.leaky_relu, F.elu, F.selu, F.celu, F.mish}
+
+
+def _activation(module: nn.Module | None) -> bool:
+    """An elementwise activation module with an ``inplace`` switch."""
+    return isinstance(module, ELEMENTWISE_MODULES) and isinstance(getattr(module, "inplace", None), bool)
 
 
 def _bytes(array: np.ndarray | None) -> bytes | None:
