@@ -129,15 +129,6 @@ def test_masks_from_init_stay_fixed_across_calls_and_retraces_with_seed_none() -
         assert_same_bits(y, oracle(np.asarray(x), initial, -1))
 
 
-def test_differentiating_all_variables_fails_on_the_bool_masks() -> None:
-    """What docs/flax.md says about TrainState.create(params=variables): jax.grad refuses the bool masks."""
-    model = LinenMLP()
-    x = jnp.ones((8, 3))
-    variables = model.init(KEY, x)
-    with pytest.raises(TypeError, match=r"grad requires real- or complex-valued inputs .* but got bool"):
-        jax.grad(lambda variables: model.apply(variables, x).sum())(variables)
-
-
 LAYOUTS = {"bhwc": ((5, 3, 12), -1), "bchw": ((12, 3, 5), 1), "bc": ((12,), -1)}
 
 
