@@ -83,15 +83,18 @@ class Containers(nnx.Module):
         self.items = nnx.data([nnx.Linear(8, 8, rngs=rngs)])
         self.pair = nnx.data((nnx.Linear(8, 8, rngs=rngs), nnx.Linear(8, 8, rngs=rngs)))
         self.named = nnx.data({"b": nnx.Linear(8, 8, rngs=rngs), "a": nnx.Linear(8, 8, rngs=rngs)})
-        self.heads = nnx.Dict(out=nnx.Sequential(nnx.relu, nnx.Linear(8, 4, rngs=rngs)))
+        self.heads = nnx.Dict(
+            hidden=nnx.Linear(8, 8, rngs=rngs), out=nnx.Sequential(nnx.relu, nnx.Linear(8, 4, rngs=rngs))
+        )
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x = self.items[0](self.first(x))
         x = self.pair[1](self.pair[0](x))
-        return self.heads["out"](self.named["a"](self.named["b"](x)))
+        x = self.heads["hidden"](self.named["a"](self.named["b"](x)))
+        return self.heads["out"](x)
 
 
-CONTAINER_PATHS = ["first", "items.0", "pair.0", "pair.1", "named.b", "named.a", "heads.out.layers.1"]
+CONTAINER_PATHS = ["first", "items.0", "pair.0", "pair.1", "named.b", "named.a", "heads.hidden", "heads.out.layers.1"]
 
 
 def inserted_layers(model: nnx.Module) -> list[tuple[str, Masked]]:
@@ -201,7 +204,8 @@ def test_layers_in_lists_tuples_dicts_and_sequentials_are_replaced_in_place() ->
     assert [path for path, _ in inserted_layers(inserted)] == sorted(CONTAINER_PATHS)
     assert [row.path for row in inserted.masksembles_report.changed] == CONTAINER_PATHS
     assert isinstance(inserted.pair, tuple) and isinstance(inserted.items, list)
-    assert isinstance(inserted.named["a"], Masked) and isinstance(inserted.heads["out"].layers[1], Masked)
+    assert isinstance(inserted.named["a"], Masked) and isinstance(inserted.heads["hidden"], Masked)
+    assert isinstance(inserted.heads["out"].layers[1], Masked)
     assert inserted.named["a"].layer.kernel[...].shape == (8, 8)
 
 
@@ -244,6 +248,28 @@ def test_a_layer_at_several_paths_is_left_alone() -> None:
         "shared: the same Linear also sits at again; masks at one place would miss the others"
     )
     assert inserted.again is inserted.hidden and isinstance(inserted.out, Masked)
+
+
+class Child(nnx.Module):
+    def __init__(self, owner: nnx.Module, rngs: nnx.Rngs) -> None:
+        self.owner = owner  # a reference back up the graph: a cycle, which NNX allows
+        self.linear = nnx.Linear(8, 2, rngs=rngs)
+
+
+class WithCycle(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.first = nnx.Linear(3, 8, rngs=rngs)
+        self.child = Child(self, rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.child.linear(self.first(x))
+
+
+def test_a_reference_back_up_the_graph_is_not_followed() -> None:
+    inserted = insert(WithCycle(nnx.Rngs(0)), 4, 2.0, seed=0)
+    assert [row.path for row in inserted.masksembles_report.rows] == ["first", "child.linear"]
+    assert inserted.child.owner is inserted and isinstance(inserted.child.linear, Masked)
+    assert inserted(jnp.ones((4, 3))).shape == (4, 2)
 
 
 def test_inserting_again_leaves_masked_layers_alone() -> None:
