@@ -109,7 +109,7 @@ def insert(
         assert row.channels is not None and row.channel_axis is not None  # set on every inserted row
         path = path_parts[row.path]
         masks = masksembles_nnx.Masksembles(row.channels, n, scale, seed=row.seed, channel_axis=row.channel_axis)
-        _replace(copy, path, Masked(masks, _child(_node_at(copy, path[:-1]), path[-1])))
+        _replace(copy, path, Masked(masks, _node_at(copy, path)))
     copy.masksembles_report = report  # type: ignore[attr-defined]  # a static attribute: LayerReport is hashable
     return copy
 
@@ -135,7 +135,7 @@ def _candidate(path: str, layer: nnx.Module, others: list[str], masked: bool) ->
         reason = ALREADY_MASKED
     elif others:
         reason = f"shared: the same {name} also sits at {', '.join(others)}; masks at one place would miss the others"
-    elif not isinstance(channels, int) or isinstance(channels, bool):
+    elif not isinstance(channels, int):
         reason = NO_CHANNELS
     elif isinstance(layer, nnx.Conv) and channels > 1 and layer.feature_group_count == channels:
         reason = DEPTHWISE
