@@ -59,7 +59,8 @@ def insert(
     Each chosen layer of the copy is replaced, where it sits (an attribute, a list or dict item), by
     ``Masked(Masksembles(in_features, n, scale, seed=...), layer)``: its weights are kept and no width changes, so
     any NNX model works, whatever its ``__call__`` does. The masks cover the layer's ``in_features`` channels on the
-    last axis (NNX layers are channels-last). ``model`` itself is not modified; the copy holds its own arrays.
+    last axis (NNX layers are channels-last). ``model`` itself is not modified; the copy holds its own arrays and
+    keeps the model's attribute order.
 
     Decided by ``masksembles_core.insertion.plan_insertion``, as in every framework: the first chosen layer in the
     model's order reads the raw input and is left alone unless ``include_first``; layers before ``start`` are left
@@ -105,6 +106,10 @@ def insert(
     order = [_dotted(path) for path, _, _ in nodes]
     report = plan_insertion(candidates, order, n, scale, seed=seed, start=start, include_first=include_first)
     copy = nnx.clone(model, arrays=True)
+    _keep_attribute_order(model, copy)
+    for path, node, _ in nodes:
+        if isinstance(node, nnx.Module):
+            _keep_attribute_order(node, _node_at(copy, path))
     for row in report.changed:
         assert row.channels is not None and row.channel_axis is not None  # set on every inserted row
         path = path_parts[row.path]
@@ -140,6 +145,16 @@ def _candidate(path: str, layer: nnx.Module, others: list[str], masked: bool) ->
     elif isinstance(layer, nnx.Conv) and channels > 1 and layer.feature_group_count == channels:
         reason = DEPTHWISE
     return Candidate(path, name, channels if isinstance(channels, int) else 0, -1, reason)
+
+
+def _keep_attribute_order(original: nnx.Module, copy: nnx.Module) -> None:
+    """Give ``copy`` the attribute order of ``original`` (``nnx.clone`` sorts attributes by name): the copy keeps the
+    model's order, for its repr and for a later ``insert``."""
+    attributes = vars(copy)
+    rank = {name: i for i, name in enumerate(vars(original))}
+    ordered = sorted(attributes.items(), key=lambda item: rank.get(item[0], len(rank)))
+    attributes.clear()
+    attributes.update(ordered)
 
 
 def _dotted(path: Path) -> str:

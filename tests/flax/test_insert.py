@@ -127,6 +127,20 @@ def test_cnn_gets_masks_before_its_layers_and_a_report() -> None:
     assert "| pointwise | Conv | inserted | 8 | -1 |" in str(report)
 
 
+def public_attributes(module: nnx.Module) -> list[str]:
+    return [name for name in vars(module) if not name.startswith("_")]
+
+
+def test_the_copy_keeps_the_attribute_order() -> None:
+    model = ResNet(nnx.Rngs(0))
+    inserted = insert(model, 4, 2.0, seed=0)
+    assert public_attributes(inserted) == ["stem", "blocks", "head", "masksembles_report"]
+    assert public_attributes(model) == ["stem", "blocks", "head"]
+    assert public_attributes(inserted.blocks[1]) == ["conv1", "bn1", "conv2", "bn2", "projection"]
+    again = insert(inserted, 4, 2.0, seed=0, include_first=True).masksembles_report
+    assert [row.path for row in again.changed] == ["stem"]
+
+
 def test_the_input_model_is_untouched() -> None:
     model = CNN(nnx.Rngs(0))
     model.eval()
