@@ -22,7 +22,7 @@ from . import nnx as masksembles_nnx
 ModuleT = TypeVar("ModuleT", bound=nnx.Module)
 Key = str | int
 Path = tuple[Key, ...]
-LayerFilter = type | tuple[type, ...] | Callable[[str, Any], bool]
+LayerFilter = type | tuple[type, ...] | list[type] | Callable[[str, Any], bool]
 
 DEPTHWISE = "depthwise convolution: each output channel reads one input channel (before=... includes it)"
 ALREADY_MASKED = "already has Masksembles on its input (the layer of a Masked)"
@@ -73,7 +73,7 @@ def insert(
         n: number of masks (ensemble members).
         scale: overlap control, >= 1.
         seed: seed of all the masks (reproducible per layer); None draws fresh entropy.
-        before: the layers to put masks before: a type or tuple of types (``isinstance``), or a predicate
+        before: the layers to put masks before: a type or a tuple (or list) of types (``isinstance``), or a predicate
             ``(path, layer) -> bool`` called on every module below the root. A chosen layer needs an integer
             ``in_features``.
         start: path of the layer (or block) insertion starts from, e.g. ``"blocks.2"``; None for the whole model.
@@ -120,14 +120,16 @@ def insert(
 
 
 def _layer_filter(before: LayerFilter) -> Callable[[str, Any], bool]:
-    if isinstance(before, type) or (
-        isinstance(before, tuple) and before and all(isinstance(kind, type) for kind in before)
-    ):
+    if isinstance(before, type):
         return lambda _, layer: isinstance(layer, before)
-    if callable(before) and not isinstance(before, tuple):
+    if isinstance(before, tuple | list):
+        if before and all(isinstance(kind, type) for kind in before):
+            kinds = tuple(before)
+            return lambda _, layer: isinstance(layer, kinds)
+    elif callable(before):
         return before
     raise TypeError(
-        f"before must be a layer type, a non-empty tuple of layer types or a predicate (path, layer) -> bool; "
+        f"before must be a layer type, a non-empty tuple or list of layer types or a predicate (path, layer) -> bool; "
         f"received {before!r}"
     )
 
