@@ -251,9 +251,11 @@ def test_pattern_packs_equal_to_the_dense_model(name: str, batch: int) -> None:
     x = torch.randn(batch, *shape, generator=torch.Generator().manual_seed(1))
     tiled = model(mt.tile(x, N))
     expected = tuple(mt.untile(y, N) for y in outputs(tiled))
-    packed = mt.pack(model, x[:3])
-    for actual, wanted in zip(outputs(packed(x)), expected, strict=True):
-        assert relative_error(actual, wanted) <= 1e-5
+    for program in ("packed", "dense"):
+        packed = mt.pack(model, x[:3], program=program)
+        assert packed.program == program
+        for actual, wanted in zip(outputs(packed(x)), expected, strict=True):
+            assert relative_error(actual, wanted) <= 1e-5
     for k in range(N):
         member = mt.extract_member(model, k, x)
         for actual, wanted in zip(outputs(member(x)), expected, strict=True):
@@ -276,11 +278,11 @@ def test_zero_preservation_is_evaluated_with_the_arguments() -> None:
 def test_fallbacks_are_reported() -> None:
     torch.manual_seed(0)
     model = randomized(TokenModel(MultiheadBlock()))
-    packed = mt.pack(model, torch.randn(2, 3, 4, 4))
+    packed = mt.pack(model, torch.randn(2, 3, 4, 4), program="packed")
     assert any("MultiheadAttention" in name for name in packed.fallbacks)
     assert "fallbacks=" in repr(packed)
     assert 0 < packed.macs["fallback"] < packed.macs["packed"] <= packed.macs["dense"]
-    plain = mt.pack(randomized(MeanPool()), torch.randn(2, 3, 5, 5))
+    plain = mt.pack(randomized(MeanPool()), torch.randn(2, 3, 5, 5), program="packed")
     assert plain.fallbacks == () and plain.macs["fallback"] == 0
 
 
@@ -288,7 +290,7 @@ def test_the_packed_module_is_an_fx_graph_module() -> None:
     torch.manual_seed(0)
     model = randomized(with_modules(SqueezeExcite(12)))
     x = torch.randn(4, 3, 6, 6)
-    packed = mt.pack(model, x)
+    packed = mt.pack(model, x, program="packed")
     assert isinstance(packed, torch.fx.GraphModule) and "def forward" in packed.code
     expected = mt.predict(model, x, N)
     exported = torch.export.export(packed, (x,), dynamic_shapes=({0: torch.export.Dim("batch", min=2)},))
@@ -324,3 +326,16 @@ def test_in_place_on_a_view_read_later_is_refused() -> None:
 
     with pytest.raises(ValueError, match=r"works in place on 'getitem', which shares memory with"):
         mt.pack(ViewInPlace(), torch.randn(2, 4))
+
+
+def test_auto_keeps_the_faster_program() -> None:
+    torch.manual_seed(0)
+    model = randomized(with_modules(SqueezeExcite(12)))
+    x = torch.randn(4, 3, 6, 6)
+    packed = mt.pack(model, x)
+    assert set(packed.seconds) == {"packed", "dense"} and all(t > 0 for t in packed.seconds.values())
+    faster = min(packed.seconds, key=lambda name: packed.seconds[name])
+    assert packed.program == faster
+    assert relative_error(packed(x), mt.predict(model, x, N)) <= 1e-5
+    with pytest.raises(ValueError, match=r"program must be one of \('auto', 'packed', 'dense'\); received 'fast'"):
+        mt.pack(model, x, program="fast")
