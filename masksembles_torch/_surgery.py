@@ -683,11 +683,8 @@ def convert_dropout(
         shapes = _input_shapes(model, inputs, [module for _, module in dropouts])
         traced = _trace(model, inputs)
     if traced.failure:
-        warnings.warn(
-            f"convert_dropout: {traced.failure}; channel axes follow the input's rank and functional dropouts "
-            "(F.dropout) are not converted",
-            stacklevel=2,
-        )
+        axes = "channel axes follow the input's rank and " if channel_axis is None else ""
+        warnings.warn(f"convert_dropout: {traced.failure}; {axes}F.dropout calls are not converted", stacklevel=2)
     paths = _paths(model)
     rows: list[LayerChange] = []
 

@@ -151,7 +151,9 @@ class ResNet(nn.Module):
         self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
         self.fc = nn.Linear(width * 8 * block.expansion, CLASSES)
 
-    def _make_layer(self, block: type[BasicBlock | Bottleneck], planes: int, blocks: int, stride: int = 1) -> nn.Sequential:
+    def _make_layer(
+        self, block: type[BasicBlock | Bottleneck], planes: int, blocks: int, stride: int = 1
+    ) -> nn.Sequential:
         downsample = None
         if stride != 1 or self.inplanes != planes * block.expansion:
             downsample = nn.Sequential(
@@ -264,9 +266,7 @@ class MobileNetV3(nn.Module):
 class MBConv(nn.Module):
     """EfficientNet block: expand (SiLU), depthwise (SiLU), SE (SiLU, sigmoid gate), project; per-sample drop."""
 
-    def __init__(
-        self, inputs: int, outputs: int, expand_ratio: int, kernel: int, stride: int, drop: nn.Module
-    ) -> None:
+    def __init__(self, inputs: int, outputs: int, expand_ratio: int, kernel: int, stride: int, drop: nn.Module) -> None:
         super().__init__()
         self.use_res_connect = stride == 1 and inputs == outputs
         expanded = inputs * expand_ratio
