@@ -97,8 +97,7 @@ def _factory(module: nn.Module) -> dict[str, Any]:
 
 def _masksembles(row: LayerChange, n: int, scale: float, like: nn.Module, training: bool) -> Masksembles:
     """The Masksembles layer a report row describes, stored like ``like``'s weights."""
-    if row.channels is None or row.channel_axis is None:
-        raise AssertionError(f"report row {row.path!r} places no masks")
+    assert row.channels is not None and row.channel_axis is not None, f"row {row.path!r} places no masks"
     layer = Masksembles(row.channels, n, scale, seed=row.seed, channel_axis=row.channel_axis, **_factory(like))
     return layer.train(training)
 
@@ -193,7 +192,7 @@ def insert(
         seed: seed of the per-layer seeds (None: fresh entropy; the report lists the seeds used).
         before: module types, or a predicate ``(path, module) -> bool`` that chooses the layers by name or type.
         start: path of the module from which insertion begins (None: the whole model).
-        include_first: also mask the input of the first matching layer.
+        include_first: also mask the input of the network's first layer (the raw input).
         inplace: change ``model`` itself instead of a deep copy.
 
     Returns:
@@ -219,14 +218,8 @@ def insert(
     # The core skips the first candidate as "the network's first layer". When ``before`` does not select the
     # network's first convolution or linear layer, the first candidate does not read the raw input.
     chosen = {path for path, _ in selected}
-    first = next(
-        (
-            path
-            for path, module in model.named_modules()
-            if path and (isinstance(module, DEFAULT_BEFORE) or path in chosen)
-        ),
-        None,
-    )
+    layers = (path for path, module in model.named_modules() if isinstance(module, DEFAULT_BEFORE) or path in chosen)
+    first = next((path for path in layers if path), None)
     include_first = include_first or bool(candidates and candidates[0].path != first)
     report = plan_insertion(candidates, order, n, scale, seed=seed, start=start, include_first=include_first)
     for row in report.changed:
@@ -463,17 +456,16 @@ class _Site:
 
 
 def _module_site(path: str, module: nn.Module, traced: _Traced, shapes: list[Any]) -> _Site:
-    """A dropout module as a site: its calls in the traced graph, input shapes from the graph or else the run."""
+    """A dropout module as a site: its calls in the traced graph, its input shapes from there or else from the run."""
     graph_nodes = traced.graph.nodes if traced.graph is not None else ()
     nodes = [node for node in graph_nodes if node.op == "call_module" and node.target == path]
-    node_shapes = [_shape(node.args[0]) for node in nodes]
     return _Site(
         path,
         type(module).__name__,
         cast(float, module.p),
         isinstance(module, nn.Dropout1d | nn.Dropout2d | nn.Dropout3d),
         nodes,
-        node_shapes if nodes and None not in node_shapes else shapes,
+        [_shape(node.args[0]) for node in nodes] if nodes else shapes,
     )
 
 
@@ -578,7 +570,8 @@ class _Owner:
     module: nn.Module
     graph: fx.Graph
     calls: list[fx.Node]  # its functional dropout calls, in order
-    layers: dict[fx.Node, Masksembles] = field(default_factory=dict)
+    names: list[str]  # the attribute each call's Masksembles layer gets (the call's name, unless taken)
+    layers: dict[int, Masksembles] = field(default_factory=dict)  # index in calls -> its layer
 
 
 def _functional_sites(model: nn.Module, traced: _Traced) -> list[tuple[_Site, _Owner | None, int]]:
@@ -600,13 +593,18 @@ def _functional_sites(model: nn.Module, traced: _Traced) -> list[tuple[_Site, _O
             calls = [node for node in graph.nodes if _is_dropout_call(node)]
             if {len(calls)} != counts:
                 raise ValueError(f"its trace has {len(calls)} dropout calls, not {counts}")
-            owner = _Owner(path, module, graph, calls)
+            names: list[str] = []
+            for call in calls:
+                names.append(call.name)
+                while hasattr(module, names[-1]) or names[-1] in names[:-1]:
+                    names[-1] += "_masks"
+            owner = _Owner(path, module, graph, calls, names)
         except Exception as error:  # the calls stay, reported with the reason
             failure = f"torch.fx could not trace {path or 'the model'!r} on its own ({_first_line(error)})"
         for index in range(max(counts)):
             nodes = [call[index] for call in per_call.values() if index < len(call)]
             label, channels_first = DROPOUT_FUNCTIONS[cast(Callable[..., Any], nodes[0].target)]
-            local = owner.calls[index].name if owner is not None else nodes[0].name
+            local = owner.names[index] if owner is not None else nodes[0].name
             p = _argument(nodes[0], "p", 1, 0.5)
             site = _Site(
                 f"{path}.{local}" if path else local,
@@ -624,10 +622,11 @@ def _functional_sites(model: nn.Module, traced: _Traced) -> list[tuple[_Site, _O
 def _rewrite(owner: _Owner) -> fx.GraphModule:
     """``owner``'s traced ``forward`` with each converted dropout call replaced by its Masksembles submodule."""
     rewritten = fx.GraphModule(owner.module, owner.graph, class_name=type(owner.module).__name__)
-    for node, layer in owner.layers.items():
-        rewritten.add_submodule(node.name, layer)
+    for index, layer in owner.layers.items():
+        node, name = owner.calls[index], owner.names[index]
+        rewritten.add_submodule(name, layer)
         with rewritten.graph.inserting_after(node):
-            call = rewritten.graph.call_module(node.name, (node.args[0],))
+            call = rewritten.graph.call_module(name, (node.args[0],))
         node.replace_all_uses_with(call)
         rewritten.graph.erase_node(node)
     rewritten.recompile()
@@ -705,7 +704,7 @@ def convert_dropout(
     for site, owner, index in _functional_sites(model, traced):
         row = add(_decide(site, traced, channel_axis))
         if row.action == CONVERTED and owner is not None:
-            owner.layers[owner.calls[index]] = _masksembles(row, n, scale, model, owner.module.training)
+            owner.layers[index] = _masksembles(row, n, scale, model, owner.module.training)
             owners[owner.path] = owner
     for path in sorted(owners, key=lambda p: -1 if not p else p.count("."), reverse=True):
         rewritten = _rewrite(owners[path])

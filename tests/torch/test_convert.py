@@ -102,14 +102,14 @@ def test_recurrent_and_attention_outputs_have_channels_last() -> None:
     class Sequence(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.lstm = nn.LSTM(4, 6)  # (L, B, C): a rank rule would not know; the LSTM says channels last
+            self.lstm = nn.LSTM(4, 6, batch_first=True)
             self.drop = nn.Dropout(0.3)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             y, _ = self.lstm(x)
             return self.drop(y)
 
-    converted = mt.convert_dropout(Sequence(), torch.randn(5, 2, 4), N, 2.0, seed=0)
+    converted = mt.convert_dropout(Sequence(), torch.randn(2, 5, 4), N, 2.0, seed=0)
     assert decisions(converted)["drop"] == (CONVERTED, 6, -1, "")
     vit = mt.convert_dropout(zoo.build("vit_torch"), zoo.images(4), N, 2.0, seed=0)
     assert decisions(vit)["blocks.0.dropout"] == (CONVERTED, 16, -1, ""), "nn.MultiheadAttention output"
@@ -139,9 +139,10 @@ def test_functional_dropout_in_a_submodule_with_arguments() -> None:
         def __init__(self) -> None:
             super().__init__()
             self.fc = nn.Linear(8, 3)
+            self.dropout = 0.5  # the layer's attribute gets another name
 
         def forward(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-            x = F.dropout(x, p=0.5, training=self.training)
+            x = F.dropout(x, p=self.dropout, training=self.training)
             return x if pre_logits else self.fc(x)
 
     class Model(nn.Module):
@@ -160,10 +161,10 @@ def test_functional_dropout_in_a_submodule_with_arguments() -> None:
     assert isinstance(converted.head, fx.GraphModule) and converted.head.fc is not model.head.fc
     assert decisions(converted) == {
         "drop": (CONVERTED, 8, 1, ""),
-        "head.dropout": (CONVERTED, 8, -1, ""),
+        "head.dropout_masks": (CONVERTED, 8, -1, ""),
     }
     x = torch.randn(6, 3, 10)
-    expected = model.head.fc(converted.head.dropout(converted.drop(model.conv(x).relu()).mean(-1)))
+    expected = model.head.fc(converted.head.dropout_masks(converted.drop(model.conv(x).relu()).mean(-1)))
     torch.testing.assert_close(converted(x), expected, rtol=0, atol=0)
 
 
