@@ -43,6 +43,7 @@ from ._layers import Masksembles
 
 DEFAULT_BEFORE: tuple[type[nn.Module], ...] = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
 DEPTHWISE = "depthwise convolution: each output channel reads one input channel (before=... includes it)"
+INPUT_LAYERS = (nn.modules.conv._ConvNd, nn.Linear, nn.Embedding, nn.EmbeddingBag)  # what reads a network's input
 REPORT = "masksembles_report"
 CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
@@ -177,8 +178,8 @@ def insert(
     ``Masked(masksembles, layer)``; its masks cover the layer's ``in_channels`` (channels on axis 1, convolutions of
     any ``groups``) or ``in_features`` (last axis) and are stored on the device and in the dtype of its weights.
     Layers are looked at in ``named_modules`` order and decided by ``masksembles_core.insertion.plan_insertion``:
-    the network's first layer (its first convolution or linear layer, or an earlier one ``before`` selects) reads the
-    raw input and is skipped unless ``include_first``; with ``start`` (a module path such as
+    the network's first layer (its first convolution, linear or embedding layer, or an earlier one ``before``
+    selects) reads the raw input and is skipped unless ``include_first``; with ``start`` (a module path such as
     ``"layer3"``, the paper's ImageNet recipe) those before it are skipped; the ``i``-th inserted layer gets masks
     from ``masksembles_core.derive_seed(seed, i)``. Also left alone, with the reason in the report: depthwise
     convolutions when ``before`` is the default, a module registered at several paths, the layers inside a torch.nn
@@ -216,9 +217,10 @@ def insert(
         if not isinstance(module, Masked | Masksembles)
     ]
     # The core skips the first candidate as "the network's first layer". When ``before`` does not select the
-    # network's first convolution or linear layer, the first candidate does not read the raw input.
+    # network's first layer (a convolution, linear or embedding layer), the first candidate does not read the raw
+    # input.
     chosen = {path for path, _ in selected}
-    layers = (path for path, module in model.named_modules() if isinstance(module, DEFAULT_BEFORE) or path in chosen)
+    layers = (path for path, module in model.named_modules() if isinstance(module, INPUT_LAYERS) or path in chosen)
     first = next((path for path in layers if path), None)
     include_first = include_first or bool(candidates and candidates[0].path != first)
     report = plan_insertion(candidates, order, n, scale, seed=seed, start=start, include_first=include_first)

@@ -125,6 +125,9 @@ def test_before_chooses_by_type_or_by_predicate() -> None:
     assert set(masked_layers(inserted)) == {"layer4.0.conv1", "layer4.0.conv2", "layer4.0.downsample.0"}
     only_head = mt.insert(resnet, N, 2.0, seed=0, before=lambda path, m: path == "fc")
     assert [row.path for row in only_head.masksembles_report.changed] == ["fc"], "the head reads no raw input"
+    language = nn.Sequential(nn.Embedding(50, 8), nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 50))
+    report = mt.insert(language, N, 2.0, seed=0).masksembles_report
+    assert [row.path for row in report.changed] == ["1", "3"], "the embedding reads the raw input, not the Linear"
     containers = mt.insert(resnet, N, 2.0, seed=0, before=lambda path, m: path in ("layer1", "fc"))
     assert containers.masksembles_report.unchanged[0].reason == (
         "no in_channels or in_features to read its input channels from"
