@@ -216,14 +216,12 @@ def insert(
         for path, module in selected
         if not isinstance(module, Masked | Masksembles)
     ]
-    # The core skips the first candidate as "the network's first layer". When ``before`` does not select the
-    # network's first layer (a convolution, linear or embedding layer), the first candidate does not read the raw
-    # input.
     chosen = {path for path, _ in selected}
     layers = (path for path, module in model.named_modules() if isinstance(module, INPUT_LAYERS) or path in chosen)
-    first = next((path for path in layers if path), None)
-    include_first = include_first or bool(candidates and candidates[0].path != first)
-    report = plan_insertion(candidates, order, n, scale, seed=seed, start=start, include_first=include_first)
+    first = next((path for path in layers if path), None)  # the network's first layer: it reads the raw input
+    report = plan_insertion(
+        candidates, order, n, scale, seed=seed, start=start, include_first=include_first, first_layer=first
+    )
     for row in report.changed:
         layer = model.get_submodule(row.path)
         _replace(model, [row.path], Masked(_masksembles(row, n, scale, layer, layer.training), layer))
