@@ -126,9 +126,9 @@ def plan_insertion(
     scale: float,
     *,
     seed: int | None,
+    first_layer: str | None,
     start: str | None = None,
     include_first: bool = False,
-    first_layer: str | None = None,
 ) -> LayerReport:
     """Decide which candidates get masks on their input (rules in the module docstring).
 
