@@ -96,7 +96,9 @@ class InvertedResidual(nn.Module):
 class MobileNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        settings = [(16, 64, 24, 3, 2), (24, 72, 24, 3, 1), (24, 96, 40, 5, 2), (40, 240, 40, 5, 1), (40, 240, 48, 5, 1)]
+        settings = [  # inputs, expanded, outputs, kernel, stride
+            (16, 64, 24, 3, 2), (24, 72, 24, 3, 1), (24, 96, 40, 5, 2), (40, 240, 40, 5, 1), (40, 240, 48, 5, 1),
+        ]  # fmt: skip
         self.stem = ConvBN(3, 16, 3, 2)
         self.blocks = nn.Sequential(*(InvertedResidual(*s) for s in settings))
         self.last = ConvBN(48, 288, 1)
@@ -249,7 +251,7 @@ def main() -> None:
         "brackets after the packed ratio: the MAC ratio of its Linear/Conv layers (the bound on its time ratio if "
         "every kernel ran at the same speed per MAC) and the share of MACs that fell back to full width. Targets: "
         "packed within 1.3× of its MAC ratio where nothing falls back; never slower than tiled predict (`pack`'s "
-        "default `program=\"auto\"` times both on the example input and keeps the faster).",
+        'default `program="auto"` times both on the example input and keeps the faster).',
         "",
         "| model | batch | single (ms) | packed ÷ single [MACs; fallback] | tiled predict ÷ single | packed ÷ tiled "
         "| one member ÷ single | member params ÷ full |",
