@@ -129,9 +129,12 @@ def _target_name(node: fx.Node) -> str:
 
 
 def _describe(node: fx.Node, root: nn.Module) -> str:
+    """A node as a user recognizes it: a module by its path and type, a call by its function and enclosing module."""
     if node.op == "call_module":
         return f"{node.target} ({type(root.get_submodule(str(node.target))).__name__})"
-    return f"{node.name} ({node.op} {_target_name(node)})"
+    stack = node.meta.get("nn_module_stack") or {}
+    where = f"{next(reversed(stack))}: " if stack else ""
+    return f"{where}{_target_name(node)} (node {node.name!r})"
 
 
 # ---------------------------------------------------------------------------------------------------- capture
