@@ -100,6 +100,7 @@ IN_PLACE_OPERATORS = {
     operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
     operator.itruediv: operator.truediv,
 }  # fmt: skip
+PER_SAMPLE_DROPOUTS = {"stochastic_depth", "drop_path"}  # functions of (x, p, ..., training): the identity in eval
 REDUCTIONS = {"mean", "sum", "amax", "amin", "var", "std"}
 MOVES = {"permute", "transpose", "flatten", "unsqueeze", "squeeze", "movedim", "swapaxes", "swapdims", "unflatten"}
 MOVE_FUNCTIONS = {
@@ -459,6 +460,8 @@ class _Capture:
             return (
                 None if self.argument(node, "training", 2, True) else _Op(node, "channelwise", tensors, how="identity")
             )
+        if name in PER_SAMPLE_DROPOUTS and _bound(node) is not None and self.argument(node, "training", 3) is False:
+            return _Op(node, "channelwise", tensors, how="identity")  # torchvision's stochastic_depth is fx.wrap'ed
         if target is F.batch_norm:
             if self.argument(node, "training", 5, False):
                 return None
