@@ -1,0 +1,403 @@
+"""Model surgery: ``insert`` (the paper's recipe) and ``convert_dropout``, on Sequential and functional models.
+
+Both run the same two steps. ``_survey`` lists every layer and operation of the model in graph order, with the
+shape of the tensor each call reads; the rule of ``masksembles_core.insertion`` (``insert``) or the dropout rule
+(``convert_dropout``) decides where masks go; ``_Rebuilder`` builds a new model with a Masksembles layer in front of
+(``insert``) or in place of (``convert_dropout``) the chosen layers and copies every other layer and operation with
+its weights, so the input model is never modified.
+
+Paths: a layer of the model is its name (``"conv2"``); a layer of a nested Sequential/functional model is
+``"<nested model name>/<layer name>"`` (nesting repeats), as in Keras' variable paths. A layer inside a custom layer
+or a subclassed model (Python ``call()`` code, which cannot be rebuilt) is ``"<custom layer path>/<layer name>"`` and
+is reported as left alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import keras
+
+import masksembles_core as mc
+from masksembles_core.insertion import (
+    CONVERTED,
+    LEFT,
+    Candidate,
+    LayerChange,
+    LayerReport,
+    check_insert_arguments,
+    plan_insertion,
+)
+
+from ._layers import Masksembles, Masksembles1D, Masksembles2D, Masksembles3D
+
+Shape = tuple[int | None, ...]
+Predicate = Callable[[str, Any], bool]
+
+DEFAULT_BEFORE = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D, keras.layers.Dense)
+_MASKS_BY_RANK: dict[int, type[Masksembles]] = {2: Masksembles1D, 3: Masksembles1D, 4: Masksembles2D, 5: Masksembles3D}
+_DEPTHWISE = (keras.layers.DepthwiseConv1D, keras.layers.DepthwiseConv2D)
+
+
+@dataclass
+class _Site:
+    """One layer or operation of the model, as the survey found it.
+
+    Attributes:
+        path: its path (module docstring).
+        op: the layer or raw operation (``x + 1``, ``x[:, 0]``, a ``keras.ops`` call).
+        inputs: per call in the graph, the shape of the one tensor it reads (None: it reads several tensors).
+        inside: for a layer inside a custom layer, a description of that layer (it is then never called here).
+    """
+
+    path: str
+    op: Any
+    inputs: list[Shape | None] = field(default_factory=list)
+    inside: str = ""
+
+
+def _is_graph_model(op: object) -> bool:
+    """A Sequential or functional model (a ``keras.Function`` graph): the models the surgery can rebuild."""
+    return isinstance(op, keras.Sequential) or (isinstance(op, keras.Model) and isinstance(op, keras.Function))
+
+
+def _check_model(model: object, operation: str) -> None:
+    if not _is_graph_model(model):
+        kind = "a subclassed keras.Model" if isinstance(model, keras.Model) else "not a keras.Model"
+        raise TypeError(
+            f"{operation} rebuilds Sequential and functional Keras models; {type(model).__name__} is {kind}, whose "
+            "call() Keras cannot rebuild: put masksembles_keras.Masksembles layers in its code, or build it as a "
+            "functional model"
+        )
+    if not model.built:  # type: ignore[attr-defined]  # a keras.Model (Any to mypy)
+        raise ValueError(f"{operation} needs a built model (give it an Input, or call it once on data)")
+
+
+def _shape(tensors: list[Any]) -> Shape | None:
+    return tuple(tensors[0].shape) if len(tensors) == 1 else None
+
+
+def _graph_calls(model: Any) -> Iterator[tuple[Any, Shape | None]]:
+    """Each call in ``model``'s graph, in an order where a call follows the calls it reads: (op, input shape)."""
+    if isinstance(model, keras.Sequential):
+        tensor = model.inputs[0]
+        for layer in model.layers:
+            yield layer, tuple(tensor.shape)
+            tensor = layer.compute_output_spec(tensor)
+        return
+    # A functional model's graph: keras.Function's nodes, deepest (closest to the inputs) first, as Keras runs them.
+    nodes_by_depth = model._nodes_by_depth
+    for depth in sorted(nodes_by_depth, reverse=True):
+        for node in nodes_by_depth[depth]:
+            if not node.is_input:
+                yield node.operation, _shape(node.input_tensors)
+
+
+def _survey(model: Any, prefix: str = "", sites: dict[int, _Site] | None = None) -> list[_Site]:
+    """Every layer and operation of ``model`` and of its nested models, once each, in graph order."""
+    found: dict[int, _Site] = {} if sites is None else sites
+    for op, shape in _graph_calls(model):
+        site = found.get(id(op))
+        if site is None:
+            site = found[id(op)] = _Site(f"{prefix}{op.name}", op)
+            if _is_graph_model(op):
+                _survey(op, f"{site.path}/", found)
+            elif isinstance(op, keras.layers.Layer):
+                inside = f"inside {type(op).__name__} {site.path!r}: only a Sequential/functional graph can be rebuilt"
+                for inner in op._flatten_layers(include_self=False, recursive=True):
+                    found.setdefault(id(inner), _Site(f"{site.path}/{inner.name}", inner, inside=inside))
+        site.inputs.append(shape)
+    return list(found.values())
+
+
+def _channel_axis(layer: Any) -> int:
+    """Axis of the channels in the layer's input: 1 for ``data_format="channels_first"``, else -1."""
+    return 1 if getattr(layer, "data_format", None) == "channels_first" else -1
+
+
+def _channels(site: _Site, axis: int) -> tuple[int, str]:
+    """The channel count of the site's input on ``axis``, or (0, why there is no single one)."""
+    if site.inside:
+        return 0, site.inside
+    if any(shape is None for shape in site.inputs):
+        return 0, "its input is not a single tensor"
+    counts = {shape[axis] for shape in site.inputs if shape is not None}
+    if len(counts) > 1:
+        shown = ", ".join(str(count) for count in sorted(counts, key=lambda count: -1 if count is None else count))
+        return 0, f"called on inputs with different channel counts ({shown})"
+    (channels,) = counts
+    if channels is None:
+        return 0, f"unknown channel count (None) on axis {axis} of its input"
+    return channels, ""
+
+
+def _masks_layer(site: _Site, n: int, scale: float, seed: int | None, axis: int, name: str) -> Masksembles:
+    """A Masksembles layer for the site's input, in the site's dtype policy (1D/2D/3D by the input's rank)."""
+    ranks = {len(shape) for shape in site.inputs if shape is not None}
+    masks_class = _MASKS_BY_RANK.get(ranks.pop(), Masksembles) if len(ranks) == 1 else Masksembles
+    return masks_class(n, scale, seed=seed, channel_axis=axis, name=name, dtype=site.op.dtype_policy)
+
+
+def _copy(op: Any) -> Any:
+    """A new layer or operation with ``op``'s configuration (weights are copied once the new model is built)."""
+    if isinstance(op, keras.layers.Lambda):
+        # A Lambda's config holds its function as bytecode, which Keras only reloads in unsafe mode and without the
+        # function's globals: the copy takes the function object itself.
+        return keras.layers.Lambda(
+            op.function,
+            output_shape=op._output_shape,
+            mask=op.mask,
+            arguments=op.arguments,
+            name=op.name,
+            dtype=op.dtype_policy,
+            trainable=op.trainable,
+        )
+    return type(op).from_config(op.get_config())
+
+
+@dataclass(frozen=True)
+class _Edit:
+    """Masks for one layer: in front of a copy of it (``keep``, insert) or in its place (convert_dropout)."""
+
+    masks: Masksembles
+    keep: bool
+
+
+class _Rebuilder:
+    """Builds a new model from a Sequential/functional model, applying ``edits`` (keyed by the original layer's id).
+
+    Every other layer and operation is copied once (shared layers stay shared), nested Sequential/functional models
+    are rebuilt the same way, and the copies get the original layers' weights.
+    """
+
+    def __init__(self, edits: Mapping[int, _Edit]) -> None:
+        self.edits = edits
+        self.clones: dict[int, Any] = {}
+        self.masks_before: dict[int, Masksembles] = {}  # id of a kept layer's copy -> masks called on its input
+        self.copies: list[tuple[Any, Any]] = []
+
+    def __call__(self, model: Any) -> Any:
+        result = self.model(model)
+        for original, copy in self.copies:
+            copy.set_weights(original.get_weights())
+        return result
+
+    def model(self, model: Any) -> Any:
+        if isinstance(model, keras.Sequential):
+            spec = model.inputs[0]
+            layers = [keras.Input(batch_shape=spec.shape, dtype=spec.dtype, sparse=spec.sparse)]
+            for layer in model.layers:
+                edit = self.edits.get(id(layer))
+                if edit is not None:
+                    layers.append(edit.masks)
+                if edit is None or edit.keep:
+                    layers.append(self.clone(layer))
+            result = keras.Sequential(layers, name=model.name)
+            if model.compiled:
+                result.compile_from_config(model.get_compile_config())
+        else:
+            # clone_model replays the functional graph (inputs, raw operations, the model's class and compile config)
+            result = keras.models.clone_model(model, clone_function=self.clone, call_function=self.call)
+        if not model.trainable:
+            result.trainable = False
+        return result
+
+    def clone(self, op: Any) -> Any:
+        if id(op) not in self.clones:
+            edit = self.edits.get(id(op))
+            if edit is not None and not edit.keep:
+                clone = edit.masks
+            elif _is_graph_model(op):
+                clone = self.model(op)
+            else:
+                clone = _copy(op)
+                if isinstance(op, keras.layers.Layer):
+                    self.copies.append((op, clone))
+                if edit is not None:
+                    self.masks_before[id(clone)] = edit.masks
+            self.clones[id(op)] = clone
+        return self.clones[id(op)]
+
+    def call(self, op: Any, *args: Any, **kwargs: Any) -> Any:
+        masks = self.masks_before.get(id(op))
+        if masks is not None:  # the layer reads one tensor (checked by the survey): it reads it through the masks
+            args, kwargs = keras.tree.map_structure(
+                lambda value: masks(value) if isinstance(value, keras.KerasTensor) else value, (args, kwargs)
+            )
+        return op(*args, **kwargs)
+
+
+def _unique_name(name: str, taken: set[str]) -> str:
+    candidate, suffix = name, 0
+    while candidate in taken:
+        suffix += 1
+        candidate = f"{name}_{suffix}"
+    taken.add(candidate)
+    return candidate
+
+
+def _selector(before: object) -> Predicate:
+    """``before`` as a predicate (path, layer) -> bool."""
+    if isinstance(before, type):
+        before = (before,)
+    if isinstance(before, tuple) and before and all(isinstance(kind, type) for kind in before):
+        kinds = before
+        return lambda path, layer: isinstance(layer, kinds)
+    if callable(before):
+        return lambda path, layer: bool(before(path, layer))
+    raise TypeError(
+        f"before must be a tuple of layer types or a predicate (path: str, layer) -> bool; received {before!r}"
+    )
+
+
+def _candidate(site: _Site) -> Candidate:
+    """The insertion candidate of a matching layer, with the reason it must be left alone, if any."""
+    axis = _channel_axis(site.op)
+    channels, reason = _channels(site, axis)
+    layer_type = type(site.op).__name__
+    groups = getattr(site.op, "groups", 1)
+    if not reason and (isinstance(site.op, _DEPTHWISE) or 1 < groups == channels):
+        reason = "depthwise convolution: each channel is filtered alone (masks go on the next pointwise layer's input)"
+    return Candidate(site.path, layer_type, channels, axis, reason)
+
+
+def insert(
+    model: keras.Model,
+    n: int,
+    scale: float,
+    *,
+    seed: int | None = None,
+    before: tuple[type, ...] | Predicate = DEFAULT_BEFORE,
+    start: str | None = None,
+    include_first: bool = False,
+) -> keras.Model:
+    """A copy of ``model`` with a Masksembles layer on the input of every matching layer (the paper's recipe).
+
+    The paper puts Masksembles before every convolutional and dense layer (CIFAR-10), or before every convolution
+    from ``stage3`` on (ImageNet ResNet-50). Widths stay as they are and every weight is copied, so ``scale=1``
+    (all-ones masks) reproduces the model exactly. Sequential and functional models work, with nested models and
+    raw operations (``x * 2.0``, ``x[:, 0]``, ``keras.ops`` calls); a subclassed model is a TypeError.
+
+    The masks layer before layer ``"conv"`` is named ``"conv_masksembles"``; its class follows the input's rank
+    (``Masksembles1D`` for (B, C) and (B, L, C), ``Masksembles2D`` for (B, H, W, C), ``Masksembles3D``), its
+    ``channel_axis`` is 1 when the layer has ``data_format="channels_first"`` and -1 otherwise, its dtype policy
+    is the layer's. A layer called at several places gets one masks layer, called at each of them.
+
+    Which layers get masks is decided by ``masksembles_core.insertion.plan_insertion``, the rule shared with
+    PyTorch and Flax: the network's first matching layer (it reads the raw input) is skipped unless
+    ``include_first``; layers before ``start`` are skipped; the ``i``-th layer given masks gets
+    ``derive_seed(seed, i)``. Left alone, with the reason in the report: depthwise convolutions, layers with a single
+    input channel, layers reading several tensors or inputs of different channel counts, and layers inside custom
+    layers or subclassed models (their ``call()`` cannot be rebuilt).
+
+    Args:
+        model: a built Sequential or functional model (left unchanged).
+        n, scale, seed: as for ``Masksembles``; ``seed`` makes every layer's masks reproducible.
+        before: layer types (default Conv1D/2D/3D and Dense, subclasses included), or a predicate
+            ``(path, layer) -> bool`` on every layer (paths as in the module docstring: ``"block3/conv"``).
+        start: the path of the layer insertion starts from (e.g. ``"conv4_block1_1_conv"`` for ResNet50's stage 3).
+        include_first: also put masks on the first matching layer's input.
+
+    Returns:
+        the new model, of the input model's class (compiled with its compile configuration when it was compiled);
+        its ``masksembles_report`` attribute (a ``LayerReport``, printed as a Markdown table) lists every matching
+        layer, what was done and why. The report is not saved with the model; the masks are.
+
+    Raises:
+        TypeError: ``model`` is not a Sequential/functional model, or ``before`` is neither types nor a callable.
+        ValueError: invalid ``n``/``scale``/``seed``, an unbuilt model, a ``start`` that names no layer, or no
+            layer to put masks before (the message holds the report).
+    """
+    n, scale, seed = check_insert_arguments(n, scale, seed, start)
+    matches = _selector(before)
+    _check_model(model, "insert")
+    sites = _survey(model)
+    candidates = [
+        _candidate(site)
+        for site in sites
+        if isinstance(site.op, keras.layers.Layer) and not _is_graph_model(site.op) and matches(site.path, site.op)
+    ]
+    report = plan_insertion(
+        candidates, [site.path for site in sites], n, scale, seed=seed, start=start, include_first=include_first
+    )
+    by_path = {site.path: site for site in sites}
+    taken = {site.op.name for site in sites}
+    edits: dict[int, _Edit] = {}
+    for row in report.changed:
+        site = by_path[row.path]
+        name = _unique_name(f"{site.op.name}_masksembles", taken)
+        masks = _masks_layer(site, n, scale, row.seed, _channel_axis(site.op), name)
+        edits[id(site.op)] = _Edit(masks, keep=True)
+    result = _Rebuilder(edits)(model)
+    result.masksembles_report = report
+    return result
+
+
+def _dropout_reason(site: _Site, axis: int, channels: int, reason: str) -> str:
+    """Why a dropout layer is left as is ("" when it is converted)."""
+    layer = site.op
+    if reason:
+        return reason
+    if layer.rate == 0:
+        return "rate=0: it drops nothing"
+    noise_shape = getattr(layer, "noise_shape", None)
+    if noise_shape is not None and noise_shape[axis] == 1:
+        return (
+            f"noise_shape={tuple(noise_shape)}: one draw for all channels (per-sample dropout, e.g. stochastic "
+            "depth), not channel dropout"
+        )
+    if channels < 2:
+        return "a single channel: every mask would keep it"
+    return ""
+
+
+def convert_dropout(model: keras.Model, n: int, scale: float, *, seed: int | None = None) -> keras.Model:
+    """A copy of ``model`` with its channel dropouts replaced by Masksembles (the paper's MC-Dropout drop-in).
+
+    ``Dropout`` becomes ``Masksembles`` on its input's last axis, ``SpatialDropout1D`` ``Masksembles1D``,
+    ``SpatialDropout2D/3D`` ``Masksembles2D/3D`` on the channels of their ``data_format``; each masks layer keeps
+    the dropout's name (``model.get_layer("top_dropout")`` finds it) and dtype policy and reads its channel count
+    from its input. The ``i``-th converted dropout gets masks from ``derive_seed(seed, i)``. Every other layer and
+    raw operation is copied with its weights (the input model is left unchanged); Sequential and functional models
+    work, nested ones included, and a subclassed model is a TypeError.
+
+    Left as is, with the reason in the report: ``rate=0``; a ``noise_shape`` that shares one draw across the
+    channels (per-sample dropout such as EfficientNet's stochastic depth, ``noise_shape=(None, 1, 1, 1)``); a
+    single channel; an input that is not a single tensor or has different channel counts at different calls; and
+    dropouts inside custom layers (e.g. ``MultiHeadAttention``'s), which cannot be reached.
+
+    Returns:
+        the new model, of the input model's class (compiled with its compile configuration when it was compiled),
+        with a ``masksembles_report`` attribute: a ``LayerReport`` (operation ``"convert_dropout"``) with one row per
+        dropout layer, ``"converted"`` or ``"left as is"`` with the reason.
+
+    Raises:
+        TypeError: ``model`` is not a Sequential/functional model.
+        ValueError: invalid ``n``/``scale``/``seed``, an unbuilt model, or no dropout to convert (the message holds
+            the report).
+    """
+    n, scale, seed = check_insert_arguments(n, scale, seed, None)
+    _check_model(model, "convert_dropout")
+    rows: list[LayerChange] = []
+    edits: dict[int, _Edit] = {}
+    for site in _survey(model):
+        if not isinstance(site.op, keras.layers.Dropout):
+            continue
+        axis = _channel_axis(site.op)  # SpatialDropout2D/3D's data_format; Dropout and SpatialDropout1D: -1
+        channels, unusable = _channels(site, axis)
+        reason = _dropout_reason(site, axis, channels, unusable)
+        if reason:
+            rows.append(LayerChange(site.path, type(site.op).__name__, LEFT, reason=reason))
+            continue
+        layer_seed = mc.derive_seed(seed, len(edits))
+        masks = _masks_layer(site, n, scale, layer_seed, axis, site.op.name)
+        edits[id(site.op)] = _Edit(masks, keep=False)
+        rows.append(LayerChange(site.path, type(site.op).__name__, CONVERTED, channels, axis, layer_seed))
+    report = LayerReport("convert_dropout", n, scale, tuple(rows))
+    if not edits:
+        raise ValueError(f"convert_dropout found no dropout layer to convert ({len(rows)} dropout layers)\n{report}")
+    result = _Rebuilder(edits)(model)
+    result.masksembles_report = report
+    return result
