@@ -14,7 +14,7 @@ is reported as left alone.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,26 +79,28 @@ def _shape(tensors: list[Any]) -> Shape | None:
     return tuple(tensors[0].shape) if len(tensors) == 1 else None
 
 
-def _graph_calls(model: Any) -> Iterator[tuple[Any, Shape | None]]:
-    """Each call in ``model``'s graph, in an order where a call follows the calls it reads: (op, input shape)."""
+def _graph_calls(model: Any) -> list[tuple[Any, list[Shape | None]]]:
+    """The layers and operations ``model`` calls, in the order of ``model.layers``, with the input of each call."""
     if isinstance(model, keras.Sequential):
+        calls: list[tuple[Any, list[Shape | None]]] = []
         tensor = model.inputs[0]
         for layer in model.layers:
-            yield layer, tuple(tensor.shape)
+            calls.append((layer, [tuple(tensor.shape)]))
             tensor = layer.compute_output_spec(tensor)
-        return
-    # A functional model's graph: keras.Function's nodes, deepest (closest to the inputs) first, as Keras runs them.
-    nodes_by_depth = model._nodes_by_depth
-    for depth in sorted(nodes_by_depth, reverse=True):
-        for node in nodes_by_depth[depth]:
+        return calls
+    # A functional model is a keras.Function: one node per call, read from its graph (Keras has no public accessor).
+    inputs: dict[int, list[Shape | None]] = {}
+    for nodes in model._nodes_by_depth.values():
+        for node in nodes:
             if not node.is_input:
-                yield node.operation, _shape(node.input_tensors)
+                inputs.setdefault(id(node.operation), []).append(_shape(node.input_tensors))
+    return [(op, inputs[id(op)]) for op in model.operations if id(op) in inputs]
 
 
 def _survey(model: Any, prefix: str = "", sites: dict[int, _Site] | None = None) -> list[_Site]:
-    """Every layer and operation of ``model`` and of its nested models, once each, in graph order."""
+    """Every layer and operation of ``model`` and of its nested models, once each, in ``model.layers`` order."""
     found: dict[int, _Site] = {} if sites is None else sites
-    for op, shape in _graph_calls(model):
+    for op, inputs in _graph_calls(model):
         site = found.get(id(op))
         if site is None:
             site = found[id(op)] = _Site(f"{prefix}{op.name}", op)
@@ -108,7 +110,7 @@ def _survey(model: Any, prefix: str = "", sites: dict[int, _Site] | None = None)
                 inside = f"inside {type(op).__name__} {site.path!r}: only a Sequential/functional graph can be rebuilt"
                 for inner in op._flatten_layers(include_self=False, recursive=True):
                     found.setdefault(id(inner), _Site(f"{site.path}/{inner.name}", inner, inside=inside))
-        site.inputs.append(shape)
+        site.inputs.extend(inputs)
     return list(found.values())
 
 
@@ -157,6 +159,12 @@ def _copy(op: Any) -> Any:
     return type(op).from_config(op.get_config())
 
 
+def _new_input(tensor: Any) -> Any:
+    """A new ``keras.Input`` like the model input ``tensor``, named after its InputLayer (as the model's layers are)."""
+    name = tensor._keras_history.operation.name
+    return keras.Input(batch_shape=tensor.shape, dtype=tensor.dtype, sparse=tensor.sparse, name=name)
+
+
 @dataclass(frozen=True)
 class _Edit:
     """Masks for one layer: in front of a copy of it (``keep``, insert) or in its place (convert_dropout)."""
@@ -186,8 +194,7 @@ class _Rebuilder:
 
     def model(self, model: Any) -> Any:
         if isinstance(model, keras.Sequential):
-            spec = model.inputs[0]
-            layers = [keras.Input(batch_shape=spec.shape, dtype=spec.dtype, sparse=spec.sparse)]
+            layers = [_new_input(model.inputs[0])]
             for layer in model.layers:
                 edit = self.edits.get(id(layer))
                 if edit is not None:
@@ -199,7 +206,10 @@ class _Rebuilder:
                 result.compile_from_config(model.get_compile_config())
         else:
             # clone_model replays the functional graph (inputs, raw operations, the model's class and compile config)
-            result = keras.models.clone_model(model, clone_function=self.clone, call_function=self.call)
+            inputs = keras.tree.map_structure(_new_input, model.input)
+            result = keras.models.clone_model(
+                model, input_tensors=inputs, clone_function=self.clone, call_function=self.call
+            )
         if not model.trainable:
             result.trainable = False
         return result
