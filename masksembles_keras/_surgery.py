@@ -139,7 +139,9 @@ def _masks_layer(site: _Site, n: int, scale: float, seed: int | None, axis: int,
     """A Masksembles layer for the site's input, in the site's dtype policy (1D/2D/3D by the input's rank)."""
     ranks = {len(shape) for shape in site.inputs if shape is not None}
     masks_class = _MASKS_BY_RANK.get(ranks.pop(), Masksembles) if len(ranks) == 1 else Masksembles
-    return masks_class(n, scale, seed=seed, channel_axis=axis, name=name, dtype=site.op.dtype_policy)
+    policy = site.op.dtype_policy  # a quantized layer's masks use the float policy it was quantized from
+    dtype = policy if policy.quantization_mode is None else policy.get_config()["source_name"]
+    return masks_class(n, scale, seed=seed, channel_axis=axis, name=name, dtype=dtype)
 
 
 def _copy(op: Any) -> Any:
@@ -293,11 +295,13 @@ def insert(
     The masks layer before layer ``"conv"`` is named ``"conv_masksembles"``; its class follows the input's rank
     (``Masksembles1D`` for (B, C) and (B, L, C), ``Masksembles2D`` for (B, H, W, C), ``Masksembles3D``), its
     ``channel_axis`` is 1 when the layer has ``data_format="channels_first"`` and -1 otherwise, its dtype policy
-    is the layer's. A layer called at several places gets one masks layer, called at each of them.
+    is the layer's (its float policy, for a quantized layer). A layer called at several places gets one masks layer,
+    called at each of them.
 
     Which layers get masks is decided by ``masksembles_core.insertion.plan_insertion``, the rule shared with
     PyTorch and Flax: the network's first matching layer (it reads the raw input) is skipped unless
-    ``include_first``; layers before ``start`` are skipped; the ``i``-th layer given masks gets
+    ``include_first``; layers before ``start`` in ``model.layers`` order (a nested model's layers follow it) are
+    skipped; the ``i``-th layer given masks gets
     ``derive_seed(seed, i)``. Left alone, with the reason in the report: depthwise convolutions, layers with a single
     input channel, layers reading several tensors or inputs of different channel counts, and layers inside custom
     layers or subclassed models (their ``call()`` cannot be rebuilt).
@@ -307,7 +311,9 @@ def insert(
         n, scale, seed: as for ``Masksembles``; ``seed`` makes every layer's masks reproducible.
         before: layer types (default Conv1D/2D/3D and Dense, subclasses included), or a predicate
             ``(path, layer) -> bool`` on every layer (paths as in the module docstring: ``"block3/conv"``).
-        start: the path of the layer insertion starts from (e.g. ``"conv4_block1_1_conv"`` for ResNet50's stage 3).
+        start: the path of the layer insertion starts from, e.g. ``"conv4_block1_1_conv"``: ResNet50's third
+            residual stage (torchvision's ``layer3``), whose shortcut ``conv4_block1_0_conv`` comes later in
+            ``model.layers`` and is included.
         include_first: also put masks on the first matching layer's input.
 
     Returns:
@@ -345,11 +351,8 @@ def insert(
     return result
 
 
-def _dropout_reason(site: _Site, axis: int, channels: int, reason: str) -> str:
-    """Why a dropout layer is left as is ("" when it is converted)."""
-    layer = site.op
-    if reason:
-        return reason
+def _dropout_reason(layer: Any, axis: int, channels: int) -> str:
+    """Why a dropout layer whose input has ``channels`` channels on ``axis`` is not converted ("" when it is)."""
     if layer.rate == 0:
         return "rate=0: it drops nothing"
     noise_shape = getattr(layer, "noise_shape", None)
@@ -366,12 +369,15 @@ def _dropout_reason(site: _Site, axis: int, channels: int, reason: str) -> str:
 def convert_dropout(model: keras.Model, n: int, scale: float, *, seed: int | None = None) -> keras.Model:
     """A copy of ``model`` with its channel dropouts replaced by Masksembles (the paper's MC-Dropout drop-in).
 
-    ``Dropout`` becomes ``Masksembles`` on its input's last axis, ``SpatialDropout1D`` ``Masksembles1D``,
-    ``SpatialDropout2D/3D`` ``Masksembles2D/3D`` on the channels of their ``data_format``; each masks layer keeps
-    the dropout's name (``model.get_layer("top_dropout")`` finds it) and dtype policy and reads its channel count
-    from its input. The ``i``-th converted dropout gets masks from ``derive_seed(seed, i)``. Every other layer and
-    raw operation is copied with its weights (the input model is left unchanged); Sequential and functional models
-    work, nested ones included, and a subclassed model is a TypeError.
+    Each ``Dropout``/``SpatialDropout1D/2D/3D`` becomes a Masksembles layer over the channels of its input: the last
+    axis for ``Dropout`` and ``SpatialDropout1D`` (also after a channels-first convolution: a plain ``Dropout``
+    carries no layout), the ``data_format``'s channel axis for ``SpatialDropout2D/3D``. The class follows the
+    input's rank as in ``insert`` (``Masksembles1D`` for (B, C) and (B, L, C), ``Masksembles2D``, ``Masksembles3D``,
+    else ``Masksembles``); the masks layer keeps the dropout's name (``model.get_layer("top_dropout")`` finds it)
+    and dtype policy and reads its channel count from its input. The ``i``-th converted dropout gets masks from
+    ``derive_seed(seed, i)``. Every other layer and raw operation is copied with its weights (the input model is
+    left unchanged); Sequential and functional models work, nested ones included, and a subclassed model is a
+    TypeError.
 
     Left as is, with the reason in the report: ``rate=0``; a ``noise_shape`` that shares one draw across the
     channels (per-sample dropout such as EfficientNet's stochastic depth, ``noise_shape=(None, 1, 1, 1)``); a
@@ -397,7 +403,7 @@ def convert_dropout(model: keras.Model, n: int, scale: float, *, seed: int | Non
             continue
         axis = _channel_axis(site.op)  # SpatialDropout2D/3D's data_format; Dropout and SpatialDropout1D: -1
         channels, unusable = _channels(site, axis)
-        reason = _dropout_reason(site, axis, channels, unusable)
+        reason = unusable or _dropout_reason(site.op, axis, channels)
         if reason:
             rows.append(LayerChange(site.path, type(site.op).__name__, LEFT, reason=reason))
             continue

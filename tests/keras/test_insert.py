@@ -165,7 +165,7 @@ def test_inserted_model_trains_and_the_original_keeps_its_weights() -> None:
 
 
 def test_start_skips_the_layers_before_it_in_model_layers_order() -> None:
-    """The paper's ImageNet recipe: masks before every convolution from stage 3 on."""
+    """The paper's ImageNet recipe: masks before every convolution from a chosen stage on."""
     result = mk.insert(resnet_like(), 4, 2.0, seed=0, start="conv3_block1_1_conv")
     report = result.masksembles_report
     stage3 = ["conv3_block1_1_conv", "conv3_block1_2_conv", "conv3_block1_0_conv", "predictions"]
@@ -243,6 +243,34 @@ def test_a_shared_layer_gets_one_masks_layer_called_at_each_place() -> None:
     for k in range(2):
         expected = [((side @ stem_kernel + stem_bias) * masks_of(masks)[k]) @ kernel + bias for side in x]
         np.testing.assert_allclose(members[k], np.concatenate(expected, axis=1), rtol=1e-5, atol=1e-5)
+
+
+def test_layers_that_read_several_tensors_or_different_widths_are_left_alone() -> None:
+    inputs = keras.Input((4,))
+    wide, narrow = keras.layers.Dense(6, name="wide")(inputs), keras.layers.Dense(3, name="narrow")(inputs)
+    activation = keras.layers.Activation("relu", name="relu")
+    joined = keras.layers.Concatenate(name="join")([activation(wide), activation(narrow)])
+    model = keras.Model(inputs, keras.layers.Dense(2, name="head")(joined))
+    chosen = ("relu", "join", "head")
+    report = mk.insert(model, 2, 2.0, before=lambda path, layer: path in chosen, include_first=True).masksembles_report
+    assert [(row.path, row.action, row.reason) for row in report.rows] == [
+        ("relu", LEFT, "called on inputs with different channel counts (3, 6)"),
+        ("join", LEFT, "its input is not a single tensor"),
+        ("head", INSERTED, ""),
+    ]
+
+
+def test_masks_compute_in_the_float_policy_of_their_layer() -> None:
+    inputs = keras.Input((6,))
+    x = keras.layers.Dense(8, name="stem")(inputs)
+    x = keras.layers.Dense(8, name="half", dtype="mixed_float16")(x)
+    model = keras.Model(inputs, keras.layers.Dense(3, name="quantized")(x))
+    model.get_layer("quantized").quantize("int8")
+    result = mk.insert(model, 2, 1.0, seed=0)
+    policies = {name: result.get_layer(f"{name}_masksembles").dtype_policy.name for name in ("half", "quantized")}
+    assert policies == {"half": "mixed_float16", "quantized": "float32"}
+    x = data(model)
+    assert np.array_equal(run(result, x), run(model, x))
 
 
 class Block(keras.layers.Layer):  # type: ignore[misc]
