@@ -245,6 +245,19 @@ def test_a_shared_layer_gets_one_masks_layer_called_at_each_place() -> None:
         np.testing.assert_allclose(members[k], np.concatenate(expected, axis=1), rtol=1e-5, atol=1e-5)
 
 
+def test_a_frozen_functional_backbone_stays_frozen() -> None:
+    features = keras.Input((6,))
+    hidden = keras.layers.BatchNormalization(name="norm")(keras.layers.Dense(8, name="dense")(features))
+    backbone = keras.Model(features, keras.layers.Dense(8, name="out")(hidden), name="backbone")
+    backbone.trainable = False
+    inputs = keras.Input((6,))
+    model = keras.Model(inputs, keras.layers.Dense(2, name="head")(backbone(inputs, training=False)))
+    result = mk.insert(model, 2, 2.0, seed=0, include_first=True)
+    assert [row.path for row in result.masksembles_report.changed] == ["backbone/dense", "backbone/out", "head"]
+    assert not result.get_layer("backbone").trainable
+    assert [weight.path for weight in result.trainable_weights] == ["head/kernel", "head/bias"]
+
+
 def test_layers_that_read_several_tensors_or_different_widths_are_left_alone() -> None:
     inputs = keras.Input((4,))
     wide, narrow = keras.layers.Dense(6, name="wide")(inputs), keras.layers.Dense(3, name="narrow")(inputs)
