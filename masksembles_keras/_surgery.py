@@ -108,7 +108,7 @@ def _survey(model: Any, prefix: str = "", sites: dict[int, _Site] | None = None)
                 _survey(op, f"{site.path}/", found)
             elif isinstance(op, keras.layers.Layer):
                 inside = f"inside {type(op).__name__} {site.path!r}: only a Sequential/functional graph can be rebuilt"
-                for inner in op._flatten_layers(include_self=False, recursive=True):
+                for inner in op._flatten_layers(include_self=False, recursive=True):  # its tracked sublayers
                     found.setdefault(id(inner), _Site(f"{site.path}/{inner.name}", inner, inside=inside))
         site.inputs.extend(inputs)
     return list(found.values())
@@ -163,7 +163,7 @@ def _copy(op: Any) -> Any:
 
 def _new_input(tensor: Any) -> Any:
     """A new ``keras.Input`` like the model input ``tensor``, named after its InputLayer (as the model's layers are)."""
-    name = tensor._keras_history.operation.name
+    name = tensor._keras_history.operation.name  # the InputLayer that made the tensor (no public accessor)
     return keras.Input(batch_shape=tensor.shape, dtype=tensor.dtype, sparse=tensor.sparse, name=name)
 
 
@@ -281,7 +281,7 @@ def insert(
     scale: float,
     *,
     seed: int | None = None,
-    before: tuple[type, ...] | Predicate = DEFAULT_BEFORE,
+    before: type | tuple[type, ...] | Predicate = DEFAULT_BEFORE,
     start: str | None = None,
     include_first: bool = False,
 ) -> keras.Model:
@@ -309,7 +309,7 @@ def insert(
     Args:
         model: a built Sequential or functional model (left unchanged).
         n, scale, seed: as for ``Masksembles``; ``seed`` makes every layer's masks reproducible.
-        before: layer types (default Conv1D/2D/3D and Dense, subclasses included), or a predicate
+        before: a layer type or a tuple of them (default Conv1D/2D/3D and Dense, subclasses included), or a predicate
             ``(path, layer) -> bool`` on every layer (paths as in the module docstring: ``"block3/conv"``).
         start: the path of the layer insertion starts from, e.g. ``"conv4_block1_1_conv"``: ResNet50's third
             residual stage (torchvision's ``layer3``), whose shortcut ``conv4_block1_0_conv`` comes later in

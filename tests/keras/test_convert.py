@@ -68,12 +68,12 @@ def test_all_ones_masks_reproduce_the_model_and_read_the_dropouts_input(name: st
             weights = zip(layer.get_weights(), copy.get_weights(), strict=True)
             assert all(np.array_equal(before, after) for before, after in weights), path
     x = data(model)
-    np.testing.assert_allclose(run(converted, x), run(model, x), rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(run(converted, x), run(model, x))
     for row in converted.masksembles_report.changed:
         holder = row.path.rpartition("/")[0]
         new, old = (layer_at(converted, holder), layer_at(model, holder)) if holder else (converted, model)
         reads = [keras.Model(owner.inputs, layer_at(owner, row.path.rpartition("/")[2]).input) for owner in (new, old)]
-        np.testing.assert_allclose(run(reads[0], data(old)), run(reads[1], data(old)), rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(run(reads[0], data(old)), run(reads[1], data(old)), err_msg=row.path)
 
 
 def test_the_issue_repro_with_raw_operations_converts_on_every_backend() -> None:
@@ -132,7 +132,7 @@ def test_lambda_layers_are_copied_with_their_function() -> None:
     model = keras.Model(inputs, keras.layers.Dense(2, name="head")(keras.layers.Dropout(0.5)(x)))
     converted = mk.convert_dropout(model, 2, 1.0)
     x = data(model)
-    np.testing.assert_allclose(run(converted, x), run(model, x), rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(run(converted, x), run(model, x))
 
 
 def dropout_sequential() -> keras.Model:
