@@ -4,6 +4,7 @@
     python -m nox -s core         # one session
     python -m nox -s demo         # the main demo
     python -m nox -s bench        # benchmarks, written to BENCHMARKS.md
+    python -m nox -s wheel        # build the sdist and wheel, test the installed wheel
 
 Each framework gets its own virtual environment. Sessions use pip through the stdlib venv
 backend (not uv), because pip sees the local CPU build of torch that constraints/cpu.txt pins.
@@ -13,15 +14,22 @@ A session asked to test a backend fails when that backend cannot be imported
 
 from __future__ import annotations
 
+import re
+import shutil
 import sys
+import tarfile
+import tempfile
+import zipfile
+from pathlib import Path
 
 import nox
 
 nox.needs_version = ">=2024.4.15"
 nox.options.default_venv_backend = "venv"
 nox.options.error_on_missing_interpreters = True
-nox.options.sessions = ["core", "core_min", "torch", "keras", "flax", "lint", "typecheck"]
+nox.options.sessions = ["core", "core_min", "torch", "keras", "flax", "lint", "typecheck", "wheel"]
 
+ROOT = Path(__file__).parent
 PYPROJECT = nox.project.load_toml("pyproject.toml")
 TEST = nox.project.dependency_groups(PYPROJECT, "test")
 METRICS_TEST = nox.project.dependency_groups(PYPROJECT, "test-metrics")
@@ -88,11 +96,28 @@ def flax(session: nox.Session) -> None:
     run_pytest(session, "flax", "tests/flax", *ADAPTER_TESTS)
 
 
+def version_mismatches() -> list[str]:
+    """Versions written twice that disagree: pre-commit's ruff vs the lint group, CITATION.cff vs the package."""
+    lint = nox.project.dependency_groups(PYPROJECT, "lint")
+    ruff = next(r.removeprefix("ruff==") for r in lint if r.startswith("ruff=="))
+    pre_commit = re.search(r"ruff-pre-commit\s+rev: v(\S+)", (ROOT / ".pre-commit-config.yaml").read_text())
+    package = re.search(r'^__version__ = "(.+)"$', (ROOT / "masksembles_core" / "__init__.py").read_text(), re.M)
+    citation = re.search(r"^version: (\S+)$", (ROOT / "CITATION.cff").read_text(), re.M)
+    pairs = {
+        "ruff in .pre-commit-config.yaml vs the lint group": (pre_commit and pre_commit[1], ruff),
+        "CITATION.cff vs masksembles_core.__version__": (citation and citation[1], package and package[1]),
+    }
+    return [f"{what}: {a} != {b}" for what, (a, b) in pairs.items() if a is None or a != b]
+
+
 @nox.session
 def lint(session: nox.Session) -> None:
+    """ruff check and format, and the versions that pre-commit and CITATION.cff repeat."""
     session.install(*nox.project.dependency_groups(PYPROJECT, "lint"))
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+    if mismatches := version_mismatches():
+        session.error("; ".join(mismatches))
 
 
 @nox.session
@@ -101,6 +126,73 @@ def typecheck(session: nox.Session) -> None:
     session.install(*CONSTRAINTS, "-e", ".[torch,keras,flax]", *nox.project.dependency_groups(PYPROJECT, "typecheck"))
     packages = ("masksembles_core", "masksembles_torch", "masksembles_keras", "masksembles_flax")
     session.run("mypy", *packages, "tests/core", "tests/golden")
+
+
+PACKAGES = sorted(path.parent for path in ROOT.glob("masksembles_*/__init__.py"))
+
+
+def wheel_problems(wheel: Path) -> list[str]:
+    """What the wheel lacks (a module or py.typed of a package, the license) or holds besides packages and metadata."""
+    names = set(zipfile.ZipFile(wheel).namelist())
+    expected = {
+        path.relative_to(ROOT).as_posix()
+        for package in PACKAGES
+        for path in package.rglob("*")
+        if path.suffix == ".py" or path.name == "py.typed"
+    }
+    expected |= {f"{package.name}/py.typed" for package in PACKAGES}
+    dist_info = {name.split("/")[0] for name in names if name.split("/")[0].endswith(".dist-info")}
+    problems = [f"missing {name}" for name in sorted(expected - names)]
+    problems += [f"no license in {info}" for info in dist_info if f"{info}/licenses/LICENSE" not in names]
+    problems += [f"unexpected {name}" for name in sorted(names - expected) if name.split("/")[0] not in dist_info]
+    return problems
+
+
+def sdist_problems(sdist: Path) -> list[str]:
+    """What the sdist lacks of the packages, the tests (golden file included), the demo and the license."""
+    with tarfile.open(sdist) as archive:
+        names = {name.partition("/")[2] for name in archive.getnames()}
+    wanted = [ROOT / "LICENSE", ROOT / "pyproject.toml", ROOT / "noxfile.py", ROOT / "examples" / "demo.py"]
+    for top in [*PACKAGES, ROOT / "tests"]:
+        wanted += [path for path in top.rglob("*") if path.is_file() and "__pycache__" not in path.parts]
+    return [f"missing {name}" for name in sorted({path.relative_to(ROOT).as_posix() for path in wanted} - names)]
+
+
+# Runs in the session's Python: the tests must see the installed wheel, never the checkout.
+TEST_INSTALLED = (
+    "import sys, masksembles_core, pytest; "
+    "print('testing', masksembles_core.__file__); "
+    "assert masksembles_core.__file__.startswith(sys.prefix), 'masksembles_core is not the installed wheel'; "
+    "sys.exit(pytest.main(sys.argv[1:]))"
+)
+
+
+@nox.session
+def wheel(session: nox.Session) -> None:
+    """Build the sdist and the wheel from it, check their files, and run the core tests on the installed wheel.
+
+    The tests run from a copy of tests/ in a temporary directory (the checkout is not on sys.path there), with the
+    pytest settings of pyproject.toml.
+    """
+    session.install(*nox.project.dependency_groups(PYPROJECT, "build"))
+    dist = Path(session.create_tmp()) / "dist"
+    shutil.rmtree(dist, ignore_errors=True)
+    session.run("python", "-m", "build", "--outdir", str(dist), str(ROOT))
+    (sdist_path,) = dist.glob("*.tar.gz")
+    (wheel_path,) = dist.glob("*.whl")
+    for path, problems in ((sdist_path, sdist_problems(sdist_path)), (wheel_path, wheel_problems(wheel_path))):
+        if problems:
+            session.error(f"{path.name}: " + "; ".join(problems))
+    session.install(*TEST, *METRICS_TEST, str(wheel_path))
+    session.install("--force-reinstall", "--no-deps", str(wheel_path))  # not a same-version wheel of an earlier run
+    with tempfile.TemporaryDirectory() as tmp:
+        shutil.copytree(ROOT / "tests", Path(tmp) / "tests", ignore=shutil.ignore_patterns("__pycache__"))
+        with session.chdir(tmp):
+            config = ("-c", str(ROOT / "pyproject.toml"), "--rootdir", tmp, "-p", "no:cacheprovider")
+            session.run(
+                "python", "-c", TEST_INSTALLED, *config, *CORE_TESTS, *session.posargs,
+                env={"MASKSEMBLES_TEST_BACKENDS": "numpy"},
+            )  # fmt: skip
 
 
 DEMO_INSTALL = {"torch": (".[torch]",), "keras": (".[keras]", "torch"), "flax": (".[flax]", "optax>=0.2")}
@@ -122,6 +214,6 @@ def bench(session: nox.Session) -> None:
     """Benchmarks against the official masksembles 1.1.1; results go to BENCHMARKS.md."""
     session.install(*CONSTRAINTS, "-e", ".[torch,keras,flax]", "tensorflow-cpu>=2.21", "masksembles==1.1.1")
     session.install("--no-deps", "torch-uncertainty==0.13.0")  # only its masking layers are timed
-    scripts = ("bench_generation", "bench_torch", "bench_packing", "bench_keras", "bench_flax", "bench_flax_packing")
+    scripts = ("generation", "torch", "packing", "keras", "flax", "flax_barrier", "flax_packing")
     for script in scripts:
-        session.run("python", f"benchmarks/{script}.py")
+        session.run("python", f"benchmarks/bench_{script}.py")

@@ -8,6 +8,7 @@ learning framework.
 
 from . import metrics
 from ._generation import (
+    DuplicateMasksWarning,
     derive_seed,
     generate_masks,
     make_rng,
@@ -34,6 +35,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "MODES",
+    "DuplicateMasksWarning",
     "MaskStats",
     "apply_masks",
     "apply_masks_grad",

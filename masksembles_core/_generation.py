@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import math
+import warnings
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
@@ -33,6 +35,10 @@ def derive_seed(seed: int | None, index: int) -> int:
     """
     root = np.random.SeedSequence(seed)
     return int(np.random.SeedSequence(root.entropy, spawn_key=(index,)).generate_state(1)[0])
+
+
+class DuplicateMasksWarning(UserWarning):
+    """``generate_masks`` returned repeated masks: fewer distinct masks exist than were asked for."""
 
 
 def _rows_with_k_ones(keys: NDArray[np.float64], k: NDArray[np.int64]) -> BoolArray:
@@ -76,15 +82,56 @@ def ones_per_mask(channels: int, n: int, scale: float) -> int:
     return min(channels, max(ones, math.ceil(channels / n)))
 
 
+def _distinct_subsets(channels: int, ones: int, *, at_most: int) -> int:
+    """``min(comb(channels, ones), at_most)``, in O(log(at_most)) steps instead of a huge binomial."""
+    count = 1
+    for i in range(min(ones, channels - ones)):
+        count = count * (channels - i) // (i + 1)  # comb(channels, i + 1), exact
+        if count >= at_most:
+            return at_most
+    return min(count, at_most)
+
+
+def _replace_repeats(masks: BoolArray, distinct: int, rng: np.random.Generator) -> None:
+    """Replace, in place, masks that repeat an earlier one by unused masks, until ``distinct`` masks differ.
+
+    A replaced mask's channels all stay in its earlier copy, so coverage and the number of ones are
+    kept. A replacement is the first unused set among the ``ones``-subsets of a random channel order:
+    the first subset is a uniform draw, and at most ``n - 1`` subsets are in use, so the walk is short.
+    """
+    channels = masks.shape[1]
+    ones = int(masks[0].sum())
+    in_use = {row.tobytes() for row in masks}
+    kept: set[bytes] = set()
+    for row in masks:
+        if len(in_use) >= distinct:
+            return
+        if row.tobytes() not in kept:
+            kept.add(row.tobytes())
+            continue
+        for subset in itertools.combinations(rng.permutation(channels), ones):
+            row[:] = False
+            row[list(subset)] = True
+            if row.tobytes() not in in_use:
+                break
+        in_use.add(row.tobytes())
+        kept.add(row.tobytes())
+
+
 def generate_masks(channels: int, n: int, scale: float, *, seed: Seed = None) -> BoolArray:
     """Fixed-width masks for a layer with ``channels`` channels.
 
     Every mask has the same number of ones (``ones_per_mask(channels, n, scale)``), every
-    channel is used by at least one mask, and the mean pairwise IoU is close to the paper's
-    ``1/(2*scale-1)``. ``scale=1`` (or ``n=1``) gives all ones; a large scale gives disjoint
-    masks. The construction is direct, with no retry loop: a random permutation deals the
-    channels out to the masks (coverage), then each mask draws its remaining ones uniformly
-    from the channels it was not dealt. Its cost is a few sorts of an (n, channels) array.
+    channel is used by at least one mask, the masks are distinct whenever that many masks with
+    this number of ones exist, and the mean pairwise IoU is close to the paper's
+    ``1/(2*scale-1)``. ``scale=1`` (or ``n=1``) gives all ones, a single model; a large scale
+    gives disjoint masks.
+
+    The construction is direct, with no retry loop: a random permutation deals the channels out
+    to the masks (coverage), then each mask draws its remaining ones uniformly from the channels
+    it was not dealt. A mask that repeats an earlier one (likely only below a few dozen
+    channels) is then replaced by an unused mask, found in at most ``n`` candidates. Its cost is
+    a few sorts of an (n, channels) array.
 
     Args:
         channels: width of the masks (number of channels of the layer), >= 1.
@@ -94,6 +141,11 @@ def generate_masks(channels: int, n: int, scale: float, *, seed: Seed = None) ->
 
     Returns:
         bool array of shape (n, channels).
+
+    Warns:
+        DuplicateMasksWarning: ``scale > 1`` but fewer than ``n`` distinct masks with this number
+            of ones exist (``comb(channels, ones) < n``); as many distinct masks as exist are
+            returned, and the other members repeat them.
     """
     channels = check_channels(channels)
     n = check_n(n)
@@ -105,7 +157,18 @@ def generate_masks(channels: int, n: int, scale: float, *, seed: Seed = None) ->
     extra_needed = ones - dealt.sum(axis=1)
     keys = rng.random((n, channels))
     keys[dealt] = 2.0  # never re-draw a dealt channel
-    return dealt | _rows_with_k_ones(keys, extra_needed)
+    masks = dealt | _rows_with_k_ones(keys, extra_needed)
+    distinct = _distinct_subsets(channels, ones, at_most=n)
+    if distinct < n and scale > 1.0:
+        warnings.warn(
+            f"{n} masks cannot all differ: the number of distinct masks with {ones} ones among {channels} channels "
+            f"is {distinct}, less than n, so members share masks (channels={channels}, n={n}, scale={scale}); "
+            "use more channels or fewer masks",
+            DuplicateMasksWarning,
+            stacklevel=2,
+        )
+    _replace_repeats(masks, distinct, rng)
+    return masks
 
 
 def validate_masks(masks: ArrayLike) -> BoolArray:

@@ -1,10 +1,13 @@
 """NumPy reference of the Masksembles layer: the conformance oracle for every adapter.
 
 Forward: ``y = x * masks[group_index(B, n)]`` broadcast along ``channel_axis``, with the masks
-cast to ``x.dtype``. Masked positions follow IEEE-754 multiplication by zero, exactly like
-dropout in every framework: finite values become ``0.0`` (``-0.0`` for negative inputs), and
-``inf``/``NaN`` inputs become ``NaN``; nothing is silently hidden. Multiplying by 0 or 1 is
-exact, so adapters match this bit for bit in every float dtype.
+cast to ``x.dtype``. Every adapter computes a masked position as this IEEE-754 product
+``x * 0``: ``0.0`` for finite ``x`` (``-0.0`` for negative ``x``) and ``NaN`` for ``inf``/``NaN``.
+A non-finite activation is therefore never hidden by a mask, and since multiplying by 0 or 1
+is exact, the adapters match this reference bit for bit in every float dtype. Framework
+dropouts differ: PyTorch's dropout multiplies too (``NaN`` where an inf/NaN is dropped), while
+Flax's ``Dropout`` (linen and NNX), Keras' ``Dropout`` (TensorFlow, JAX and PyTorch backends)
+and ``tf.nn.dropout`` select ``0.0`` there, hiding the inf/NaN (and turning ``-0.0`` into ``0.0``).
 
 Input gradient: the layer is a diagonal linear map, so ``dL/dx = dL/dy * mask`` (the same
 product applied to the output gradient).

@@ -1,62 +1,91 @@
-"""Packed inference planning, shared by every framework: which channels each member computes.
+"""Packed inference planning, shared by every framework: which channels each member computes, and how.
 
-A model is described as a graph of ``GraphNode`` (kinds below), in topological order. For each
-member, ``plan_members`` decides which channels of every node are computed and where they sit in
-a compacted tensor; adapters then slice weights and gather activations by these layouts.
+A model is described as a graph of ``GraphNode`` (kinds below), in topological order. ``plan_program`` decides, for
+the members asked for, which channels of every node each member computes, where they sit, and which tensors run at
+full width; adapters capture their framework's graph into nodes, then emit one kernel per step and one per move.
 
-Kinds:
+Kinds (what output channel ``c`` reads; ``channels`` is the size of the node's channel axis):
 
 - ``"input"``: the model input (all channels, the same for every member);
-- ``"mixing"``: Linear/Conv: every output channel reads every input channel;
-- ``"channelwise"``: channel ``c`` of the output reads channel ``c`` of the input (activations,
-  BatchNorm, pooling, Dropout); ``zero_preserving`` tells whether it maps 0 to 0;
+- ``"mixing"``: every input channel (Linear, a convolution with one group);
+- ``"grouped"``: the input channels of its group (a convolution with ``groups`` groups; depthwise included);
+  ``zero_preserving[c]``: the bias of ``c`` is zero, so zero inputs give a zero output;
+- ``"channelwise"``: input channel ``c`` only (activations, BatchNorm, pooling, a scalar factor, Dropout, a move of
+  the channel axis); ``zero_preserving[c]``: the operation maps a zero channel ``c`` to zero, as the adapter proved
+  by evaluating it on zeros with its own arguments (a bool for every channel, or one per channel);
+- ``"combine"``: channel ``c`` of every input, all of ``channels`` channels (a sum, a product, a concatenation
+  along another axis); ``zero_rule``: ``"all"`` (zero when every input is zero: sums, concatenations), ``"any"``
+  (zero when one input is zero: products of finite values) or ``"never"``; ``"add"`` is a combine with rule "all";
+- ``"concat"``: the inputs' channels one after the other (``parts``: channels of each input);
+- ``"norm"``: every input channel, zeros counted (LayerNorm, GroupNorm over the channels): after it every channel is
+  live again;
 - ``"masks"``: a Masksembles layer (``masks`` (n, C) bool);
-- ``"add"``: the sum of two nodes with the same channels (a residual connection);
 - ``"flatten"``: (B, C, *spatial) -> (B, C*spatial), feature ``c*spatial + s`` from channel ``c``; with
-  ``channels_last``, (B, *spatial, C) -> (B, spatial*C), feature ``s*C + c`` from channel ``c``.
+  ``channels_last``, (B, *spatial, C) -> (B, spatial*C), feature ``s*C + c`` from channel ``c``;
+- ``"fallback"``: anything else. It runs as the dense model would run it, at full width on the member-stacked batch
+  (member ``k``'s copy of the batch in block ``k``), so its result is exact whatever it computes; it needs every
+  channel of every input, and its output is never known to be zero. With ``batch_dependent`` it runs per member even
+  when its inputs are shared (it uses the batch size, which is the member-stacked batch's in the dense model).
 
 Rules, per member:
 
-- *needed*: the output needs every channel; mixing nodes need every input channel; channelwise,
-  add and flatten nodes need the input channels of their needed outputs; Masksembles needs only
-  the needed channels its mask keeps.
-- *zero*: a channel is known to be zero after Masksembles drops it and stays zero through
-  zero-preserving channelwise nodes, flatten, and the sum of two zeros; mixing outputs and
-  non-zero-preserving channelwise outputs are never assumed zero.
-- *kept*: needed, and not (zero and dropped by every consumer). A mixing consumer drops zero
-  inputs (they contribute nothing); any other consumer drops what it does not keep itself.
+- *needed*: the output needs every channel; mixing, norm and fallback nodes need every input channel; grouped nodes
+  the input channels of the groups they keep; channelwise, combine, concat and flatten nodes the input channels of
+  their needed outputs; Masksembles only the needed channels its mask keeps.
+- *zero*: a channel is known to be zero after Masksembles drops it and stays zero through zero-preserving channelwise
+  and grouped nodes, flatten, concatenation and combines by their rule; nothing else is assumed zero.
+- *kept*: needed, and not (zero and dropped by every consumer). Mixing, grouped, norm and fallback consumers drop zero
+  inputs (they contribute nothing, or the move that feeds them writes the zero); any other consumer drops what it
+  does not keep itself.
 
-Placement: nodes computed only from the input (before any Masksembles) are *shared*: every member
-computes the same values, so the union of the members' kept channels is computed once. Every
-other node holds, per member, its kept channels in increasing order, padded with -1 to the widest
-member, and the members' blocks are laid side by side on the channel axis.
+Placement: a node computed only from the input (before any Masksembles) is *shared*: every member computes the same
+values, so the union of the members' kept channels is computed once. Every other node holds, per member, its kept
+channels (in increasing order, padded with -1 to the widest member; grouped nodes in whole groups; concatenations
+part by part), the members' blocks side by side on the channel axis. A *dense* node (fallback, or an elementwise node
+whose inputs are all dense) holds every channel on the member-stacked batch instead: (m*B, C, ...) as the tiled dense
+model holds it, or (B, C, ...) when shared. ``Move``s bring a tensor from its producer's placement to the one its
+consumer reads.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-KINDS = ("input", "mixing", "channelwise", "masks", "add", "flatten")
+KINDS = (
+    "input", "mixing", "grouped", "channelwise", "combine", "add", "concat", "norm", "masks", "flatten", "fallback",
+)  # fmt: skip
+ZERO_RULES = ("all", "any", "never")
 IntArray = NDArray[np.int64]
 BoolArray = NDArray[np.bool_]
+FloatArray = NDArray[np.float64]
+ZERO_FILLING = ("mixing", "grouped", "norm", "fallback")  # consumers whose input move writes known zeros
+ELEMENTWISE = ("channelwise", "combine", "add", "concat", "norm", "flatten")  # dense when every input is dense
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class GraphNode:
-    """One node of a model graph, as ``plan_members`` sees it."""
+    """One node of a model graph, as the planner sees it (kinds and fields in the module docstring)."""
 
     name: str
     kind: str
     inputs: tuple[str, ...]
     channels: int
-    zero_preserving: bool = True
+    zero_preserving: bool | BoolArray = True
     spatial: int = 1
     masks: BoolArray | None = None
     channels_last: bool = False
+    groups: int = 1
+    zero_rule: str = "all"
+    parts: tuple[int, ...] = ()
+    batch_dependent: bool = False
+
+    def zero_map(self) -> BoolArray:
+        """``zero_preserving`` as one bool per channel."""
+        return np.broadcast_to(np.asarray(self.zero_preserving, dtype=bool), (self.channels,)).copy()
 
     def features(self, per_channel: BoolArray) -> BoolArray:
         """Flatten: expand a per-input-channel vector to the output features."""
@@ -68,16 +97,22 @@ class GraphNode:
         result: BoolArray = np.any(grid, axis=1)
         return result
 
+    def offsets(self) -> IntArray:
+        """Concat: the first output channel of each part."""
+        return np.concatenate([[0], np.cumsum(self.parts)[:-1]]).astype(np.int64)
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, eq=False)
 class Placement:
     """Where a node's channels sit: one layout when ``shared``, else one per member.
 
-    A layout holds the original channel at each position of the compacted tensor, -1 for padding.
+    A layout holds the original channel at each position of the compacted tensor, -1 for padding. A ``dense``
+    placement holds every channel in order on the member-stacked batch (or on the batch when shared).
     """
 
     shared: bool
     layouts: tuple[IntArray, ...]
+    dense: bool = False
 
     def member_layouts(self, members: int) -> tuple[IntArray, ...]:
         """One layout per member (a shared layout repeated)."""
@@ -87,41 +122,145 @@ class Placement:
     def width(self) -> int:
         return len(self.layouts[0])
 
+    @property
+    def full(self) -> bool:
+        """Every channel, in order, in every layout."""
+        return all(np.array_equal(layout, np.arange(len(layout))) for layout in self.layouts)
 
-def _check(nodes: Sequence[GraphNode], output: str) -> None:
-    names = set()
+
+@dataclass(frozen=True, eq=False)
+class Move:
+    """One step of bringing a tensor to the placement its consumer reads.
+
+    Kinds: ``"select"`` (gather ``index`` on the channel axis, member blocks side by side, then multiply by
+    ``scale``), ``"to_batch"`` (member blocks on the channel axis of a full placement -> member-stacked batch),
+    ``"to_channels"`` (the reverse) and ``"tile"`` (a shared dense tensor -> member-stacked batch).
+    """
+
+    kind: str
+    index: IntArray | None = None
+    scale: FloatArray | None = None
+
+    @property
+    def repeats(self) -> int:
+        """Select: the number of identical blocks (a shared tensor laid out once per member, scale 1), else 1."""
+        if self.kind != "select" or self.index is None or self.scale is None or not (self.scale == 1).all():
+            return 1
+        for members in range(len(self.index), 1, -1):
+            if len(self.index) % members == 0:
+                blocks = self.index.reshape(members, -1)
+                if (blocks == blocks[0]).all():
+                    return members
+        return 1
+
+
+@dataclass(frozen=True, eq=False)
+class Edge:
+    """One input of a step: its producer, the placement the step reads, and the moves from one to the other."""
+
+    source: str
+    placement: Placement
+    moves: tuple[Move, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class Step:
+    """One node of the program: its output placement and how each input reaches it.
+
+    ``groups``: a grouped node's groups per copy after packing (the groups it keeps, padded to the widest member).
+    """
+
+    node: GraphNode
+    placement: Placement
+    edges: tuple[Edge, ...]
+    groups: int = 1
+
+    @property
+    def name(self) -> str:
+        return self.node.name
+
+
+@dataclass(frozen=True, eq=False)
+class Program:
+    """The packed computation of ``members``: steps in graph order (the input first), the output's name."""
+
+    steps: tuple[Step, ...]
+    output: str
+    members: tuple[int, ...]
+    kept: tuple[dict[str, BoolArray], ...] = field(repr=False)
+
+    @property
+    def fallbacks(self) -> tuple[str, ...]:
+        """The nodes that run at full width because nothing here knows how to compact them."""
+        return tuple(step.name for step in self.steps if step.node.kind == "fallback")
+
+    def step(self, name: str) -> Step:
+        return next(step for step in self.steps if step.name == name)
+
+
+def _check(nodes: Sequence[GraphNode], output: str) -> dict[str, GraphNode]:
+    by_name: dict[str, GraphNode] = {}
     for node in nodes:
         if node.kind not in KINDS:
             raise ValueError(f"node {node.name!r}: kind must be one of {KINDS}; received {node.kind!r}")
-        missing = [name for name in node.inputs if name not in names]
+        missing = [name for name in node.inputs if name not in by_name]
         if missing:
             raise ValueError(f"node {node.name!r} reads {missing} before they are defined")
-        names.add(node.name)
-    if output not in names:
+        sources = [by_name[name] for name in node.inputs]
+        if node.kind in ("combine", "add", "channelwise", "masks") and any(
+            s.channels != node.channels for s in sources
+        ):
+            raise ValueError(f"{node.kind} node {node.name!r} has {node.channels} channels; its inputs must too")
+        if node.kind == "combine" and node.zero_rule not in ZERO_RULES:
+            raise ValueError(f"node {node.name!r}: zero_rule must be one of {ZERO_RULES}; received {node.zero_rule!r}")
+        if node.kind == "concat" and (
+            sum(node.parts) != node.channels or [s.channels for s in sources] != list(node.parts)
+        ):
+            raise ValueError(f"concat node {node.name!r}: parts {node.parts} must be its inputs' channels")
+        if node.kind == "grouped" and (node.channels % node.groups or sources[0].channels % node.groups):
+            raise ValueError(f"grouped node {node.name!r}: {node.groups} groups must divide its channels")
+        by_name[node.name] = node
+    if output not in by_name:
         raise ValueError(f"output {output!r} is not a node")
+    return by_name
+
+
+def _zeros(nodes: Sequence[GraphNode], member: int) -> dict[str, BoolArray]:
+    """For each node, the channels known to be zero for ``member`` (the forward rule)."""
+    zero: dict[str, BoolArray] = {}
+    for node in nodes:
+        sources = [zero[name] for name in node.inputs]
+        if node.kind == "masks":
+            assert node.masks is not None
+            zero[node.name] = sources[0] | ~node.masks[member]
+        elif node.kind == "channelwise":
+            zero[node.name] = sources[0] & node.zero_map()
+        elif node.kind in ("combine", "add"):
+            rule = "all" if node.kind == "add" else node.zero_rule
+            if rule == "never":
+                zero[node.name] = np.zeros(node.channels, dtype=bool)
+            else:
+                zero[node.name] = (np.logical_and if rule == "all" else np.logical_or).reduce(sources)
+        elif node.kind == "concat":
+            zero[node.name] = np.concatenate(sources)
+        elif node.kind == "flatten":
+            zero[node.name] = node.features(sources[0])
+        elif node.kind == "grouped":
+            group_zero = sources[0].reshape(node.groups, -1).all(axis=1)
+            zero[node.name] = np.repeat(group_zero, node.channels // node.groups) & node.zero_map()
+        else:
+            zero[node.name] = np.zeros(node.channels, dtype=bool)
+    return zero
 
 
 def kept_channels(nodes: Sequence[GraphNode], output: str, member: int) -> dict[str, BoolArray]:
     """The channels of every node that member ``member`` computes (rules in the module docstring)."""
-    _check(nodes, output)
-    consumers: dict[str, list[GraphNode]] = {node.name: [] for node in nodes}
+    by_name = _check(nodes, output)
+    consumers: dict[str, list[tuple[GraphNode, int]]] = {node.name: [] for node in nodes}
     for node in nodes:
-        for name in node.inputs:
-            consumers[name].append(node)
-    zero: dict[str, BoolArray] = {}
-    for node in nodes:  # forward: channels known to be zero
-        first = zero[node.inputs[0]] if node.inputs else np.zeros(node.channels, dtype=bool)
-        if node.kind == "masks":
-            assert node.masks is not None
-            zero[node.name] = first | ~node.masks[member]
-        elif node.kind == "add":
-            zero[node.name] = zero[node.inputs[0]] & zero[node.inputs[1]]
-        elif node.kind == "flatten":
-            zero[node.name] = node.features(first)
-        elif node.kind == "channelwise" and node.zero_preserving:
-            zero[node.name] = first.copy()
-        else:
-            zero[node.name] = np.zeros(node.channels, dtype=bool)
+        for position, name in enumerate(node.inputs):
+            consumers[name].append((node, position))
+    zero = _zeros(nodes, member)
     needed = {node.name: np.zeros(node.channels, dtype=bool) for node in nodes}
     needed[output][:] = True
     kept: dict[str, BoolArray] = {}
@@ -129,24 +268,34 @@ def kept_channels(nodes: Sequence[GraphNode], output: str, member: int) -> dict[
     for node in reversed(nodes):  # backward: needed, then kept
         demand = needed[node.name]
         tolerant = np.full(node.channels, node.name != output)
-        for user in consumers[node.name]:
+        for user, position in consumers[node.name]:
             if user.kind == "flatten":
                 tolerant &= ~user.any_feature(required[user.name])
-            elif user.kind != "mixing":
+            elif user.kind == "concat":
+                start = int(user.offsets()[position])
+                tolerant &= ~kept[user.name][start : start + node.channels]
+            elif user.kind not in ZERO_FILLING:
                 tolerant &= ~kept[user.name]
         if node.kind == "flatten":
             required[node.name] = ~tolerant
         kept[node.name] = demand & ~(zero[node.name] & tolerant)
-        for name in node.inputs:
-            if node.kind == "mixing":
-                needed[name][:] = True
+        for position, name in enumerate(node.inputs):
+            source = needed[name]
+            if node.kind in ("mixing", "norm", "fallback"):
+                source |= bool(demand.any())
+            elif node.kind == "grouped":
+                used = kept[node.name].reshape(node.groups, -1).any(axis=1)
+                source |= np.repeat(used, by_name[name].channels // node.groups)
             elif node.kind == "flatten":
-                needed[name] |= node.any_feature(demand)
+                source |= node.any_feature(demand)
             elif node.kind == "masks":
                 assert node.masks is not None
-                needed[name] |= demand & node.masks[member]
+                source |= demand & node.masks[member]
+            elif node.kind == "concat":
+                start = int(node.offsets()[position])
+                source |= demand[start : start + by_name[name].channels]
             else:
-                needed[name] |= demand
+                source |= demand
     return kept
 
 
@@ -168,36 +317,28 @@ def flatten_layout(layout: IntArray, spatial: int, *, channels: int = 0, channel
     return result
 
 
-def plan_members(nodes: Sequence[GraphNode], output: str, members: Sequence[int]) -> dict[str, Placement]:
-    """Placement of every node when computing ``members`` (indices into the masks) together."""
-    kept = [kept_channels(nodes, output, k) for k in members]
-    placements: dict[str, Placement] = {}
-    for node in nodes:
-        sources = [placements[name] for name in node.inputs]
-        if node.kind == "input":
-            placements[node.name] = Placement(True, (np.arange(node.channels, dtype=np.int64),))
-        elif node.kind == "flatten":
-            source = sources[0]
-            channels = node.channels // node.spatial
-            layouts = tuple(
-                flatten_layout(layout, node.spatial, channels=channels, channels_last=node.channels_last)
-                for layout in source.layouts
-            )
-            placements[node.name] = Placement(source.shared, layouts)
-        elif node.kind != "masks" and all(source.shared for source in sources):
-            union = np.logical_or.reduce([member[node.name] for member in kept])
-            placements[node.name] = Placement(True, (_padded(union, 1),))
-        else:
-            width = max(1, *(int(member[node.name].sum()) for member in kept))
-            placements[node.name] = Placement(False, tuple(_padded(member[node.name], width) for member in kept))
-    return placements
-
-
-def _padded(kept: BoolArray, width: int) -> IntArray:
-    """The kept channels in increasing order, padded with -1 to ``width`` (at least one position: kernels need one)."""
+def _padded(kept: BoolArray, width: int, minimum: int = 1) -> IntArray:
+    """The kept channels in increasing order, padded with -1 to ``width`` (at least ``minimum`` positions)."""
     channels = np.flatnonzero(kept)
-    result: IntArray = np.concatenate([channels, np.full(max(width - len(channels), 0), -1)]).astype(np.int64)
+    size = max(width, len(channels), minimum)
+    result: IntArray = np.concatenate([channels, np.full(size - len(channels), -1)]).astype(np.int64)
     return result
+
+
+def _grouped_layouts(kept: Sequence[BoolArray], size: int) -> tuple[tuple[IntArray, ...], int]:
+    """Whole groups of ``size`` channels holding the kept ones, padded with -1 groups; and the groups per copy."""
+    used = [np.flatnonzero(k.reshape(-1, size).any(axis=1)) for k in kept]
+    groups = max(1, *(len(u) for u in used))
+    layouts = []
+    for u in used:
+        channels = (u[:, None] * size + np.arange(size)[None, :]).reshape(-1)
+        layouts.append(np.concatenate([channels, np.full((groups - len(u)) * size, -1)]).astype(np.int64))
+    return tuple(layouts), groups
+
+
+def _full(channels: int, shared: bool, members: int) -> Placement:
+    """Every channel in order: a shared layout, or one per member."""
+    return Placement(shared, (np.arange(channels, dtype=np.int64),) * (1 if shared else members))
 
 
 def gather_plan(
@@ -232,6 +373,129 @@ def gather_plan(
     moves = len(index) != source_length or not np.array_equal(index_array, np.arange(len(index)))
     moves = moves or not (scale_array == 1).all()
     return (index_array, scale_array) if moves or source.shared != target.shared else None
+
+
+def _select(source: Placement, target: Placement, scales: Sequence[FloatArray] | None = None) -> tuple[Move, ...]:
+    plan = gather_plan(source, target, scales)
+    return () if plan is None else (Move("select", *plan),)
+
+
+def moves_between(
+    source: Placement, target: Placement, members: int, scales: Sequence[FloatArray] | None = None
+) -> tuple[Move, ...]:
+    """The moves that bring a tensor placed as ``source`` to ``target`` (``scales``: per-member channel factors).
+
+    A shared dense tensor is also a shared compacted one with every channel; a member dense tensor becomes one with
+    ``to_channels``. A dense target is reached through a full compacted layout (known zeros written by the select).
+    """
+    channels = len(source.layouts[0]) if source.dense else 0
+    if source.dense and not source.shared:
+        start: tuple[Move, ...] = (Move("to_channels"),)
+        compact = _full(channels, False, members)
+    else:
+        start, compact = (), Placement(source.shared, source.layouts)
+    if not target.dense:
+        return (*start, *_select(compact, target, scales))
+    if target.shared:
+        return (*start, *_select(compact, Placement(True, target.layouts)))
+    if source.dense:
+        return () if not source.shared else (Move("tile"),)
+    if compact.shared:
+        return (*_select(compact, Placement(True, target.layouts[:1])), Move("tile"))
+    return (*_select(compact, Placement(False, target.layouts)), Move("to_batch"))
+
+
+def plan_program(nodes: Sequence[GraphNode], output: str, members: Sequence[int]) -> Program:
+    """The packed program of ``members`` (indices into the masks): placements, moves and fallbacks of every node."""
+    by_name = _check(nodes, output)
+    chosen = tuple(int(k) for k in members)
+    m = len(chosen)
+    kept = tuple(kept_channels(nodes, output, k) for k in chosen)
+    placements: dict[str, Placement] = {}
+    steps: list[Step] = []
+    for node in nodes:
+        sources = [placements[name] for name in node.inputs]
+        shared = node.kind != "masks" and not node.batch_dependent and all(source.shared for source in sources)
+        member_kept = [member[node.name] for member in kept]
+        reads: list[Placement] = list(sources)  # what the node reads, before the moves are planned
+        groups = 1
+        if node.kind == "input":
+            placement = _full(node.channels, True, m)
+        elif node.kind == "fallback" or (
+            node.kind in ELEMENTWISE and sources and all(source.dense for source in sources)
+        ):
+            placement = Placement(shared, _full(node.channels, shared, m).layouts, dense=True)
+            reads = [Placement(shared, _full(by_name[n].channels, shared, m).layouts, dense=True) for n in node.inputs]
+        elif node.kind == "flatten":
+            channels = node.channels // node.spatial
+            layouts = tuple(
+                flatten_layout(layout, node.spatial, channels=channels, channels_last=node.channels_last)
+                for layout in sources[0].layouts
+            )
+            placement = Placement(sources[0].shared, layouts)
+        elif node.kind == "norm":
+            placement = _full(node.channels, shared, m)
+            reads = [_full(by_name[node.inputs[0]].channels, shared, m)]
+        elif node.kind == "grouped":
+            size = node.channels // node.groups
+            layouts, groups = _grouped_layouts([np.logical_or.reduce(member_kept)] if shared else member_kept, size)
+            placement = Placement(shared, layouts)
+            in_size = by_name[node.inputs[0]].channels // node.groups
+            reads = [Placement(shared, tuple(_group_inputs(layout, size, in_size) for layout in layouts))]
+        elif node.kind == "concat":
+            placement, reads = _concat(node, [np.logical_or.reduce(member_kept)] if shared else member_kept, shared)
+        elif shared:
+            placement = Placement(True, (_padded(np.logical_or.reduce(member_kept), 1),))
+        else:
+            width = max(int(k.sum()) for k in member_kept)
+            placement = Placement(False, tuple(_padded(k, width) for k in member_kept))
+        if node.kind in ("channelwise", "combine", "add", "masks") and not placement.dense:
+            reads = [placement] * len(node.inputs)
+        elif node.kind == "mixing":  # reads its input as it is, a dense one with its channels side by side
+            reads = [Placement(source.shared, source.layouts) for source in sources]
+        edges = []
+        for name, read in zip(node.inputs, reads, strict=True):
+            scales = None
+            if node.kind == "masks":
+                assert node.masks is not None
+                scales = [node.masks[k].astype(np.float64) for k in chosen]
+            moves = () if node.kind == "flatten" else moves_between(placements[name], read, m, scales)
+            edges.append(Edge(name, read, moves))
+        placements[node.name] = placement
+        steps.append(Step(node, placement, tuple(edges), groups))
+    return Program(tuple(steps), output, chosen, kept)
+
+
+def _group_inputs(layout: IntArray, out_size: int, in_size: int) -> IntArray:
+    """The input channels of the groups in a grouped node's output ``layout`` (whole groups), -1 for padding."""
+    first = layout.reshape(-1, out_size)[:, :1]
+    channels = first // out_size * in_size + np.arange(in_size)[None, :]
+    result: IntArray = np.where(first >= 0, channels, -1).reshape(-1).astype(np.int64)
+    return result
+
+
+def _concat(node: GraphNode, kept: Sequence[BoolArray], shared: bool) -> tuple[Placement, list[Placement]]:
+    """A concatenation's placement (its parts' layouts one after the other) and the placement each part is read in."""
+    offsets = node.offsets().tolist()
+    parts = []
+    for offset, size in zip(offsets, node.parts, strict=True):
+        part_kept = [member[offset : offset + size] for member in kept]
+        width = max(int(member.sum()) for member in part_kept)
+        parts.append(Placement(shared, tuple(_padded(member, width, minimum=0) for member in part_kept)))
+    if all(part.width == 0 for part in parts):  # nothing kept: one padding position, read from the first part
+        parts[0] = Placement(shared, tuple(np.array([-1], dtype=np.int64) for _ in kept))
+    layouts = tuple(
+        np.concatenate(
+            [np.where(part.layouts[k] >= 0, part.layouts[k] + o, -1) for part, o in zip(parts, offsets, strict=True)]
+        )
+        for k in range(len(kept))
+    )
+    return Placement(shared, layouts), parts
+
+
+def plan_members(nodes: Sequence[GraphNode], output: str, members: Sequence[int]) -> dict[str, Placement]:
+    """Placement of every node when computing ``members`` (indices into the masks) together."""
+    return {step.name: step.placement for step in plan_program(nodes, output, members).steps}
 
 
 def norm_affine(

@@ -37,8 +37,12 @@ def apply_masks(x: jax.Array, masks: jax.Array, *, channel_axis: int, mask_index
     n, channels = masks.shape
     axis = mc.check_input_shape(x.shape, channels=channels, channel_axis=channel_axis)
     batch = x.shape[0]
-    # XLA's simplifier turns x * convert(bool) into select(bool, x, 0), which maps masked inf/NaN to 0 instead of NaN
-    # (and -x to +0); behind the barrier the factors are plain floats, so the product stays an IEEE multiply.
+    # XLA's simplifier can turn x * convert(bool) into select(bool, x, 0) (it does for an (n, C) input, for one),
+    # which maps masked inf/NaN to 0 instead of NaN and -x to +0; behind the barrier the factors are plain floats, so
+    # the product stays an IEEE multiply, as in the NumPy reference. Its cost is nil (benchmarks/bench_flax_barrier.py,
+    # jitted on CPU, jax 0.10.2): XLA drops the barrier after simplifying, and the compiled program is the same as
+    # without it for an MLP activation, an NHWC feature map, the gather path, a CNN forward and its training step
+    # (time ratios 0.95-1.01x, noise); where the select would apply, the multiply runs as fast (1.02x of 32 us).
     factors: jax.Array = jax.lax.optimization_barrier(masks.astype(x.dtype))  # type: ignore[no-untyped-call]
     if mask_index is None and batch % n == 0:
         # n contiguous groups of B//n samples: one broadcast multiply over a (n, B//n, ...) view of the batch.

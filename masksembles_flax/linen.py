@@ -5,7 +5,9 @@
     y = layer.apply(variables, x)
 
 The masks live in their own variable collection, ``MASKS_COLLECTION``: they are made once at ``init``, saved and
-restored with the variables, and never seen by an optimizer over ``params``.
+restored with the variables, and never seen by an optimizer over ``params``. Every later ``apply`` must be given
+them, like ``batch_stats``: ``model.apply({"params": params, "masksembles": variables["masksembles"]}, x)``; a call
+without them is an error, never new masks.
 """
 
 from __future__ import annotations
@@ -78,10 +80,26 @@ class Masksembles(nn.Module):
             x: input with the channels on ``channel_axis``.
             deterministic: with ``mode="random"``, False draws a random mask per sample; ignored in grouped mode.
             rng: key of the random draws, instead of ``make_rng(rng_collection)``.
+
+        Raises:
+            ValueError: outside ``init``, the variables hold no masks for this layer (masks are only made by
+                ``init``, even with ``mutable=["masksembles"]``).
         """
+        if not self.is_initializing() and not self.has_variable(MASKS_COLLECTION, "masks"):
+            raise ValueError(_missing_masks_message(self.path))
         masks = self.variable(MASKS_COLLECTION, "masks", self._initial_masks, x.shape).value
         mask_index = None
         if self.mode == "random" and not nn.merge_param("deterministic", self.deterministic, deterministic):
             key = self.make_rng(self.rng_collection) if rng is None else rng
             mask_index = random_mask_index(key, x.shape[0], masks.shape[0])
         return apply_masks(x, masks, channel_axis=self.channel_axis, mask_index=mask_index)
+
+
+def _missing_masks_message(path: Sequence[str]) -> str:
+    where = f"Masksembles layer {'/'.join(path)!r}" if path else "The Masksembles layer"
+    return (
+        f"{where} has no masks: the variables given to apply hold no {MASKS_COLLECTION!r} collection for it. "
+        f"The masks are made once, by init, and are part of the model: pass them to every apply like batch_stats, "
+        f"e.g. apply_fn({{'params': params, {MASKS_COLLECTION!r}: variables[{MASKS_COLLECTION!r}]}}, x); "
+        f"mutable=[{MASKS_COLLECTION!r}] does not make new ones."
+    )

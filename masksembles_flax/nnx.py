@@ -4,7 +4,8 @@
     y = layer(x)                                       # x: (B, ..., 64)
 
 The masks are a ``Masks`` variable: ``nnx.state``/``nnx.split`` carry them and ``nnx.Optimizer(model, tx,
-wrt=nnx.Param)`` leaves them alone.
+wrt=nnx.Param)`` leaves them alone. ``insert`` puts Masksembles layers into an existing model (the paper's recipe);
+``pack``/``extract_member`` run its members on compacted weights.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from numpy.typing import ArrayLike
 
 import masksembles_core as mc
 
+from ._insertion import Masked as Masked
+from ._insertion import insert as insert
 from ._ops import apply_masks, random_mask_index
 from ._packing import Flatten as Flatten
 from ._packing import PackedMasksembles as PackedMasksembles

@@ -14,6 +14,9 @@ import masksembles_core as mc
 
 from ._functional import masksembles
 
+# symbolic tracing records the functional call as one node (its shape checks need concrete shapes)
+torch.fx.wrap("masksembles")
+
 
 class Masksembles(nn.Module):
     """Masksembles over the channels of any layout (Durasov et al., CVPR 2021).

@@ -1,78 +1,122 @@
 """Packed inference: every member at about the cost of one model, from the structure of the masks.
 
-Member ``k`` of a Masksembles model only ever uses its live channels, so the layers next to a
-Masksembles layer can be shrunk physically. ``extract_member`` builds member ``k`` as a
-standalone dense model; ``pack`` runs all members in one call, with grouped convolutions and
-batched matmuls over every member's compacted weights instead of full-width layers on a tiled
-batch. Both have eval semantics (BatchNorm running statistics, Dropout off, grouped masks).
+Member ``k`` of a Masksembles model only ever uses its live channels, so the layers next to a Masksembles layer can be
+shrunk physically. ``pack`` runs all members in one call: grouped convolutions and batched matmuls over every member's
+compacted weights instead of full-width layers on a tiled batch. ``extract_member`` builds member ``k`` alone, as a
+smaller dense model. Both have eval semantics (BatchNorm running statistics, Dropout off, grouped masks) and return an
+ordinary ``torch.fx.GraphModule``: printable, ``torch.compile``-able and exportable.
 
-This module traces the model with torch.fx and maps it to ``masksembles_core`` graph nodes; the
-core decides, per member, which channels every node computes (the liveness rules are in
-``masksembles_core.packing``). Channels that Masksembles zeroes are left out instead of
-multiplied by 0, so results equal the dense model's for finite activations (a masked inf or NaN
-gives NaN in the dense model and is absent here).
+How: the model is traced with torch.fx in eval mode and run on the example input at two batch sizes, which tells every
+tensor's shape and batch axis. In-place operations are rewritten out of place (later readers read the result). Each
+operation is then mapped to a ``masksembles_core.packing`` kind: those this module knows how to compact (Linear and
+convolutions of any ``groups``, BatchNorm, LayerNorm/GroupNorm over the channels, elementwise operations with scalar
+or per-channel arguments, pooling and reductions over other axes, moves of the channel axis, sums/products,
+concatenations, flattening, Masksembles); anything else is a *fallback* that runs exactly as the dense model runs it,
+at full width on the member-stacked batch (``PackedMasksembles.fallbacks`` lists them). The core decides which
+channels each member computes; this module emits the graph.
+
+"Zero stays zero" is never assumed from an operation's name: an elementwise operation counts as zero-preserving on a
+channel only when evaluating it, with its own arguments, on +0 and -0 inputs gives 0 there.
+
+Exactness: results equal the dense model's for finite activations, up to float rounding. Channels that Masksembles
+zeroes are left out instead of multiplied by 0 (a masked inf or NaN gives NaN in the dense model and is absent here),
+and known zeros written back for a fallback are +0 where the dense model may hold -0.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
+import math
 import operator
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, NamedTuple, TypeVar, cast
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, cast
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, fx, nn
-from torch.fx.passes.shape_prop import ShapeProp
 
 from masksembles_core.packing import (
     GraphNode,
+    Move,
+    Program,
+    Step,
     block_indices,
     channel_indices,
-    gather_plan,
     norm_affine,
-    plan_members,
+    plan_program,
 )
 
+from . import _packed_ops as ops
 from ._layers import Masksembles
 
+PREFIX = "pack/extract_member"
 CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
-NORM_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+CONV_FUNCTIONS = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3}
+BATCHNORM_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 POOL_TYPES = (
-    nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d,
+    nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d, nn.LPPool1d, nn.LPPool2d,
     nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d,
-    nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d,
+    nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d, nn.Upsample,
 )  # fmt: skip
-# elementwise modules and functions -> whether they map 0 to 0
-ACTIVATION_MODULES: dict[type[nn.Module], bool] = {
-    nn.ReLU: True, nn.ReLU6: True, nn.LeakyReLU: True, nn.GELU: True, nn.SiLU: True, nn.Tanh: True,
-    nn.ELU: True, nn.Hardswish: True, nn.Hardtanh: True, nn.Mish: True, nn.Identity: True,
-    nn.Sigmoid: False, nn.Softplus: False, nn.Hardsigmoid: False,
+POOL_FUNCTIONS = {
+    F.avg_pool1d, F.avg_pool2d, F.avg_pool3d, F.max_pool1d, F.max_pool2d, F.max_pool3d, F.lp_pool1d, F.lp_pool2d,
+    F.adaptive_avg_pool1d, F.adaptive_avg_pool2d, F.adaptive_avg_pool3d,
+    F.adaptive_max_pool1d, F.adaptive_max_pool2d, F.adaptive_max_pool3d, F.interpolate,
 }  # fmt: skip
-ACTIVATION_FUNCTIONS: dict[Any, bool] = {
-    F.relu: True, torch.relu: True, F.gelu: True, F.silu: True, torch.tanh: True, F.leaky_relu: True,
-    F.dropout: True, torch.sigmoid: False, F.sigmoid: False,
+DROPOUT_TYPES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+DROPOUT_FUNCTIONS = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout}
+# Elementwise (value by value) operations. Whether one maps zero to zero is evaluated, never read from this table.
+ELEMENTWISE_MODULES = (
+    nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.ELU, nn.CELU, nn.SELU, nn.Hardswish, nn.Hardtanh,
+    nn.Hardsigmoid, nn.Hardshrink, nn.Softshrink, nn.Tanhshrink, nn.Mish, nn.Sigmoid, nn.LogSigmoid, nn.Softplus,
+    nn.Softsign, nn.Threshold, nn.Identity, nn.RReLU, nn.PReLU,
+)  # fmt: skip
+ELEMENTWISE_FUNCTIONS = {
+    F.relu, F.relu6, F.leaky_relu, F.gelu, F.silu, F.elu, F.celu, F.selu, F.hardswish, F.hardtanh, F.hardsigmoid,
+    F.hardshrink, F.softshrink, F.tanhshrink, F.mish, F.sigmoid, F.logsigmoid, F.softplus, F.softsign, F.threshold,
+    F.rrelu, torch.relu, torch.sigmoid, torch.tanh, torch.exp, torch.abs, torch.neg, torch.sqrt, torch.rsqrt,
+    torch.square, torch.clamp, torch.clip, torch.erf, torch.sin, torch.cos, torch.log, torch.pow, torch.nan_to_num,
+    torch.sign, operator.neg, operator.abs, operator.pos,
 }  # fmt: skip
-ACTIVATION_METHODS: dict[str, tuple[Callable[..., Tensor], bool]] = {
-    "relu": (torch.relu, True),
-    "tanh": (torch.tanh, True),
-    "sigmoid": (torch.sigmoid, False),
-}
-IN_PLACE_FUNCTIONS: dict[Any, Callable[[Tensor], Tensor]] = {
-    F.relu: torch.relu_, torch.relu: torch.relu_, torch.tanh: torch.tanh_, torch.sigmoid: torch.sigmoid_,
-    F.sigmoid: torch.sigmoid_,
+ELEMENTWISE_METHODS = {
+    "relu", "sigmoid", "tanh", "exp", "abs", "neg", "sqrt", "rsqrt", "square", "clamp", "clip", "erf", "sin", "cos",
+    "log", "pow", "float", "half", "bfloat16", "double", "to", "contiguous", "clone", "detach", "nan_to_num", "sign",
+    "add", "sub", "mul", "div", "true_divide", "__add__", "__sub__", "__mul__", "__truediv__", "__radd__", "__rsub__",
+    "__rmul__", "__rtruediv__", "type_as", "maximum", "minimum",
 }  # fmt: skip
-DROPOUT_TYPES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)  # identities in eval, even in place
-ADD_FUNCTIONS = (operator.add, torch.add, operator.iadd)
-MIXING = ("linear", "conv")
-CHANNELS_FIRST = ("conv", "norm", "pool", "flatten")
-_ConvModule = nn.Conv1d | nn.Conv2d | nn.Conv3d
-_MixingModule = nn.Linear | _ConvModule  # the module of a "linear" or "conv" node
-_NormModule = nn.BatchNorm1d | nn.BatchNorm2d | nn.BatchNorm3d  # the module of a "norm" node
-_M = TypeVar("_M", bound=_MixingModule)
+# binary operations on two model tensors of the same channels -> when their output is zero
+COMBINE_FUNCTIONS: dict[Any, str] = {
+    operator.add: "all", operator.sub: "all", operator.mul: "any", operator.truediv: "never", torch.add: "all",
+    torch.sub: "all", torch.mul: "any", torch.div: "never", torch.maximum: "all", torch.minimum: "all",
+}  # fmt: skip
+COMBINE_METHODS = {"add": "all", "sub": "all", "mul": "any", "div": "never", "maximum": "all", "minimum": "all"}
+IN_PLACE_OPERATORS = {
+    operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
+    operator.itruediv: operator.truediv,
+}  # fmt: skip
+REDUCTIONS = {"mean", "sum", "amax", "amin", "var", "std"}
+MOVES = {"permute", "transpose", "flatten", "unsqueeze", "squeeze", "movedim", "swapaxes", "swapdims", "unflatten"}
+MOVE_FUNCTIONS = {
+    torch.permute, torch.transpose, torch.flatten, torch.unsqueeze, torch.squeeze, torch.movedim, torch.swapaxes,
+    operator.getitem,
+}  # fmt: skip
+VIEWS = {
+    "view", "reshape", "flatten", "unflatten", "permute", "transpose", "t", "squeeze", "unsqueeze", "expand",
+    "expand_as", "narrow", "select", "unbind", "split", "chunk", "view_as", "movedim", "swapaxes", "swapdims",
+    "detach", "contiguous", "as_strided", "diagonal", "T", "mT",
+}  # fmt: skip
+VIEW_FUNCTIONS = {
+    torch.flatten, torch.reshape, torch.transpose, torch.permute, torch.squeeze, torch.unsqueeze, torch.narrow,
+    torch.select, torch.chunk, torch.split, torch.unbind, torch.movedim, torch.swapaxes, operator.getitem,
+}  # fmt: skip
+METADATA = {"dim", "ndimension", "ndim", "dtype", "device", "is_contiguous", "requires_grad", "layout", "is_cuda"}
+SIZES = {"size", "shape", "numel", "nelement"}
 
 
 class _Tracer(fx.Tracer):
@@ -80,600 +124,1436 @@ class _Tracer(fx.Tracer):
         return isinstance(module, Masksembles) or super().is_leaf_module(module, qualified_name)
 
 
-class _Function(nn.Module):
-    """An elementwise function from the traced graph, with its extra arguments (``inplace`` split off)."""
+def _target_name(node: fx.Node) -> str:
+    return str(node.target) if isinstance(node.target, str) else getattr(node.target, "__name__", repr(node.target))
 
-    def __init__(self, fn: Callable[..., Tensor], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        super().__init__()
-        kwargs = dict(kwargs)
-        self.inplace = bool(kwargs.pop("inplace", False))
-        try:
-            parameters = list(inspect.signature(fn).parameters)
-        except (TypeError, ValueError):  # a builtin: no inplace argument
-            parameters = []
-        position = parameters.index("inplace") - 1 if "inplace" in parameters else len(args)
-        if position < len(args):
-            self.inplace = bool(args[position])
-            args = args[:position] + args[position + 1 :]
-        self.fn, self.args, self.kwargs = fn, args, kwargs
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.fn(x, *self.args, **self.kwargs)
+def _describe(node: fx.Node, root: nn.Module) -> str:
+    """A node as a user recognizes it: a module by its path and type, a call by its function and enclosing module."""
+    if node.op == "call_module":
+        return f"{node.target} ({type(root.get_submodule(str(node.target))).__name__})"
+    stack = node.meta.get("nn_module_stack") or {}
+    where = f"{next(reversed(stack))}: " if stack else ""
+    return f"{where}{_target_name(node)} (node {node.name!r})"
+
+
+# ---------------------------------------------------------------------------------------------------- capture
+
+
+def _trace(model: nn.Module) -> fx.GraphModule:
+    """The model's graph, traced in eval mode (so ``self.training`` branches take their eval path)."""
+    try:
+        graph = _Tracer().trace(model)
+    except Exception as error:  # torch.fx raises many types for untraceable Python
+        raise ValueError(
+            f"{PREFIX} need a model torch.fx can trace in eval mode (no Python control flow on tensor values); "
+            f"tracing {type(model).__name__} failed: {type(error).__name__}: {error}"
+        ) from error
+    return fx.GraphModule(model, graph)
+
+
+def _bound(node: fx.Node) -> inspect.BoundArguments | None:
+    """A call's arguments bound to its signature, defaults applied (None for builtins without a signature)."""
+    try:
+        signature = inspect.signature(cast(Callable[..., Any], node.target))
+        bound = signature.bind(*node.args, **node.kwargs)
+    except (TypeError, ValueError):
+        return None
+    bound.apply_defaults()
+    return bound
+
+
+def _in_place(node: fx.Node, root: nn.Module) -> bool:
+    """Whether ``node`` overwrites its first argument (``relu_``, ``+=``, ``inplace=True``)."""
+    if node.op == "call_method":
+        name = str(node.target)
+        return name.endswith("_") and not name.endswith("__")
+    if node.op == "call_function":
+        if node.target in IN_PLACE_OPERATORS:
+            return True
+        bound = _bound(node)
+        inplace = node.kwargs.get("inplace") if bound is None else bound.arguments.get("inplace")
+        return inplace is True
+    if node.op == "call_module":
+        return getattr(root.get_submodule(str(node.target)), "inplace", False) is True
+    return False
+
+
+def _is_view(node: fx.Node) -> bool:
+    if node.op == "call_method":
+        return str(node.target) in VIEWS
+    return node.op == "call_function" and node.target in VIEW_FUNCTIONS
+
+
+def _functionalize(gm: fx.GraphModule) -> None:
+    """Make in-place operations out of place: readers after ``y = x.relu_()`` read ``y`` instead of ``x``.
+
+    An in-place operation on a tensor that shares memory with another one read after it (a view) cannot be rewritten
+    this way and is refused.
+    """
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    alias: dict[fx.Node, fx.Node] = {}
+
+    def base(node: fx.Node) -> fx.Node:
+        while node in alias:
+            node = alias[node]
+        return node
+
+    for node in gm.graph.nodes:
+        if _is_view(node) and node.args and isinstance(node.args[0], fx.Node):
+            alias[node] = node.args[0]
+    for node in list(gm.graph.nodes):
+        if not _in_place(node, gm) or not node.args or not isinstance(node.args[0], fx.Node):
+            continue
+        target = node.args[0]
+        family = [n for n in gm.graph.nodes if n is not target and n is not node and base(n) is base(target)]
+        late = [n.name for n in family if any(order[user] > order[node] for user in n.users)]
+        if late:
+            raise ValueError(
+                f"{PREFIX}: {_describe(node, gm)} works in place on {target.name!r}, which shares memory with "
+                f"{late} read after it; make that operation out of place"
+            )
+        for user in list(target.users):
+            if user is not node and order[user] > order[node]:
+                user.replace_input_with(target, node)
 
 
 @dataclass
-class _Node:
-    """A node of the traced graph: what it computes, its layout, and its liveness per member."""
+class _Seen:
+    """What the probe saw at a node at the two batch sizes: tensor shapes, the parts of a tuple, or values."""
 
-    name: str
-    kind: str  # input, linear, conv, norm, pool, act, masks, add, flatten
-    inputs: list[str]
-    module: nn.Module | None
-    shape: tuple[int, ...]
-    zero_preserving: bool = True
-    mutates: bool = False  # an in-place activation or +=: overwrites its (first) input
-    axis: int = -1
-    spatial: int = 1  # flatten: positions per input channel
-    masks: np.ndarray | None = None  # masks: (n, C) bool
-
-    @property
-    def channels(self) -> int:
-        return self.shape[self.axis]
+    tensor: bool
+    shapes: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
+    values: tuple[Any, Any] = (None, None)
+    dtype: torch.dtype | None = None
+    parts: tuple[_Seen, ...] = ()
 
     @property
     def rank(self) -> int:
-        return len(self.shape)
-
-    def graph_node(self) -> GraphNode:
-        kind = {
-            "linear": "mixing",
-            "conv": "mixing",
-            "norm": "channelwise",
-            "pool": "channelwise",
-            "act": "channelwise",
-        }
-        return GraphNode(
-            self.name, kind.get(self.kind, self.kind), tuple(self.inputs), self.channels, self.zero_preserving,
-            self.spatial, self.masks,
-        )  # fmt: skip
-
-
-def _where(node: fx.Node, model: nn.Module) -> str:
-    if node.op == "call_module":
-        return f"module {node.target!r} ({type(model.get_submodule(str(node.target))).__name__})"
-    return f"{node.op} {getattr(node.target, '__name__', node.target)!r} (node {node.name!r})"
-
-
-def _classify(node: fx.Node, model: nn.Module) -> tuple[str, nn.Module | None, bool]:
-    """(kind, module to run, maps 0 to 0) for a graph node; raises for anything unsupported."""
-    unsupported = ValueError(f"pack/extract_member: unsupported {_where(node, model)}")
-    data = [a for a in node.args if isinstance(a, fx.Node)]
-    if node.op == "call_module":
-        sub = model.get_submodule(str(node.target))
-        if isinstance(sub, nn.Linear):
-            return "linear", sub, False
-        if isinstance(sub, CONV_TYPES):
-            if sub.groups != 1:
-                raise ValueError(
-                    f"pack/extract_member: {_where(node, model)} has groups={sub.groups}; only 1 is supported"
-                )
-            return "conv", sub, False
-        if isinstance(sub, NORM_TYPES):
-            if sub.running_mean is None or sub.running_var is None:
-                raise ValueError(f"pack/extract_member: {_where(node, model)} needs running statistics")
-            return "norm", sub, False
-        if isinstance(sub, POOL_TYPES):
-            return "pool", sub, True
-        if isinstance(sub, DROPOUT_TYPES):
-            return "act", None, True  # eval semantics: the identity
-        if type(sub) in ACTIVATION_MODULES:
-            return "act", sub, ACTIVATION_MODULES[type(sub)]
-        if isinstance(sub, Masksembles):
-            return "masks", sub, True
-        if isinstance(sub, nn.Flatten):
-            if sub.start_dim != 1 or sub.end_dim != -1:
-                raise ValueError(f"pack/extract_member: {_where(node, model)} must flatten from dim 1 to -1")
-            return "flatten", None, True
-        raise unsupported
-    if (
-        node.op == "call_function"
-        and node.target in ACTIVATION_FUNCTIONS
-        and len(data) == 1
-        and node.args[0] is data[0]
-    ):
-        fn = node.target
-        if fn is F.dropout:
-            return "act", None, True  # dropout has eval semantics here: the identity
-        function = cast(Callable[..., Tensor], fn)  # a call_function target: a callable, not a name
-        return "act", _Function(function, tuple(node.args[1:]), dict(node.kwargs)), ACTIVATION_FUNCTIONS[fn]
-    if node.op == "call_method" and node.target in ACTIVATION_METHODS and len(node.args) == 1:
-        fn, zero = ACTIVATION_METHODS[str(node.target)]
-        return "act", _Function(fn, (), {}), zero
-    if node.op == "call_function" and node.target in ADD_FUNCTIONS and len(data) == 2 and len(node.args) == 2:
-        if node.kwargs:
-            raise unsupported
-        return "add", None, True
-    flatten_call = (node.op == "call_function" and node.target is torch.flatten) or (
-        node.op == "call_method" and node.target == "flatten"
-    )
-    if flatten_call:
-        if tuple(node.args[1:]) not in ((1,), (1, -1)) or node.kwargs:
-            raise ValueError(f"pack/extract_member: {_where(node, model)} must flatten from dim 1 to -1")
-        return "flatten", None, True
-    raise unsupported
-
-
-def _trace(model: nn.Module, example_input: Tensor) -> tuple[list[_Node], str]:
-    """Trace ``model`` on ``example_input`` and classify every node; return (nodes, output name)."""
-    graph = _Tracer().trace(model)
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            ShapeProp(fx.GraphModule(model, graph)).propagate(example_input.clone())  # the model may work in place
-    finally:
-        model.train(was_training)
-    nodes: dict[str, _Node] = {}
-    output = ""
-    for node in graph.nodes:
-        if node.op == "output":
-            if not isinstance(node.args[0], fx.Node):
-                raise ValueError("pack/extract_member support models that return one tensor")
-            output = node.args[0].name
-            continue
-        meta = node.meta.get("tensor_meta")
-        if not hasattr(meta, "shape"):
-            raise ValueError(f"pack/extract_member: unsupported {_where(node, model)}: it does not give a tensor")
-        if node.op == "placeholder":
-            if nodes:
-                raise ValueError("pack/extract_member support models with a single tensor input")
-            kind, sub, zero = "input", None, False
-        else:
-            kind, sub, zero = _classify(node, model)
-        inputs = [a.name for a in node.args if isinstance(a, fx.Node)]
-        mutates = node.target is operator.iadd or (kind == "act" and bool(getattr(sub, "inplace", False)))
-        entry = _Node(node.name, kind, inputs, sub, tuple(meta.shape), zero, mutates)
-        if kind == "masks":
-            entry.masks = (cast(Masksembles, sub).masks != 0).cpu().numpy()
-        nodes[node.name] = entry
-    result = list(nodes.values())
-    _assign_axes(result, model)
-    for entry in result:
-        if entry.kind == "flatten":
-            source = nodes[entry.inputs[0]]
-            entry.spatial = int(np.prod(source.shape[2:], dtype=np.int64)) if source.rank > 2 else 1
-    masks = [node for node in result if node.kind == "masks"]
-    if not masks:
-        raise ValueError("pack/extract_member: the model has no Masksembles layer")
-    counts = sorted({node.masks.shape[0] for node in masks})  # type: ignore[union-attr]
-    if len(counts) != 1:
-        raise ValueError(f"pack/extract_member: every Masksembles layer needs the same n; found {counts}")
-    return result, output
-
-
-def _assign_axes(nodes: list[_Node], model: nn.Module) -> None:
-    """Channel axis of every node; Linear acts on the last axis, Conv/BatchNorm/pooling on axis 1."""
-    by_name = {node.name: node for node in nodes}
-
-    def required(node: _Node, rank: int) -> int | None:
-        if node.kind == "linear":
-            return rank - 1
-        if node.kind in CHANNELS_FIRST:
-            return 1
-        if node.kind == "masks":
-            return cast(Masksembles, node.module).channel_axis % rank
-        return None
-
-    for node in nodes:  # outputs with a definite axis
-        if node.kind in ("linear", "masks"):
-            node.axis = required(node, node.rank)  # type: ignore[assignment]
-        elif node.kind in CHANNELS_FIRST:
-            node.axis = 1
-    changed = True
-    while changed:  # propagate through activations and additions, and from consumers to inputs
-        changed = False
-        for node in nodes:
-            for name in node.inputs:
-                source = by_name[name]
-                want = required(node, source.rank) if node.kind not in ("act", "add") else node.axis
-                if want is None or want < 0:
-                    continue
-                if source.axis < 0:
-                    source.axis, changed = want, True
-                elif source.axis != want:
-                    raise ValueError(
-                        f"pack/extract_member: {node.kind} node {node.name!r} reads axis {want} of {name!r} as "
-                        f"channels, but {name!r} has its channels on axis {source.axis}"
-                    )
-            if node.kind in ("act", "add") and node.axis < 0:
-                known = [by_name[name].axis for name in node.inputs if by_name[name].axis >= 0]
-                if known:
-                    node.axis, changed = known[0], True
-    for node in nodes:
-        if node.axis < 0:
-            raise ValueError(f"pack/extract_member: cannot tell the channel axis of node {node.name!r}")
-
-
-def _gather(x: Tensor, axis: int, index: Tensor) -> Tensor:
-    """``x.index_select(axis, index)``, along the contiguous axis when ``x`` is channels-last."""
-    if axis == 1 and x.dim() > 2 and not x.is_contiguous() and x.movedim(1, -1).is_contiguous():
-        rows = x.movedim(1, -1)
-        flat = rows.reshape(-1, rows.shape[-1])
-        picked = torch.gather(flat, 1, index.expand(flat.shape[0], -1))  # faster than index_select here
-        return picked.view(*rows.shape[:-1], -1).movedim(-1, 1)
-    return x.index_select(axis, index)
-
-
-class _Select(nn.Module):
-    """Gather positions along ``axis`` with one global index (member blocks included), then scale.
-
-    When the index repeats one block for every member with scale 1 (a shared tensor read by every
-    member), ``tile`` holds that block, so an addition can broadcast it instead of copying it.
-    """
-
-    index: Tensor
-    scale: Tensor
-    tile: Tensor
-
-    def __init__(
-        self, index: np.ndarray, scale: np.ndarray, axis: int, rank: int, dtype: torch.dtype, members: int, source: int
-    ) -> None:
-        super().__init__()
-        self.axis = axis
-        self.gather = len(index) != source or not np.array_equal(index, np.arange(len(index)))
-        self.multiply = not bool((scale == 1).all())
-        blocks = index.reshape(members, -1)
-        self.repeats = members if members > 1 and not self.multiply and bool((blocks == blocks[0]).all()) else 1
-        self.tile_gather = not np.array_equal(blocks[0], np.arange(blocks.shape[1]))
-        shape = [1] * rank
-        shape[axis] = len(scale)
-        self.register_buffer("index", torch.as_tensor(index, dtype=torch.long))
-        self.register_buffer("scale", torch.as_tensor(scale, dtype=dtype).view(shape))
-        self.register_buffer("tile", torch.as_tensor(blocks[0], dtype=torch.long))
+        return len(self.shapes[0])
 
     @property
-    def fresh(self) -> bool:
-        """Whether ``forward`` returns a new tensor (else its input, unchanged)."""
-        return self.gather or self.multiply
+    def batch_axes(self) -> tuple[int, ...]:
+        """Axes whose size follows the batch."""
+        return tuple(i for i, (a, b) in enumerate(zip(*self.shapes, strict=True)) if a != b)
 
-    def forward(self, x: Tensor) -> Tensor:
-        if self.gather:
-            x = _gather(x, self.axis, self.index)
-            return x.mul_(self.scale) if self.multiply else x
-        return x * self.scale if self.multiply else x
+    @property
+    def batch_axis(self) -> int:
+        """The one axis that follows the batch, if it is exactly the batch (else -1)."""
+        axes = self.batch_axes
+        if len(axes) == 1 and self.shapes[1][axes[0]] == self.shapes[0][axes[0]] + 1:
+            return axes[0]
+        return -1
 
-    def add_tiled(self, x: Tensor, other: Tensor, inplace: bool) -> Tensor:
-        """``forward(x) + other`` without materializing the repeated blocks (``repeats > 1``)."""
-        block = _gather(x, self.axis, self.tile) if self.tile_gather else x
-        grouped: Tensor = other.unflatten(self.axis, (self.repeats, -1))  # type: ignore[no-untyped-call]
-        if inplace:
-            grouped.add_(block.unsqueeze(self.axis))
-            return other
-        return (grouped + block.unsqueeze(self.axis)).flatten(self.axis, self.axis + 1)
-
-
-class _Elementwise(nn.Module):
-    """An elementwise activation, run in place on a tensor that nothing else reads."""
-
-    def __init__(self, out_of_place: Callable[[Tensor], Tensor], in_place: Callable[[Tensor], Tensor] | None) -> None:
-        super().__init__()
-        self.out_of_place, self.in_place = out_of_place, in_place
-
-    def forward(self, x: Tensor, inplace: bool = False) -> Tensor:
-        return self.in_place(x) if inplace and self.in_place is not None else self.out_of_place(x)
+    @property
+    def batch_dependent(self) -> bool:
+        if self.tensor:
+            return bool(self.batch_axes)
+        if self.parts:
+            return any(part.batch_dependent for part in self.parts)
+        try:
+            return bool(self.values[0] != self.values[1])
+        except Exception:  # values that do not compare as a bool (tensors inside): assume they do
+            return True
 
 
-class _Affine(nn.Module):
-    """BatchNorm with running statistics as the per-channel map ``x * scale + shift``."""
-
-    scale: Tensor
-    shift: Tensor
-
-    def __init__(self, scale: Tensor, shift: Tensor, axis: int, rank: int) -> None:
-        super().__init__()
-        shape = [1] * rank
-        shape[axis] = len(scale)
-        self.register_buffer("scale", scale.view(shape))
-        self.register_buffer("shift", shift.view(shape))
-
-    def forward(self, x: Tensor, inplace: bool = False) -> Tensor:
-        return x.mul_(self.scale).add_(self.shift) if inplace else torch.addcmul(self.shift, x, self.scale)
+def _summary(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return ("tensor", tuple(value.shape), value.dtype)
+    if isinstance(value, (tuple, list)) and any(isinstance(v, Tensor) for v in value):
+        return ("parts", tuple(_summary(v) for v in value))
+    return ("value", value)
 
 
-class _GroupedLinear(nn.Module):
-    """One Linear per member on the member blocks of the last axis: (..., m*I) -> (..., m*O)."""
-
-    def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
-        super().__init__()
-        members, outputs, _ = weight.shape
-        self.weight = nn.Parameter(weight.transpose(1, 2).contiguous())  # (m, I, O)
-        self.bias = nn.Parameter(bias.view(members, 1, outputs)) if bias is not None else None
-
-    def forward(self, x: Tensor) -> Tensor:
-        members, inputs, _ = self.weight.shape
-        rows = x.reshape(-1, members, inputs).transpose(0, 1)  # (m, B, I)
-        y = torch.bmm(rows, self.weight) if self.bias is None else torch.baddbmm(self.bias, rows, self.weight)
-        return y.transpose(0, 1).reshape(*x.shape[:-1], -1)
+def _merge(first: Any, second: Any) -> _Seen:
+    if first[0] == "parts" and second[0] == "parts" and len(first[1]) == len(second[1]):
+        return _Seen(False, parts=tuple(_merge(a, b) for a, b in zip(first[1], second[1], strict=True)))
+    if first[0] == "tensor" and second[0] == "tensor" and len(first[1]) == len(second[1]):
+        return _Seen(True, (first[1], second[1]), dtype=first[2])
+    return _Seen(False, values=(first[-1], second[-1]))
 
 
-def _blocks(weight: Tensor, rows: Sequence[np.ndarray], cols: Sequence[np.ndarray]) -> Tensor:
-    """Member blocks ``weight[rows[k]][:, cols[k]]``, zero at padding: (m, P_out, P_in, *kernel)."""
-    r, c, valid = block_indices(rows, cols)
-    picked = weight[torch.as_tensor(r), torch.as_tensor(c)]
-    keep = torch.as_tensor(valid, device=weight.device).view(*valid.shape, *([1] * (weight.dim() - 2)))
-    return torch.where(keep, picked, torch.zeros((), dtype=weight.dtype, device=weight.device))
+class _Probe(fx.Interpreter):
+    """Runs the graph and keeps, per node, its summary (and the values of the nodes in ``keep``)."""
+
+    def __init__(self, gm: fx.GraphModule, keep: set[fx.Node]) -> None:
+        super().__init__(gm)
+        self.seen: dict[fx.Node, Any] = {}
+        self.keep, self.kept = keep, cast(dict[fx.Node, Any], {})
+
+    def run_node(self, n: fx.Node) -> Any:
+        result = super().run_node(n)
+        self.seen[n] = _summary(result)
+        if n in self.keep:
+            self.kept[n] = result.detach() if isinstance(result, Tensor) else result
+        return result
+
+
+def _probe(
+    gm: fx.GraphModule, example: Tensor, constants: set[fx.Node]
+) -> tuple[dict[fx.Node, _Seen], dict[fx.Node, Any]]:
+    """Run the graph at the example's batch size and at one more; return what was seen and the constants' values."""
+    runs = []
+    with torch.no_grad():
+        for index, batch in enumerate((example, torch.cat([example, example[:1]]))):
+            probe = _Probe(gm, constants if index == 0 else set())
+            try:
+                probe.run(batch.clone())
+            except Exception as error:
+                raise ValueError(
+                    f"{PREFIX}: the traced model fails on the example input at batch {batch.shape[0]}: "
+                    f"{type(error).__name__}: {error}"
+                ) from error
+            runs.append(probe)
+    seen = {node: _merge(runs[0].seen[node], runs[1].seen[node]) for node in runs[0].seen}
+    return seen, runs[0].kept
+
+
+# ------------------------------------------------------------------------------------------------ classification
+
+
+@dataclass
+class _Op:
+    """A model node as the core sees it: its kind, the model values it reads, and what emitting it needs."""
+
+    node: fx.Node
+    kind: str
+    tensors: list[fx.Node]
+    rule: str = "same"  # how the channel axis goes through: same, fixed, map, concat, flatten, none
+    fixed_in: int = -1
+    fixed_out: int = -1
+    module: nn.Module | None = None
+    how: str = "call"  # call (the model's own operation), identity, affine, prelu, linear, conv, norm, flatten
+    zero_rule: str = "all"
+    groups: int = 1
+    weight: Tensor | None = None
+    bias: Tensor | None = None
+    conv: dict[str, Any] = field(default_factory=dict)
+    batch_dependent: bool = False
+    axis: int = -1
+
+
+class _Capture:
+    """The traced model, what the probe saw, and every node's classification."""
+
+    def __init__(self, model: nn.Module, example: Tensor) -> None:
+        if not isinstance(example, Tensor) or example.dim() < 1 or example.shape[0] < 1:
+            raise ValueError(f"{PREFIX} need an example input tensor with a batch of at least 1 on axis 0")
+        self.gm = _trace(model)
+        _functionalize(self.gm)
+        self.gm.graph.eliminate_dead_code()
+        placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+        if len(placeholders) != 1:
+            raise ValueError(f"{PREFIX} support models with one input tensor; this one takes {len(placeholders)}")
+        self.input = placeholders[0]
+        self.device = example.device
+        self.dynamic: set[fx.Node] = set()
+        for node in self.gm.graph.nodes:
+            if node.op == "placeholder" or any(a in self.dynamic for a in node.all_input_nodes):
+                self.dynamic.add(node)
+        constants = {n for n in self.gm.graph.nodes if n not in self.dynamic and n.op != "output"}
+        self.seen, self.constants = _probe(self.gm, example, constants)
+        self.values: set[fx.Node] = {self.input}  # the model values: tensors, tuples and what is read from them
+        for node in self.gm.graph.nodes:
+            if node in self.dynamic and node.op not in ("placeholder", "output") and self._is_value(node):
+                self.values.add(node)
+        self.ops: dict[fx.Node, _Op] = {}
+        for node in self.gm.graph.nodes:
+            if node in self.values and node is not self.input:
+                self.ops[node] = self._classify(node)
+        masks = [op for op in self.ops.values() if op.kind == "masks"]
+        if not masks:
+            raise ValueError(f"{PREFIX}: the model has no Masksembles layer")
+        counts = sorted({cast(Masksembles, op.module).n for op in masks})
+        if len(counts) != 1:
+            raise ValueError(f"{PREFIX}: every Masksembles layer needs the same n; found {counts}")
+        self.n = counts[0]
+
+    def _is_value(self, node: fx.Node) -> bool:
+        seen = self.seen[node]
+        if seen.tensor or seen.parts:
+            return True
+        return not self.is_query(node) and any(a in self.values for a in node.all_input_nodes)
+
+    def is_query(self, node: fx.Node) -> bool:
+        """A size or metadata query on a tensor: its value in the dense model is computed, not run."""
+        if node.op == "call_method":
+            return str(node.target) in SIZES | METADATA
+        if node.op == "call_function" and node.target is getattr:
+            return node.args[1] in SIZES | METADATA
+        return node.op == "call_function" and node.target is torch.numel
+
+    def inputs(self, node: fx.Node) -> list[fx.Node]:
+        """The model values ``node`` reads, in order, each once."""
+        return [a for a in dict.fromkeys(node.all_input_nodes) if a in self.values]
+
+    def constant(self, value: Any) -> Any:
+        """An argument's value when it does not depend on the input (folded once here); None for a model value."""
+        if isinstance(value, fx.Node):
+            if value in self.dynamic:
+                return None
+            return self.constants.get(value)
+        if isinstance(value, (tuple, list)):
+            items = [self.constant(v) for v in value]
+            return (
+                None
+                if any(i is None and v is not None for i, v in zip(items, value, strict=True))
+                else type(value)(items)
+            )
+        return value
+
+    def argument(self, node: fx.Node, name: str, position: int, default: Any = None) -> Any:
+        """A call argument by keyword or position, its constant value (defaults from the signature when it has one)."""
+        bound = _bound(node)
+        if bound is not None and name in bound.arguments:
+            return self.constant(bound.arguments[name])
+        if name in node.kwargs:
+            return self.constant(node.kwargs[name])
+        return self.constant(node.args[position]) if position < len(node.args) else default
+
+    def batch_args(self, node: fx.Node) -> bool:
+        """Whether a non-tensor argument follows the batch size: then only the dense frame gives it its meaning."""
+        return any(
+            a in self.dynamic and not self.seen[a].tensor and not self.seen[a].parts and self.seen[a].batch_dependent
+            for a in node.all_input_nodes
+        )
+
+    def fallback(self, node: fx.Node) -> _Op:
+        """``node`` as the dense model runs it; per member when it uses the batch size or is a Masksembles layer."""
+        masks = node.op == "call_module" and isinstance(self.gm.get_submodule(str(node.target)), Masksembles)
+        return _Op(node, "fallback", self.inputs(node), rule="none", batch_dependent=masks or self.batch_args(node))
+
+    def _classify(self, node: fx.Node) -> _Op:
+        tensors = self.inputs(node)
+        if not self.seen[node].tensor or not tensors or any(not self.seen[t].tensor for t in tensors):
+            return self.fallback(node)
+        if self._flatten_call(node, tensors[0]):
+            return _Op(node, "flatten", tensors, rule="flatten", how="flatten")
+        if self.batch_args(node) or node.op == "get_attr":
+            return self.fallback(node)
+        op = self._module(node, tensors) if node.op == "call_module" else self._function(node, tensors)
+        return op if op is not None else self.fallback(node)
+
+    def _function(self, node: fx.Node, tensors: list[fx.Node]) -> _Op | None:
+        target = node.target
+        method = node.op == "call_method"
+        name = str(target) if method else getattr(target, "__name__", "")
+        if method and name.endswith("_") and not name.endswith("__"):
+            name = name[:-1]  # in place: emitted out of place
+        if len(tensors) == 2:
+            rule = (
+                COMBINE_METHODS.get(name)
+                if method
+                else COMBINE_FUNCTIONS.get(IN_PLACE_OPERATORS.get(cast(Any, target), target))
+            )
+            return None if rule is None else _Op(node, "combine", tensors, zero_rule=rule)
+        if target in (torch.cat, torch.concat):
+            return _Op(node, "concat", tensors, rule="concat")
+        if len(tensors) != 1:
+            return None
+        if target is F.linear:
+            return self._linear(node, tensors, self.argument(node, "weight", 1), self.argument(node, "bias", 2))
+        if target in CONV_FUNCTIONS:
+            return self._conv_function(node, tensors)
+        if target in DROPOUT_FUNCTIONS:
+            return (
+                None if self.argument(node, "training", 2, True) else _Op(node, "channelwise", tensors, how="identity")
+            )
+        if target is F.batch_norm:
+            if self.argument(node, "training", 5, False):
+                return None
+            mean, var = self.argument(node, "running_mean", 1), self.argument(node, "running_var", 2)
+            weight, bias = self.argument(node, "weight", 3), self.argument(node, "bias", 4)
+            return self._affine(node, tensors, mean, var, weight, bias, self.argument(node, "eps", 7, 1e-5))
+        if target is F.layer_norm:
+            return self._layer_norm(node, tensors, self.argument(node, "normalized_shape", 1))
+        if target is F.group_norm:
+            return _Op(node, "norm", tensors, rule="fixed", fixed_in=1, fixed_out=1, how="norm")
+        if target in POOL_FUNCTIONS or target is F.pad:
+            return self._spatial(node, tensors)
+        if target in MOVE_FUNCTIONS or (method and name in MOVES):
+            return _Op(node, "channelwise", tensors, rule="map")
+        if name in REDUCTIONS:
+            return _Op(node, "channelwise", tensors, rule="map")
+        if target in IN_PLACE_OPERATORS or target in ELEMENTWISE_FUNCTIONS or target in COMBINE_FUNCTIONS:
+            return _Op(node, "channelwise", tensors)
+        if method and name in ELEMENTWISE_METHODS:
+            return _Op(node, "channelwise", tensors)
+        return None
+
+    def _module(self, node: fx.Node, tensors: list[fx.Node]) -> _Op | None:
+        module = self.gm.get_submodule(str(node.target))
+        if len(tensors) != 1:
+            return None
+        rank = self.seen[tensors[0]].rank
+        if isinstance(module, Masksembles):
+            axis = module.channel_axis % rank
+            return _Op(
+                node, "masks", tensors, rule="fixed", fixed_in=axis, fixed_out=axis, module=module, how="identity"
+            )
+        if isinstance(module, nn.Linear):
+            return self._linear(node, tensors, module.weight, module.bias)
+        if isinstance(module, CONV_TYPES) and not module.transposed:
+            settings = {"stride": module.stride, "padding": module.padding, "dilation": module.dilation,
+                        "padding_mode": module.padding_mode, "dims": len(module.kernel_size)}  # fmt: skip
+            return self._conv(node, tensors, module.weight, module.bias, module.groups, settings, module)
+        if isinstance(module, BATCHNORM_TYPES):
+            if module.running_mean is None or module.running_var is None:
+                return None  # batch statistics even in eval: the dense frame reproduces them
+            return self._affine(node, tensors, module.running_mean, module.running_var,
+                                module.weight if module.affine else None, module.bias if module.affine else None,
+                                module.eps)  # fmt: skip
+        if isinstance(module, nn.LayerNorm):
+            return self._layer_norm(node, tensors, module.normalized_shape, module)
+        if isinstance(module, nn.GroupNorm):
+            return _Op(node, "norm", tensors, rule="fixed", fixed_in=1, fixed_out=1, module=module, how="norm")
+        if isinstance(module, DROPOUT_TYPES):
+            return _Op(node, "channelwise", tensors, how="identity")
+        if isinstance(module, nn.Flatten):
+            return _Op(node, "channelwise", tensors, rule="map", module=module)
+        if isinstance(module, POOL_TYPES):
+            return self._spatial(node, tensors, module)
+        if isinstance(module, nn.PReLU) and module.num_parameters > 1:
+            return _Op(node, "channelwise", tensors, rule="fixed", fixed_in=1, fixed_out=1, module=module, how="prelu")
+        if isinstance(module, ELEMENTWISE_MODULES):
+            return _Op(node, "channelwise", tensors, module=module)
+        return None
+
+    def _flatten_call(self, node: fx.Node, source: fx.Node) -> bool:
+        """``flatten(x, 1)``, ``x.flatten(1)``, ``nn.Flatten()``, or ``x.view(B, -1)``/``x.reshape(B, -1)`` with B
+        the batch size: (B, ...) -> (B, features)."""
+        seen = self.seen[source]
+        if not seen.tensor or seen.batch_axes != (0,) or seen.batch_axis != 0:
+            return False
+        rank = seen.rank
+        if node.op == "call_module":
+            module = self.gm.get_submodule(str(node.target))
+            return isinstance(module, nn.Flatten) and module.start_dim == 1 and module.end_dim in (-1, rank - 1)
+        flatten = (node.op == "call_function" and node.target is torch.flatten) or (
+            node.op == "call_method" and node.target == "flatten"
+        )
+        if flatten:
+            start = self.constant(node.kwargs.get("start_dim", node.args[1] if len(node.args) > 1 else 0))
+            end = self.constant(node.kwargs.get("end_dim", node.args[2] if len(node.args) > 2 else -1))
+            return start == 1 and end in (-1, rank - 1)
+        reshape = (node.op == "call_method" and node.target in ("view", "reshape")) or (
+            node.op == "call_function" and node.target is torch.reshape
+        )
+        if not reshape or node.kwargs:
+            return False
+        shape = node.args[1:]
+        if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+            shape = tuple(shape[0])
+        if len(shape) != 2 or shape[1] != -1:
+            return False
+        first = shape[0]
+        values = self.seen[first].values if isinstance(first, fx.Node) and first in self.seen else (first, first)
+        return tuple(values) == (seen.shapes[0][0], seen.shapes[1][0])
+
+    def _linear(self, node: fx.Node, tensors: list[fx.Node], weight: Any, bias: Any) -> _Op | None:
+        if not isinstance(weight, Tensor) or (bias is not None and not isinstance(bias, Tensor)):
+            return None
+        rank = self.seen[tensors[0]].rank
+        return _Op(node, "mixing", tensors, rule="fixed", fixed_in=rank - 1, fixed_out=rank - 1, how="linear",
+                   weight=weight.detach(), bias=None if bias is None else bias.detach())  # fmt: skip
+
+    def _conv_function(self, node: fx.Node, tensors: list[fx.Node]) -> _Op | None:
+        weight, bias = self.argument(node, "weight", 1), self.argument(node, "bias", 2)
+        settings = {"stride": self.argument(node, "stride", 3, 1), "padding": self.argument(node, "padding", 4, 0),
+                    "dilation": self.argument(node, "dilation", 5, 1), "padding_mode": "zeros",
+                    "dims": CONV_FUNCTIONS[cast(Any, node.target)]}  # fmt: skip
+        groups = self.argument(node, "groups", 6, 1)
+        if not isinstance(weight, Tensor) or any(v is None for v in settings.values()) or not isinstance(groups, int):
+            return None
+        return self._conv(node, tensors, weight, bias, groups, settings)
+
+    def _conv(
+        self, node: fx.Node, tensors: list[fx.Node], weight: Tensor, bias: Tensor | None, groups: int,
+        settings: dict[str, Any], module: nn.Module | None = None,
+    ) -> _Op | None:  # fmt: skip
+        if bias is not None and not isinstance(bias, Tensor):
+            return None
+        return _Op(node, "mixing" if groups == 1 else "grouped", tensors, rule="fixed", fixed_in=1, fixed_out=1,
+                   how="conv", groups=groups, weight=weight.detach(), bias=None if bias is None else bias.detach(),
+                   conv=settings, module=module)  # fmt: skip
+
+    def _affine(
+        self, node: fx.Node, tensors: list[fx.Node], mean: Any, var: Any, weight: Any, bias: Any, eps: Any
+    ) -> _Op | None:
+        if not all(isinstance(v, Tensor) for v in (mean, var)) or not isinstance(eps, (int, float)):
+            return None
+
+        def numpy(tensor: Any) -> np.ndarray | None:
+            return None if tensor is None else tensor.detach().cpu().double().numpy()
+
+        scale, shift = norm_affine(mean.detach().cpu().double().numpy(), var.detach().cpu().double().numpy(),
+                                   numpy(weight), numpy(bias), float(eps))  # fmt: skip
+        return _Op(node, "channelwise", tensors, rule="fixed", fixed_in=1, fixed_out=1, how="affine",
+                   weight=torch.as_tensor(scale).to(mean), bias=torch.as_tensor(shift).to(mean))  # fmt: skip
+
+    def _layer_norm(
+        self, node: fx.Node, tensors: list[fx.Node], shape: Any, module: nn.Module | None = None
+    ) -> _Op | None:
+        if shape is None or len(tuple(shape)) != 1:
+            return None
+        rank = self.seen[tensors[0]].rank
+        return _Op(
+            node, "norm", tensors, rule="fixed", fixed_in=rank - 1, fixed_out=rank - 1, module=module, how="norm"
+        )
+
+    def _spatial(self, node: fx.Node, tensors: list[fx.Node], module: nn.Module | None = None) -> _Op | None:
+        """Pooling, resizing and padding over the axes after the channels: channel ``c`` from channel ``c``."""
+        if module is not None and getattr(module, "return_indices", False):
+            return None
+        if module is None and node.target is not F.pad and _bound(node) is not None:
+            bound = cast(inspect.BoundArguments, _bound(node))
+            if bound.arguments.get("return_indices") is True:
+                return None
+        if node.target is F.pad:
+            pad, mode = self.argument(node, "pad", 1), self.argument(node, "mode", 2, "constant")
+            if (
+                not isinstance(pad, (tuple, list))
+                or mode != "constant"
+                or len(pad) // 2 > self.seen[tensors[0]].rank - 2
+            ):
+                return None
+        return _Op(node, "channelwise", tensors, rule="fixed", fixed_in=1, fixed_out=1, module=module)
+
+
+# ------------------------------------------------------------------------------------------------ channel axes
+
+
+class _Conflict(Exception):
+    """A node whose channel axis cannot agree with its neighbours' (it falls back)."""
+
+    def __init__(self, node: fx.Node) -> None:
+        super().__init__(node.name)
+        self.node = node
+
+
+def _solve_axes(capture: _Capture) -> dict[fx.Node, int]:
+    """The channel axis of every compacted node and of what it reads; nodes that cannot agree fall back."""
+    maps: dict[tuple[fx.Node, int], int | None] = {}
+    while True:
+        try:
+            return _propagate_axes(capture, maps)
+        except _Conflict as conflict:
+            capture.ops[conflict.node] = capture.fallback(conflict.node)
+
+
+def _propagate_axes(capture: _Capture, maps: dict[tuple[fx.Node, int], int | None]) -> dict[fx.Node, int]:
+    axis: dict[fx.Node, int] = {}
+    compact = [op for op in capture.ops.values() if op.kind != "fallback"]
+
+    def put(node: fx.Node, value: int, by: _Op) -> bool:
+        if node in axis:
+            if axis[node] != value:
+                raise _Conflict(by.node)
+            return False
+        axis[node] = value
+        return True
+
+    while True:
+        changed = True
+        while changed:
+            changed = False
+            for op in compact:
+                changed |= _propagate(capture, op, axis, put, maps)
+        unknown = [op for op in compact if op.node not in axis]
+        if not unknown:
+            break
+        put(unknown[0].node, capture.seen[unknown[0].node].rank - 1, unknown[0])
+    for op in compact:  # every tensor a compacted node touches: its batch exactly on one axis, not the channels'
+        for node in [op.node, *op.tensors]:
+            seen = capture.seen[node]
+            if seen.batch_axis < 0 or seen.batch_axis == axis[node] or (op.fixed_in == 1 and seen.batch_axis != 0):
+                raise _Conflict(op.node)
+        if op.kind == "flatten" and axis[op.tensors[0]] not in (1, capture.seen[op.tensors[0]].rank - 1):
+            raise _Conflict(op.node)
+    for op in capture.ops.values():
+        op.axis = axis.get(op.node, -1)
+    return axis
+
+
+def _propagate(
+    capture: _Capture,
+    op: _Op,
+    axis: dict[fx.Node, int],
+    put: Callable[[fx.Node, int, _Op], bool],
+    maps: dict[tuple[fx.Node, int], int | None],
+) -> bool:
+    """Apply one node's rule to the axes known so far; True if it set one."""
+    node, changed = op.node, False
+    if op.rule == "fixed":
+        for source in op.tensors:
+            changed |= put(source, op.fixed_in, op)
+        return put(node, op.fixed_out, op) or changed
+    if op.rule in ("same", "concat"):
+        known = [axis[n] for n in [node, *op.tensors] if n in axis]
+        if op.rule == "concat" and not known:
+            dim = capture.argument(node, "dim", 1, 0)
+            if not isinstance(dim, int):
+                raise _Conflict(node)
+            known = [dim % capture.seen[node].rank]
+        if known:
+            for n in [node, *op.tensors]:
+                changed |= put(n, known[0], op)
+        if op.rule == "concat" and known:
+            dim = capture.argument(node, "dim", 1, 0)
+            op.kind = "concat" if isinstance(dim, int) and dim % capture.seen[node].rank == known[0] else "combine"
+        return changed
+    if op.rule == "flatten":
+        return put(node, 1, op)
+    if op.rule == "map":
+        source = op.tensors[0]
+        if source in axis:
+            mapped = _mapped_axis(capture, op, axis[source], maps)
+            if mapped is None:
+                raise _Conflict(node)
+            return put(node, mapped, op)
+        if node in axis:
+            rank = capture.seen[source].rank
+            candidates = [a for a in range(rank) if _mapped_axis(capture, op, a, maps) == axis[node]]
+            if len(candidates) != 1:
+                raise _Conflict(node)
+            return put(source, candidates[0], op)
+    return False
+
+
+def _mapped_axis(
+    capture: _Capture, op: _Op, source_axis: int, maps: dict[tuple[fx.Node, int], int | None]
+) -> int | None:
+    key = (op.node, source_axis)
+    if key not in maps:
+        maps[key] = _evaluate_map(capture, op, source_axis)
+    return maps[key]
+
+
+def _evaluate_map(capture: _Capture, op: _Op, source_axis: int) -> int | None:
+    """Where a move or reduction puts the channels that its input holds on ``source_axis`` (None: it mixes them).
+
+    Evaluated, not read from the operation's name: the operation runs on a tensor holding each position's channel
+    index, and the result must hold those indices whole, in order, on one axis (and likewise the batch indices).
+    """
+    node, source = op.node, op.tensors[0]
+    seen = capture.seen[source]
+    shape = seen.shapes[0]
+    if source_axis == seen.batch_axis:
+        return None
+    if _target_name(node) == "getitem" and not _takes_whole(node.args[1], seen.rank, [source_axis, seen.batch_axis]):
+        return None
+    found = []
+    for tracked in (source_axis, seen.batch_axis):
+        ids = torch.arange(shape[tracked], dtype=torch.float64)
+        view = [1] * len(shape)
+        view[tracked] = shape[tracked]
+        try:
+            out = _evaluate(capture, node, {source: ids.view(view).expand(shape).contiguous()})
+        except Exception:  # the operation does not apply to this tensor as given
+            return None
+        found.append(_whole_axis(out, ids))
+    channel, batch = found
+    if channel is None or batch is None or batch != capture.seen[node].batch_axis:
+        return None
+    return channel
+
+
+def _takes_whole(index: Any, rank: int, axes: Sequence[int]) -> bool:
+    """A ``getitem`` index made of slices, ints, None and one Ellipsis that takes all of ``axes``."""
+    entries = index if isinstance(index, tuple) else (index,)
+    if any(not isinstance(e, (slice, int, type(None), type(Ellipsis))) for e in entries):
+        return False
+    consumed = [e for e in entries if e is not None and e is not Ellipsis]
+    if sum(e is Ellipsis for e in entries) > 1 or len(consumed) > rank:
+        return False
+    positions: list[Any] = []
+    for e in entries:
+        if e is Ellipsis:
+            positions.extend([slice(None)] * (rank - len(consumed)))
+        elif e is not None:
+            positions.append(e)
+    positions.extend([slice(None)] * (rank - len(positions)))
+    return all(positions[a] == slice(None) for a in axes)
+
+
+def _whole_axis(out: Any, ids: Tensor) -> int | None:
+    """The axis of ``out`` that holds ``ids`` in order, constant along every other axis; None if none does."""
+    if not isinstance(out, Tensor):
+        return None
+    for a in range(out.dim()):
+        if out.shape[a] != len(ids):
+            continue
+        view = [1] * out.dim()
+        view[a] = len(ids)
+        if torch.equal(out.double(), ids.view(view).expand(out.shape)):
+            return a
+    return None
+
+
+def _evaluate(capture: _Capture, node: fx.Node, values: dict[fx.Node, Any]) -> Any:
+    """Run one node of the traced graph on given values for its model inputs (other arguments as the probe saw)."""
+
+    def value(a: Any) -> Any:
+        if not isinstance(a, fx.Node):
+            return a
+        if a in values:
+            return values[a]
+        if a in capture.dynamic:
+            return capture.seen[a].values[0]
+        return capture.constants.get(a)
+
+    args = fx.node.map_aggregate(node.args, value)
+    kwargs = fx.node.map_aggregate(node.kwargs, value)
+    with torch.no_grad():
+        if node.op == "call_module":
+            return capture.gm.get_submodule(str(node.target))(*args, **kwargs)
+        if node.op == "call_method":
+            return getattr(args[0], str(node.target))(*args[1:], **kwargs)
+        return cast(Callable[..., Any], node.target)(*args, **kwargs)
+
+
+def _zero_map(capture: _Capture, op: _Op) -> np.ndarray:
+    """Per output channel, whether the operation maps zero inputs to zero: evaluated on +0 and on -0, with the
+    operation's own arguments (a per-sample zero input, the batch of one)."""
+    source = op.tensors[0]
+    seen = capture.seen[source]
+    shape = list(seen.shapes[0])
+    shape[seen.batch_axis] = 1
+    zero = np.ones(capture.seen[op.node].shapes[0][op.axis], dtype=bool)
+    for sign in (0.0, -0.0):
+        out = _evaluate(capture, op.node, {source: torch.full(shape, sign, dtype=seen.dtype, device=capture.device)})
+        others = [a for a in range(out.dim()) if a != op.axis]
+        zero &= (out == 0).all(dim=others).cpu().numpy() if others else (out == 0).cpu().numpy()
+    return zero
+
+
+# ------------------------------------------------------------------------------------------------ the core graph
+
+
+def _graph_nodes(capture: _Capture, axis: dict[fx.Node, int]) -> tuple[list[GraphNode], str]:
+    """The core's view of the model, and the name of the node whose value is the output."""
+
+    def channels(node: fx.Node) -> int:
+        seen = capture.seen[node]
+        return seen.shapes[0][axis[node]] if seen.tensor and node in axis else 1
+
+    _member_frames(capture)
+    nodes = [GraphNode(capture.input.name, "input", (), channels(capture.input))]
+    for node, op in capture.ops.items():
+        names = tuple(t.name for t in op.tensors)
+        size = channels(node)
+        if op.kind == "masks":
+            masks = (cast(Masksembles, op.module).masks != 0).cpu().numpy()
+            nodes.append(GraphNode(node.name, "masks", names, size, masks=masks))
+        elif op.kind == "channelwise":
+            zero = True if op.how == "identity" else _zero_map(capture, op)
+            nodes.append(GraphNode(node.name, "channelwise", names, size, zero_preserving=zero))
+        elif op.kind == "grouped":
+            nodes.append(
+                GraphNode(node.name, "grouped", names, size, zero_preserving=_zero_map(capture, op), groups=op.groups)
+            )
+        elif op.kind == "combine":
+            nodes.append(GraphNode(node.name, "combine", names, size, zero_rule=op.zero_rule))
+        elif op.kind == "concat":
+            nodes.append(GraphNode(node.name, "concat", names, size, parts=tuple(channels(t) for t in op.tensors)))
+        elif op.kind == "flatten":
+            source = op.tensors[0]
+            seen = capture.seen[source]
+            spatial = math.prod(s for a, s in enumerate(seen.shapes[0]) if a not in (0, axis[source]))
+            last = axis[source] == seen.rank - 1 and seen.rank > 2
+            nodes.append(GraphNode(node.name, "flatten", names, size, spatial=spatial, channels_last=last))
+        elif op.kind == "fallback":
+            nodes.append(GraphNode(node.name, "fallback", names, size, batch_dependent=op.batch_dependent))
+        else:
+            nodes.append(GraphNode(node.name, op.kind, names, size))
+    output = next(n for n in capture.gm.graph.nodes if n.op == "output").args[0]
+    if isinstance(output, fx.Node) and output in capture.values and capture.seen[output].tensor:
+        return nodes, output.name
+    leaves = [leaf for leaf in _leaves(output) if leaf in capture.values]
+    nodes.append(GraphNode(OUTPUT, "fallback", tuple(leaf.name for leaf in leaves), 1, batch_dependent=True))
+    return nodes, OUTPUT
+
+
+def _leaves(value: Any) -> list[fx.Node]:
+    found: list[fx.Node] = []
+    fx.node.map_arg(value, found.append)
+    return found
+
+
+def _member_frames(capture: _Capture) -> None:
+    """Mark the fallbacks that must run per member: those whose shared result could not be repeated per member
+    (no exact batch axis) while a per-member node reads it."""
+    while True:
+        member: set[fx.Node] = set()
+        for node, op in capture.ops.items():
+            if op.kind == "masks" or op.batch_dependent or any(t in member for t in op.tensors):
+                member.add(node)
+        changed = False
+        for node, op in capture.ops.items():
+            if node in member:
+                continue
+            readers = [user for user in node.users if user in member]
+            if readers and not _repeatable(capture.seen[node]) and op.kind == "fallback":
+                op.batch_dependent, changed = True, True
+        if not changed:
+            return
+
+
+def _repeatable(seen: _Seen) -> bool:
+    """Whether a shared value can be repeated for every member along its batch axis (or needs no repeat)."""
+    if seen.parts:
+        return all(_repeatable(part) for part in seen.parts)
+    if not seen.tensor:
+        return not seen.batch_dependent
+    return not seen.batch_axes or seen.batch_axis >= 0
+
+
+OUTPUT = "__output__"
+
+
+# ------------------------------------------------------------------------------------------------ emission
+
+
+class _Emitter:
+    """Writes the program as an fx graph over a root module that holds the compacted layers and the moves' indices."""
+
+    def __init__(self, capture: _Capture, axis: dict[fx.Node, int], program: Program, squeeze: bool) -> None:
+        self.capture, self.axis, self.program = capture, axis, program
+        self.m = len(program.members)
+        self.root = nn.Module()
+        self.graph = fx.Graph()
+        self.by_name = {node.name: node for node in capture.gm.graph.nodes}
+        self.values: dict[str, fx.Node] = {}
+        self.scalars: dict[fx.Node, Any] = {}
+        self.moved: dict[tuple[Any, ...], fx.Node] = {}
+        self.copies: dict[str, str] = {}
+        self.macs = {"dense": 0, "packed": 0, "fallback": 0}
+        self.same_shape: dict[fx.Node, tuple[int, ...]] = {}  # combines: the arguments shaped like the result
+        for step in program.steps:
+            self.values[step.name] = self._step(step)
+        self._output(squeeze)
+        self._in_place()
+
+    # ---- attributes of the root
+
+    def _attribute(self, prefix: str, value: Tensor) -> fx.Node:
+        """A tensor held by the root as a buffer, read in the graph."""
+        name = f"{prefix}_{len(self.root._buffers)}"
+        self.root.register_buffer(name, value)
+        return self.graph.get_attr(name)
+
+    def _call(self, prefix: str, module: nn.Module, *args: Any) -> fx.Node:
+        """A module held by the root, called in the graph."""
+        name = f"{prefix}_{len(self.root._modules)}"
+        self.root.add_module(name, module)
+        return self.graph.call_module(name, args)
+
+    def _module(self, target: str) -> str:
+        """The model's own module, copied once into the root (for the operations run as the model runs them)."""
+        if target not in self.copies:
+            module = copy.deepcopy(self.capture.gm.get_submodule(target))
+            module.eval().requires_grad_(False)
+            if getattr(module, "inplace", False) is True:
+                module.inplace = False  # type: ignore[assignment]
+            name = f"model_{target}".replace(".", "_")
+            self.root.add_module(name, module)
+            self.copies[target] = name
+        return self.copies[target]
+
+    # ---- values that are not model tensors: constants, sizes as the dense model sees them
+
+    def _argument(self, value: Any) -> Any:
+        """An argument for an emitted node: model values as emitted, constants folded, sizes in the dense frame."""
+        return fx.node.map_arg(value, self._scalar)
+
+    def _scalar(self, node: fx.Node) -> Any:
+        if node.name in self.values:
+            return self.values[node.name]
+        if node in self.scalars:
+            return self.scalars[node]
+        capture = self.capture
+        if node not in capture.dynamic:
+            constant = capture.constants.get(node)
+            if isinstance(constant, Tensor):
+                result: Any = self._attribute("constant", constant)
+            elif isinstance(constant, nn.Module):
+                result = self.graph.get_attr(self._module(str(node.target)))
+            else:
+                result = constant
+        elif capture.is_query(node):
+            result = self._query(node)
+        else:
+            args, kwargs = self._argument(node.args), self._argument(node.kwargs)
+            result = self.graph.create_node(node.op, node.target, args, kwargs)
+        self.scalars[node] = result
+        return result
+
+    def _query(self, node: fx.Node) -> fx.Node:
+        """A size or metadata query, answered as the dense model (member-stacked batch, every channel) would."""
+        tensor = cast(fx.Node, node.args[0])
+        value = self.values[tensor.name]
+        name = str(node.args[1]) if node.target is getattr else _target_name(node)
+        if name in METADATA:
+            return self.graph.create_node(node.op, node.target, (value, *node.args[1:]), dict(node.kwargs))
+        step = self.program.step(tensor.name)
+        seen = self.capture.seen[tensor]
+        dense = step.placement.dense
+        factor = 1 if dense and not step.placement.shared else self.m
+        channel_axis = -1 if dense else self.axis[tensor]
+        channels = seen.shapes[0][channel_axis] if channel_axis >= 0 else 0
+        size = self.graph.call_function(ops.frame_size, (value, seen.batch_axes, factor, channel_axis, channels))
+        if name in ("numel", "nelement") or node.target is torch.numel:
+            return self.graph.call_function(math.prod, (size,))
+        if name == "size" and len(node.args) + len(node.kwargs) > 1:
+            dim = self._argument(node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None))
+            return self.graph.call_function(operator.getitem, (size, dim))
+        return size
+
+    # ---- moves
+
+    def _edge(self, step: Step, index: int) -> fx.Node:
+        edge = step.edges[index]
+        value = self.values[edge.source]
+        source = self.by_name.get(edge.source)
+        key: tuple[Any, ...] = (edge.source,)
+        for move in edge.moves:
+            key = (*key, move.kind, _bytes(move.index), _bytes(move.scale))
+            if key in self.moved:
+                value = self.moved[key]
+                continue
+            value = self._move(move, value, cast(fx.Node, source))
+            self.moved[key] = value
+        return value
+
+    def _move(self, move: Move, value: fx.Node, source: fx.Node) -> fx.Node:
+        seen = self.capture.seen[source]
+        if move.kind == "tile":
+            if seen.parts:
+                axes = tuple(part.batch_axis if part.batch_axes else -1 for part in seen.parts)
+                return self.graph.call_function(ops.tile_parts, (value, self.m, axes))
+            if not seen.tensor or not seen.batch_axes:
+                return value  # the same for every member
+            return self.graph.call_function(ops.tile, (value, self.m, seen.batch_axis))
+        axis = self.axis[source] if source in self.axis else self._input_axis()
+        if move.kind in ("to_batch", "to_channels"):
+            function = ops.to_batch if move.kind == "to_batch" else ops.to_channels
+            return self.graph.call_function(function, (value, self.m, seen.batch_axis, axis))
+        assert move.index is not None and move.scale is not None
+        rank = seen.rank
+        if np.array_equal(move.index, np.arange(len(move.index))):
+            value = self.graph.call_method("narrow", (value, axis, 0, len(move.index)))
+        else:
+            index = self._attribute("index", torch.as_tensor(move.index, dtype=torch.long, device=self.capture.device))
+            value = self.graph.call_function(ops.gather_channels, (value, axis, index))
+        if not (move.scale == 1).all():
+            shape = [1] * rank
+            shape[axis] = len(move.scale)
+            scale = torch.as_tensor(move.scale, dtype=seen.dtype, device=self.capture.device).view(shape)
+            value = self.graph.call_function(operator.mul, (value, self._attribute("scale", scale)))
+        return value
+
+    def _input_axis(self) -> int:
+        return self.axis.get(self.capture.input, self.capture.seen[self.capture.input].rank - 1)
+
+    # ---- steps
+
+    def _step(self, step: Step) -> fx.Node:
+        if step.node.kind == "input":
+            return self.graph.placeholder(step.name)
+        shared_sum = self._shared_sum(step)
+        if shared_sum is not None:
+            return shared_sum
+        inputs = [self._edge(step, i) for i in range(len(step.edges))]
+        if step.name == OUTPUT:
+            return self.graph.call_function(tuple, (inputs,))
+        node = self.by_name[step.name]
+        op = self.capture.ops[node]
+        self._count(step, op)
+        if step.placement.dense:
+            return self._as_model(op, inputs)
+        return self._compact(step, op, inputs)
+
+    def _shared_sum(self, step: Step) -> fx.Node | None:
+        """``member + shared`` where the shared tensor is repeated for every member: added by broadcasting its one
+        block instead of copying it m times (a residual connection around the first masked block)."""
+        node = self.by_name.get(step.name)
+        op = self.capture.ops.get(node) if node is not None else None
+        if op is None or step.node.kind != "combine" or step.placement.dense or step.placement.shared or self.m < 2:
+            return None
+        if node is None or node.target not in (operator.add, torch.add, operator.iadd) or node.kwargs:
+            return None
+        for shared, other in ((0, 1), (1, 0)):
+            (move, *rest) = step.edges[shared].moves or (None,)
+            if move is None or rest or move.repeats != self.m or move.index is None:
+                continue
+            source = self.values[step.edges[shared].source]
+            block = move.index[: len(move.index) // self.m]
+            if not np.array_equal(block, np.arange(self.program.step(step.edges[shared].source).placement.width)):
+                index = torch.as_tensor(block, dtype=torch.long, device=self.capture.device)
+                axis = self.axis[cast(fx.Node, self.by_name[step.edges[shared].source])]
+                source = self.graph.call_function(ops.gather_channels, (source, axis, self._attribute("index", index)))
+            value = self._edge(step, other)
+            self._count(step, op)
+            return self.graph.call_function(ops.add_shared, (value, source, self.m, op.axis))
+        return None
+
+    def _as_model(self, op: _Op, inputs: list[fx.Node], constants: Callable[[Tensor], Any] | None = None) -> fx.Node:
+        """The model's own operation on the given values of its model inputs (dense, or compacted elementwise)."""
+        node = op.node
+        given = dict(zip(op.tensors, inputs, strict=True))
+        if _in_place(node, self.capture.gm) and node.args and node.args[0] in given:
+            mutated = cast(fx.Node, node.args[0])
+            given[mutated] = self.graph.call_method("clone", (given[mutated],))
+
+        def argument(a: fx.Node) -> Any:
+            if a in given:
+                return given[a]
+            if (
+                constants is not None
+                and a not in self.capture.dynamic
+                and isinstance(self.capture.constants.get(a), Tensor)
+            ):
+                return constants(self.capture.constants[a])
+            return self._scalar(a)
+
+        args = fx.node.map_arg(node.args, argument)
+        kwargs = fx.node.map_arg(node.kwargs, argument)
+        target: Any = node.target
+        if node.op == "call_module":
+            target = self._module(str(node.target))
+        elif node.op == "call_function" and target in IN_PLACE_OPERATORS and constants is not None:
+            target = IN_PLACE_OPERATORS[target]
+        elif (
+            node.op == "call_method"
+            and constants is not None
+            and str(target).endswith("_")
+            and not str(target).endswith("__")
+        ):
+            target = str(target)[:-1]
+        return self.graph.create_node(node.op, target, args, kwargs)
+
+    def _compact(self, step: Step, op: _Op, inputs: list[fx.Node]) -> fx.Node:
+        kind, placement = step.node.kind, step.placement
+        member = not placement.shared and self.m > 1
+        if kind == "masks" or op.how == "identity":
+            return inputs[0]
+        if kind in ("mixing", "grouped"):
+            return self._mixing(step, op, inputs[0])
+        if op.how == "affine":
+            assert op.weight is not None and op.bias is not None
+            scale = _per_channel(op.weight, placement.layouts, 1.0)
+            shift = _per_channel(op.bias, placement.layouts, 0.0)
+            affine = ops.Affine(scale, shift, op.axis, self.capture.seen[op.node].rank)
+            return self._call("affine", affine, inputs[0])
+        if op.how == "prelu":
+            weight = _per_channel(cast(nn.PReLU, op.module).weight.detach(), placement.layouts, 0.0)
+            return self.graph.call_function(F.prelu, (inputs[0], self._attribute("prelu", weight)))
+        if kind == "concat":
+            parts = [value for value, edge in zip(inputs, step.edges, strict=True) if edge.placement.width > 0]
+            if member:
+                return self.graph.call_function(ops.concat_members, (parts, self.m, op.axis))
+            return self.graph.call_function(torch.cat, (parts, op.axis))
+        if kind == "norm":
+            return self._norm(op, inputs[0], member) if member else self._as_model(op, inputs)
+        if kind == "flatten":
+            last = step.node.channels_last
+            if last and member:
+                return self.graph.call_function(ops.flatten_members_last, (inputs[0], self.m))
+            return self.graph.call_function(torch.flatten, (inputs[0], 1))
+        if kind == "combine" and len(inputs) == 2:
+            result = self._as_model(op, inputs, constants=lambda t: t)
+            shape = self.capture.seen[op.node].shapes[0]
+            self.same_shape[result] = tuple(
+                i for i, t in enumerate(op.tensors) if self.capture.seen[t].shapes[0] == shape
+            )
+            return result
+        return self._as_model(op, inputs, constants=lambda t: self._laid_out(t, step, op))
+
+    def _laid_out(self, constant: Tensor, step: Step, op: _Op) -> fx.Node:
+        """A constant operand of an elementwise operation, with its channels laid out like the compacted tensor."""
+        rank = self.capture.seen[op.node].rank
+        at = op.axis - (rank - constant.dim())
+        if 0 <= at < constant.dim() and constant.shape[at] > 1:
+            index, _ = channel_indices(step.placement.layouts)
+            constant = constant.index_select(at, torch.as_tensor(index, device=constant.device))
+        return self._attribute("operand", constant)
+
+    def _mixing(self, step: Step, op: _Op, value: fx.Node) -> fx.Node:
+        assert op.weight is not None
+        rows = step.placement.layouts
+        member = not step.placement.shared and self.m > 1
+        bias = None if op.bias is None else _per_channel(op.bias, rows, 0.0)
+        if step.node.kind == "grouped":
+            index, valid = channel_indices(rows)
+            weight = op.weight[torch.as_tensor(index, device=op.weight.device)]
+            keep = torch.as_tensor(valid, device=weight.device).view(-1, *([1] * (weight.dim() - 1)))
+            weight = torch.where(keep, weight, torch.zeros((), dtype=weight.dtype, device=weight.device))
+            groups = step.groups * (len(rows) if not step.placement.shared else 1)
+        else:
+            cols = step.edges[0].placement.member_layouts(len(rows))
+            r, c, valid = block_indices(rows, cols)
+            picked = op.weight[torch.as_tensor(r), torch.as_tensor(c)]
+            keep = torch.as_tensor(valid, device=picked.device).view(*valid.shape, *([1] * (op.weight.dim() - 2)))
+            blocks = torch.where(keep, picked, torch.zeros((), dtype=picked.dtype, device=picked.device))
+            if op.how == "linear" and member:
+                module: nn.Module = ops.MemberLinear(blocks, bias)
+                return self._call("linear", module, value)
+            weight = blocks.flatten(0, 1)
+            groups = len(rows) if member else 1
+        if op.how == "linear":
+            linear = nn.Linear(
+                weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device, dtype=weight.dtype
+            )
+            _load(linear, weight, bias)
+            return self._call("linear", linear, value)
+        settings = op.conv
+        conv_type = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[settings["dims"]]
+        conv = conv_type(
+            weight.shape[1] * groups, weight.shape[0], cast(Any, tuple(weight.shape[2:])), stride=settings["stride"],
+            padding=settings["padding"], dilation=settings["dilation"], groups=groups, bias=bias is not None,
+            padding_mode=settings["padding_mode"], device=weight.device, dtype=weight.dtype,
+        )  # fmt: skip
+        _load(conv, weight, bias)
+        memory_format = {4: torch.channels_last, 5: torch.channels_last_3d}.get(weight.dim())
+        if memory_format is not None:
+            conv = conv.to(memory_format=memory_format)  # type: ignore[call-overload]
+            value = self.graph.call_method("contiguous", (value,), {"memory_format": memory_format})
+        return self._call("conv", conv, value)
+
+    def _norm(self, op: _Op, value: fx.Node, member: bool) -> fx.Node:
+        node, module = op.node, op.module
+        if isinstance(module, nn.LayerNorm) or node.target is F.layer_norm:
+            if isinstance(module, nn.LayerNorm):
+                weight, bias, eps = module.weight, module.bias, module.eps
+            else:
+                c = self.capture
+                weight, bias, eps = (
+                    c.argument(node, "weight", 2),
+                    c.argument(node, "bias", 3),
+                    c.argument(node, "eps", 4, 1e-5),
+                )
+            args = (value, self.m, self._optional(weight), self._optional(bias), eps)
+            return self.graph.call_function(ops.layer_norm_members, args)
+        if isinstance(module, nn.GroupNorm):
+            groups, weight, bias, eps = module.num_groups, module.weight, module.bias, module.eps
+        else:
+            c = self.capture
+            groups, weight, bias = (
+                c.argument(node, "num_groups", 1),
+                c.argument(node, "weight", 2),
+                c.argument(node, "bias", 3),
+            )
+            eps = c.argument(node, "eps", 4, 1e-5)
+        return self.graph.call_function(
+            ops.group_norm_members, (value, self.m, groups, self._optional(weight), self._optional(bias), eps)
+        )
+
+    def _optional(self, tensor: Any) -> fx.Node | None:
+        return None if tensor is None else self._attribute("norm", tensor.detach())
+
+    def _count(self, step: Step, op: _Op) -> None:
+        """Multiply-adds of Linear and convolution nodes (and attention projections): as m dense models, as emitted."""
+        seen = self.capture.seen[op.node]
+        seen = seen.parts[0] if seen.parts else seen  # nn.MultiheadAttention: (output, weights or None)
+        if not seen.tensor or len(seen.batch_axes) != 1:
+            return
+        per_sample = math.prod(seen.shapes[0]) // seen.shapes[0][seen.batch_axes[0]]
+        if step.node.kind == "fallback":
+            dense = _fallback_macs(op, self.capture, per_sample) * self.m
+            self.macs["dense"] += dense
+            self.macs["packed"] += dense
+            self.macs["fallback"] += dense
+            return
+        if op.weight is None or op.how not in ("linear", "conv"):
+            return
+        per_output = math.prod(op.weight.shape[1:])
+        dense = per_sample * per_output * self.m
+        self.macs["dense"] += dense
+        outputs = per_sample
+        positions = outputs // seen.shapes[0][op.axis]
+        copies = 1 if step.placement.shared else self.m
+        width = step.placement.width
+        if step.node.kind == "grouped":
+            self.macs["packed"] += positions * copies * width * math.prod(op.weight.shape[1:])
+        else:
+            inputs = step.edges[0].placement.width
+            self.macs["packed"] += positions * copies * width * inputs * math.prod(op.weight.shape[2:])
+
+    # ---- in place where nothing else reads
+
+    def _in_place(self) -> None:
+        """Run elementwise operations, BatchNorm maps and sums in place on tensors that this graph made and that
+        nothing else reads (fresh allocations of large activations cost more than the operations themselves)."""
+        for node in list(self.graph.nodes):
+            module = self.root.get_submodule(str(node.target)) if node.op == "call_module" else None
+            if isinstance(module, ops.Affine) and self._owned(node.args[0]):
+                module.inplace = True
+            elif _activation(module) and self._owned(node.args[0]):
+                twin = copy.copy(module)
+                twin.inplace = True  # type: ignore[union-attr]
+                name = f"{node.target}_inplace"
+                self.root.add_module(name, twin)
+                node.target = name
+            elif node.op == "call_function" and node.target in IN_PLACE_FUNCTIONS and self._owned(node.args[0]):
+                if len(node.args) == 1 and not node.kwargs:
+                    node.target = IN_PLACE_FUNCTIONS[node.target]
+            elif node.op == "call_function" and node.target in INPLACE_KEYWORD and self._owned(node.args[0]):
+                if ("inplace" not in node.kwargs and len(node.args) == 1) or node.kwargs.get("inplace") is False:
+                    node.kwargs = {**node.kwargs, "inplace": True}
+            elif node in self.same_shape and node.op == "call_function" and node.target in (operator.add, operator.mul):
+                for i in self.same_shape[node]:
+                    if not node.kwargs and self._owned(node.args[i]):
+                        other = node.args[1 - i]
+                        name = "add_" if node.target is operator.add else "mul_"
+                        with self.graph.inserting_before(node):
+                            replacement = self.graph.call_method(name, (node.args[i], other))
+                        node.replace_all_uses_with(replacement)
+                        self.graph.erase_node(node)
+                        break
+
+    def _owned(self, value: Any) -> bool:
+        """A tensor this graph allocated (not the caller's input, a view or a buffer) that only one node reads."""
+        if not isinstance(value, fx.Node) or len(value.users) != 1:
+            return False
+        if value.op == "call_module":
+            module = self.root.get_submodule(str(value.target))
+            return isinstance(module, FRESH_MODULES) or (_activation(module) and not getattr(module, "inplace", True))
+        if value.op == "call_function":
+            return value.target in FRESH_FUNCTIONS or (
+                value.target in (operator.add, operator.mul) and value in self.same_shape
+            )
+        return value.op == "call_method" and str(value.target) in ("add_", "mul_") and self._owned_chain(value)
+
+    def _owned_chain(self, value: fx.Node) -> bool:
+        """An in-place sum or product returns its first argument: owned if that was."""
+        first = value.args[0]
+        return isinstance(first, fx.Node) and (
+            (first.op == "call_module" and isinstance(self.root.get_submodule(str(first.target)), FRESH_MODULES))
+            or (first.op == "call_function" and first.target in FRESH_FUNCTIONS)
+        )
+
+    # ---- the result
+
+    def _output(self, squeeze: bool) -> None:
+        program, capture = self.program, self.capture
+        final = program.step(program.output)
+        value = self.values[program.output]
+        if program.output == OUTPUT:
+            structure = next(n for n in capture.gm.graph.nodes if n.op == "output").args[0]
+            leaves = [leaf for leaf in _leaves(structure) if leaf in capture.values]
+            results = {}
+            for i, leaf in enumerate(leaves):
+                part = self.graph.call_function(operator.getitem, (value, i))
+                results[leaf] = self._members_first(part, capture.seen[leaf].batch_axis, squeeze)
+            self.graph.output(fx.node.map_arg(structure, lambda n: results[n] if n in results else self._scalar(n)))
+            return
+        if final.placement.shared:
+            if not squeeze:
+                value = self.graph.call_function(ops.repeat_members, (value, self.m))
+        else:
+            node = self.by_name[program.output]
+            axis = capture.seen[node].batch_axis if final.placement.dense else self.axis[node]
+            value = self._members_first(value, axis, squeeze)
+        self.graph.output(value)
+
+    def _members_first(self, value: fx.Node, axis: int, squeeze: bool) -> fx.Node:
+        if squeeze:
+            return value
+        return self.graph.call_function(ops.members_first, (value, self.m, axis))
+
+
+def _fallback_macs(op: _Op, capture: _Capture, per_sample: int) -> int:
+    """Multiply-adds per sample of one dense model's fallback node, where it is a Linear, a convolution or an
+    nn.MultiheadAttention (its projections; the attention products themselves are not counted)."""
+    if op.node.op != "call_module":
+        return 0
+    module = capture.gm.get_submodule(str(op.node.target))
+    if isinstance(module, (nn.Linear, *CONV_TYPES)):
+        weight = module.weight
+        return per_sample // weight.shape[0] * weight.numel()
+    if isinstance(module, nn.MultiheadAttention):
+        tokens = per_sample // module.embed_dim
+        return int(tokens * 4 * module.embed_dim * module.embed_dim)
+    return 0
+
+
+# producers whose result is a new tensor, and elementwise functions with an in-place form
+FRESH_MODULES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear, ops.MemberLinear, ops.Affine)
+FRESH_FUNCTIONS = {
+    ops.gather_channels, ops.add_shared, ops.concat_members, ops.layer_norm_members, ops.group_norm_members,
+    torch.relu, torch.sigmoid, torch.tanh, F.relu, F.gelu, F.silu, F.hardswish, F.hardsigmoid, F.prelu,
+}  # fmt: skip
+IN_PLACE_FUNCTIONS = {torch.relu: torch.relu_, torch.sigmoid: torch.sigmoid_, torch.tanh: torch.tanh_}
+INPLACE_KEYWORD = {F.relu, F.relu6, F.silu, F.hardswish, F.hardsigmoid, F.leaky_relu, F.elu, F.selu, F.celu, F.mish}
+
+
+def _activation(module: nn.Module | None) -> bool:
+    """An elementwise activation module with an ``inplace`` switch."""
+    return isinstance(module, ELEMENTWISE_MODULES) and isinstance(getattr(module, "inplace", None), bool)
+
+
+def _bytes(array: np.ndarray | None) -> bytes | None:
+    return None if array is None else array.tobytes()
 
 
 def _per_channel(vector: Tensor, layouts: Sequence[np.ndarray], padding: float) -> Tensor:
-    """A per-channel vector laid out like ``layouts`` (member blocks side by side)."""
+    """A per-channel vector laid out like ``layouts`` (member blocks side by side), ``padding`` at padded positions."""
     index, valid = channel_indices(layouts)
-    picked = vector[torch.as_tensor(index, device=vector.device)]
+    picked = vector.detach()[torch.as_tensor(index, device=vector.device)]
     return torch.where(torch.as_tensor(valid, device=vector.device), picked, torch.full_like(picked, padding))
 
 
-class PackedMasksembles(nn.Module):
+def _load(module: nn.Module, weight: Tensor, bias: Tensor | None) -> None:
+    with torch.no_grad():
+        cast(Tensor, module.weight).copy_(weight)
+        if bias is not None:
+            cast(Tensor, module.bias).copy_(bias)
+    for parameter in module.parameters():
+        parameter.requires_grad_(False)
+
+
+# ------------------------------------------------------------------------------------------------ the public API
+
+
+class PackedMasksembles(fx.GraphModule):
     """Members of a Masksembles model on compacted weights, made by ``pack`` or ``extract_member``.
 
-    ``forward``: (B, ...) -> (m, B, ...) for the m members it was built for, or (B, ...) for an
-    extracted member. Inference only (eval semantics).
+    A ``torch.fx.GraphModule``: ``print(packed.code)`` shows the program, and it compiles and exports like any
+    module. ``forward``: (B, ...) -> (m, B, ...) for the m members it was built for, or (B, ...) for an extracted
+    member. Inference only (eval semantics).
     """
 
-    def __init__(self, model: nn.Module, example_input: Tensor, members: Sequence[int], *, squeeze: bool) -> None:
-        super().__init__()
-        nodes, output = _trace(model, example_input)
-        n = next(node.masks.shape[0] for node in nodes if node.masks is not None)
-        for k in members:
-            if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < n:
-                raise ValueError(f"member must be an integer in [0, {n}); received {k!r}")
-        self.placements = plan_members([node.graph_node() for node in nodes], output, members)
-        self.member_masks = {node.name: [node.masks[k] for k in members] for node in nodes if node.masks is not None}
-        self.members = len(members)
-        self.squeeze = squeeze
-        self.dtype = next(cast(Masksembles, node.module).masks.dtype for node in nodes if node.kind == "masks")
-        self.input_name = nodes[0].name
-        self.ops = nn.ModuleDict()
-        by_name = {node.name: node for node in nodes}
-        self.steps = [self._compile(node, by_name) for node in nodes[1:]]
-        self._mark_writable(output)
-        final = next(node for node in nodes if node.name == output)
-        self.output_name, self.output_axis = output, final.axis
-        self.output_shared = self.placements[output].shared
+    @property
+    def members(self) -> tuple[int, ...]:
+        """The members it computes (indices into the masks)."""
+        return cast(tuple[int, ...], self.meta["masksembles"]["members"])
 
-    def _select(self, source: str, target: _Node, scales: Sequence[np.ndarray] | None = None) -> _Select | None:
-        placement = self.placements[source]
-        plan = gather_plan(placement, self.placements[target.name], scales)
-        length = placement.width * len(placement.layouts)  # positions on the source's channel axis
-        return None if plan is None else _Select(*plan, target.axis, target.rank, self.dtype, self.members, length)
+    @property
+    def fallbacks(self) -> tuple[str, ...]:
+        """The model's operations that run at full width on the member-stacked batch (nothing here compacts them)."""
+        return cast(tuple[str, ...], self.meta["masksembles"]["fallbacks"])
 
-    def _compile(self, node: _Node, nodes: dict[str, _Node]) -> _Step:
-        names = tuple(node.inputs)
-        if node.kind in MIXING:
-            self.ops[node.name] = self._mixing(node)
-            return _Step(node.name, "conv" if node.kind == "conv" else "op", names, _memory_format(node.rank))
-        if node.kind == "flatten":
-            return _Step(node.name, "flatten", names)
-        if node.kind == "masks":
-            select = self._select(names[0], node, [m.astype(np.float64) for m in self.member_masks[node.name]])
-            if select is None or not select.fresh:
-                return _Step(node.name, "identity", names)
-            self.ops[node.name] = select
-            return _Step(node.name, "op", names)
-        selects = []
-        for i, name in enumerate(names):
-            select = self._select(name, node)
-            if select is not None and select.fresh:
-                self.ops[f"{node.name}__in{i}"] = select
-            selects.append(select is not None and select.fresh)
-        same_shape = all(nodes[name].shape[1:] == node.shape[1:] for name in names)
-        if node.kind == "add":
-            return _Step(node.name, "add", names, selects=tuple(selects), same_shape=same_shape, mutates=node.mutates)
-        if node.kind == "norm":
-            self.ops[node.name] = self._norm(node)
-            how = "elementwise"
-        elif node.kind == "act" and node.module is not None:
-            self.ops[node.name] = _elementwise(copy.deepcopy(node.module))
-            how = "elementwise"
-        elif node.module is not None:
-            self.ops[node.name] = copy.deepcopy(node.module)  # pooling: its own copy, whatever the model's mode
-            how = "op"
-        else:
-            how = "identity"
-        return _Step(node.name, how, names, selects=tuple(selects), same_shape=same_shape, mutates=node.mutates)
+    @property
+    def program(self) -> str:
+        """``"packed"`` (compacted where it can), or ``"dense"`` (the tiled model, measured faster by ``pack``)."""
+        return cast(str, self.meta["masksembles"]["program"])
 
-    def _mark_writable(self, output: str) -> None:
-        """Which inputs each step may overwrite: fresh copies, and tensors it is the only one to read.
+    @property
+    def seconds(self) -> dict[str, float]:
+        """What ``pack`` measured on the example input (median seconds per call of each program), or empty."""
+        return cast(dict[str, float], self.meta["masksembles"]["seconds"])
 
-        A step of the model that itself works in place (``ReLU(inplace=True)``, ``+=``) on a tensor
-        that other steps also read would change what they see; that is refused, not imitated.
-        """
-        root = {self.input_name: self.input_name}
-        readers: dict[str, int] = {}
-        for step in self.steps:
-            if step.how in ("identity", "flatten"):  # the same tensor, or a view of it
-                root[step.name] = root[step.inputs[0]]
-                continue
-            root[step.name] = step.name
-            for source in step.inputs:
-                readers[root[source]] = readers.get(root[source], 0) + 1
-        readers[root[output]] = readers.get(root[output], 0) + 1
-        for step in self.steps:
-            if step.mutates and readers[root[step.inputs[0]]] > 1:
-                raise ValueError(
-                    f"pack/extract_member: node {step.name!r} overwrites {step.inputs[0]!r} in place while other "
-                    "layers read it too; make that operation out of place"
-                )
-        readers[self.input_name] = 2  # never overwrite the caller's input
-        self.steps = [
-            step._replace(
-                writable=tuple(
-                    step.same_shape and (fresh or readers[root[source]] == 1)
-                    for source, fresh in zip(step.inputs, step.selects or (False,) * len(step.inputs), strict=True)
-                )
-            )
-            for step in self.steps
-        ]
+    @property
+    def macs(self) -> dict[str, int]:
+        """Multiply-adds per sample of the Linear and convolution layers: ``dense`` (m dense models), ``packed``
+        (as emitted) and ``fallback`` (the part of ``packed`` that runs at full width)."""
+        return cast(dict[str, int], self.meta["masksembles"]["macs"])
 
-    def _mixing(self, node: _Node) -> nn.Module:
-        module = cast(_MixingModule, node.module)
-        weight = module.weight.detach()
-        bias = None if module.bias is None else module.bias.detach()
-        target, source = self.placements[node.name], self.placements[node.inputs[0]]
-        grouped = not target.shared and not source.shared and self.members > 1
-        blocks = _blocks(
-            weight, target.layouts, source.member_layouts(len(target.layouts))
-        )  # (m or 1, P_out, P_in, ...)
-        new_bias = None if bias is None else _per_channel(bias, target.layouts, 0.0)
-        if isinstance(module, nn.Linear):
-            if grouped:
-                return _GroupedLinear(blocks, new_bias)
-            flat = blocks.flatten(0, 1)  # members stacked on the outputs of one Linear
-            linear = nn.Linear(
-                flat.shape[1], flat.shape[0], bias=new_bias is not None, device=flat.device, dtype=flat.dtype
-            )
-            return self._load(linear, flat, new_bias)
-        conv_weight = blocks.flatten(0, 1)
-        groups = self.members if grouped else 1
-        # the attributes are tuple[int, ...], the constructors' stubs want a tuple of the convolution's rank
-        conv = cast(Callable[..., _ConvModule], type(module))(
-            conv_weight.shape[1] * groups, conv_weight.shape[0], module.kernel_size, stride=module.stride,
-            padding=module.padding, dilation=module.dilation, groups=groups, bias=new_bias is not None,
-            padding_mode=module.padding_mode, device=weight.device, dtype=weight.dtype,
-        )  # fmt: skip
-        memory_format = _memory_format(node.rank)
-        loaded = self._load(conv, conv_weight, new_bias)
-        # Module.to takes memory_format at runtime, but its stubs leave it out
-        return loaded.to(memory_format=memory_format or torch.contiguous_format)  # type: ignore[call-overload,no-any-return]
-
-    @staticmethod
-    def _load(module: _M, weight: Tensor, bias: Tensor | None) -> _M:
-        with torch.no_grad():
-            module.weight.copy_(weight)
-            if bias is not None:
-                cast(Tensor, module.bias).copy_(bias)  # built with a bias when there is one
-        return module
-
-    def _norm(self, node: _Node) -> _Affine:
-        module = cast(_NormModule, node.module)
-        # _classify refused BatchNorm without running statistics
-        running_mean, running_var = cast(Tensor, module.running_mean), cast(Tensor, module.running_var)
-
-        def numpy(tensor: Tensor) -> np.ndarray:
-            return tensor.detach().cpu().double().numpy()
-
-        weight, bias = (numpy(module.weight), numpy(module.bias)) if module.affine else (None, None)
-        scale, shift = norm_affine(numpy(running_mean), numpy(running_var), weight, bias, module.eps)
-        layouts = self.placements[node.name].layouts
-        return _Affine(
-            _per_channel(torch.as_tensor(scale), layouts, 1.0).to(running_mean),
-            _per_channel(torch.as_tensor(shift), layouts, 0.0).to(running_mean),
-            node.axis,
-            node.rank,
-        )
-
-    def forward(self, x: Tensor) -> Tensor:
-        values = {self.input_name: x}
-        for step in self.steps:
-            args = [values[source] for source in step.inputs]
-            if step.how == "add":
-                values[step.name] = self._add(step, args)
-                continue
-            if step.selects and step.selects[0]:
-                args[0] = self.ops[f"{step.name}__in0"](args[0])
-            if step.how == "op":
-                values[step.name] = self.ops[step.name](args[0])
-            elif step.how == "conv":
-                if step.memory_format is not None:
-                    args[0] = args[0].contiguous(memory_format=step.memory_format)
-                values[step.name] = self.ops[step.name](args[0])
-            elif step.how == "elementwise":
-                values[step.name] = self.ops[step.name](args[0], inplace=step.writable[0])
-            elif step.how == "flatten":
-                values[step.name] = args[0].flatten(1)
-            else:
-                values[step.name] = args[0]
-        y = values[self.output_name]
-        if self.output_shared:
-            return y if self.squeeze else y.unsqueeze(0).expand(self.members, *y.shape)
-        size = (self.members, y.shape[self.output_axis] // self.members)
-        y = cast(Tensor, y.unflatten(self.output_axis, size))  # type: ignore[no-untyped-call]
-        y = y.movedim(self.output_axis, 0)
-        return y[0] if self.squeeze else y
-
-    def _add(self, step: _Step, args: list[Tensor]) -> Tensor:
-        """A residual addition, in place where it may, broadcasting a shared tensor read by every member."""
-        selects = [cast(_Select, self.ops[f"{step.name}__in{i}"]) if step.selects[i] else None for i in (0, 1)]
-        for i, j in ((0, 1), (1, 0)):
-            tiled, other = selects[i], selects[j]
-            if tiled is not None and tiled.repeats > 1 and (other is None or other.repeats == 1):
-                partner = args[j] if other is None else other(args[j])
-                return tiled.add_tiled(args[i], partner, inplace=step.writable[j])
-        for i, select in enumerate(selects):
-            if select is not None:
-                args[i] = select(args[i])
-        if step.writable[0]:
-            return args[0].add_(args[1])
-        if step.writable[1]:
-            return args[1].add_(args[0])
-        return args[0] + args[1]
+    def extra_repr(self) -> str:
+        if self.program == "dense":
+            return f"members={list(self.members)}, program=dense (measured faster than packed: {self.seconds})"
+        shown = ", ".join(self.fallbacks[:8]) + (", ..." if len(self.fallbacks) > 8 else "")
+        return f"members={list(self.members)}, fallbacks={len(self.fallbacks)}" + (f": {shown}" if shown else "")
 
 
-class _Step(NamedTuple):
-    """One node of the packed forward: how it runs, what it reads, which inputs it may overwrite."""
-
-    name: str
-    how: str  # op, conv, elementwise, add, flatten, identity
-    inputs: tuple[str, ...]
-    memory_format: torch.memory_format | None = None
-    selects: tuple[bool, ...] = ()  # whether input i goes through ops[f"{name}__in{i}"]
-    same_shape: bool = False
-    mutates: bool = False
-    writable: tuple[bool, ...] = ()
-
-
-def _memory_format(rank: int) -> torch.memory_format | None:
-    """Channels-last for 2-D and 3-D convolutions: grouped kernels run at the dense speed per MAC there."""
-    return {4: torch.channels_last, 5: torch.channels_last_3d}.get(rank)
+@contextlib.contextmanager
+def _eval_mode(model: nn.Module) -> Iterator[None]:
+    """Every module in eval mode while packing (BatchNorm statistics untouched); each one's mode restored after."""
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
 
 
-def _elementwise(module: nn.Module) -> _Elementwise:
-    """An activation, out of place, with its in-place form where torch has one (used on tensors it owns)."""
-    if isinstance(module, _Function):
-        in_place = IN_PLACE_FUNCTIONS.get(module.fn) if not module.args and not module.kwargs else None
-        return _Elementwise(module, in_place)
-    if hasattr(module, "inplace"):
-        in_place = copy.copy(module)
-        # torch's stubs type Module.__setattr__ for tensors and modules only; a bool flag is fine at runtime
-        module.inplace, in_place.inplace = False, True  # type: ignore[assignment]
-        return _Elementwise(module, in_place)
-    return _Elementwise(module, None)
+def _build(
+    model: nn.Module, example_input: Tensor, members: Sequence[int] | None, squeeze: bool, *, dense: bool = False
+) -> PackedMasksembles:
+    with _eval_mode(model):
+        return _build_eval(model, example_input, members, squeeze, dense)
 
 
-def pack(model: nn.Module, example_input: Tensor) -> PackedMasksembles:
+def _build_eval(
+    model: nn.Module, example_input: Tensor, members: Sequence[int] | None, squeeze: bool, dense: bool
+) -> PackedMasksembles:
+    capture = _Capture(model, example_input)
+    chosen = list(range(capture.n)) if members is None else list(members)
+    for k in chosen:
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < capture.n:
+            raise ValueError(f"member must be an integer in [0, {capture.n}); received {k!r}")
+    if dense:  # the tiled dense model itself: every node as the model runs it, on the member-stacked batch
+        capture.ops = {node: capture.fallback(node) for node in capture.ops}
+    axis = _solve_axes(capture)
+    nodes, output = _graph_nodes(capture, axis)
+    program = plan_program(nodes, output, chosen)
+    emitter = _Emitter(capture, axis, program, squeeze)
+    packed = PackedMasksembles(emitter.root, emitter.graph, class_name="PackedMasksembles")
+    fallbacks = tuple(
+        _describe(capture.ops[emitter.by_name[name]].node, capture.gm) for name in program.fallbacks if name != OUTPUT
+    )
+    packed.meta["masksembles"] = {
+        "members": tuple(chosen), "fallbacks": fallbacks, "macs": dict(emitter.macs),
+        "program": "dense" if dense else "packed", "seconds": {},
+    }  # fmt: skip
+    return packed.eval()
+
+
+def _seconds(modules: dict[str, nn.Module], x: Tensor, rounds: int = 5) -> dict[str, float]:
+    """Median wall time of each module on ``x``, measured in interleaved rounds after one warm-up call."""
+    times: dict[str, list[float]] = {name: [] for name in modules}
+    with torch.no_grad():
+        for module in modules.values():
+            module(x)
+        for _ in range(rounds):
+            for name, module in modules.items():
+                if x.is_cuda:
+                    torch.cuda.synchronize(x.device)
+                start = time.perf_counter()
+                module(x)
+                if x.is_cuda:
+                    torch.cuda.synchronize(x.device)
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+PROGRAMS = ("auto", "packed", "dense")
+
+
+def pack(model: nn.Module, example_input: Tensor, *, program: str = "auto") -> PackedMasksembles:
     """All members of ``model`` in one call on compacted weights: (B, ...) -> (n, B, ...).
 
-    Equals ``predict(model, x, n)`` (eval semantics) for finite activations, at about the cost
-    the masks' overlap allows instead of n dense forward passes. ``example_input`` (any batch
-    size) is run once through ``model`` to record shapes. Supported: Linear, Conv1d/2d/3d
-    (groups=1), BatchNorm (running statistics), elementwise activations, pooling, Flatten,
-    Dropout (off) and Masksembles layers with the same n, connected in a Sequential or any
-    graph torch.fx can trace, residual additions included. Anything else raises a ValueError
-    that names the module or operation.
+    Equals ``predict(model, x, n)`` (eval semantics) for finite activations, at about the cost the masks' overlap
+    allows instead of n dense forward passes. ``example_input`` is run through the traced model to record shapes; any
+    batch size works afterwards. Any model torch.fx can trace in eval mode packs: what this module cannot compact runs
+    at full width (listed in ``fallbacks``).
+
+    Args:
+        program: ``"packed"`` (compacted where it can), ``"dense"`` (the tiled dense model as one graph: every node
+            as the model runs it, on the member-stacked batch), or ``"auto"`` (the default: both are timed on
+            ``example_input`` and the faster is returned, so packing never loses to tiling; ``seconds`` holds the
+            medians; give an example of the batch size you will run).
+
+    Raises:
+        ValueError: the model cannot be traced, has no Masksembles layer, or holds Masksembles layers of different n.
     """
-    n = next(m.n for m in model.modules() if isinstance(m, Masksembles)) if _has_masks(model) else 0
-    return PackedMasksembles(model, example_input, range(n), squeeze=False)
+    if program not in PROGRAMS:
+        raise ValueError(f"program must be one of {PROGRAMS}; received {program!r}")
+    if program != "auto":
+        return _build(model, example_input, None, squeeze=False, dense=program == "dense")
+    packed = _build(model, example_input, None, squeeze=False)
+    dense = _build(model, example_input, None, squeeze=False, dense=True)
+    seconds = _seconds({"packed": packed, "dense": dense}, example_input)
+    chosen = packed if seconds["packed"] <= seconds["dense"] else dense
+    chosen.meta["masksembles"]["seconds"] = seconds
+    return chosen
 
 
 def extract_member(model: nn.Module, k: int, example_input: Tensor) -> PackedMasksembles:
     """Member ``k`` of ``model`` as a standalone dense model: (B, ...) -> (B, ...).
 
-    Every layer next to a Masksembles layer is physically shrunk to member ``k``'s live channels;
-    the output equals group ``k``'s output of the masked model (eval semantics, finite values).
-    Same support and errors as ``pack``.
+    Every layer next to a Masksembles layer is physically shrunk to member ``k``'s live channels; the output equals
+    group ``k``'s output of the masked model (eval semantics, finite values). Same support and errors as ``pack``.
     """
-    if not _has_masks(model):
-        raise ValueError("pack/extract_member: the model has no Masksembles layer")
-    return PackedMasksembles(model, example_input, [k], squeeze=True)
-
-
-def _has_masks(model: nn.Module) -> bool:
-    return any(isinstance(m, Masksembles) for m in model.modules())
+    return _build(model, example_input, [k], squeeze=True)

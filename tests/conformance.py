@@ -1,6 +1,6 @@
 """Cross-framework conformance harness.
 
-The golden file (``tests/golden/conformance_v1.npz``, made by ``make_golden.py`` from the NumPy
+The golden file (``tests/golden/conformance_v2.npz``, made by ``make_golden.py`` from the NumPy
 reference) holds masks generated from fixed seeds and, for many layouts, batch sizes and
 dtypes, inputs with inf/NaN entries, the reference outputs, output gradients and reference
 input gradients. Each adapter id maps to a module in ``tests/conformance_adapters`` that
@@ -29,7 +29,7 @@ import numpy as np
 
 import masksembles_core as mc
 
-GOLDEN_PATH = Path(__file__).parent / "golden" / "conformance_v1.npz"
+GOLDEN_PATH = Path(__file__).parent / "golden" / "conformance_v2.npz"
 
 # adapter id -> module under tests/conformance_adapters
 ADAPTER_MODULES = {

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import math
+import warnings
 
 import numpy as np
 import pytest
@@ -20,6 +22,22 @@ def assert_fixed_width_invariants(masks: np.ndarray, channels: int, n: int) -> N
     assert masks.any(axis=0).all(), "a channel is used by no mask"
 
 
+def distinct_rows(masks: np.ndarray) -> int:
+    return len({row.tobytes() for row in masks})
+
+
+def generate(channels: int, n: int, scale: float, seed: int) -> np.ndarray:
+    """``generate_masks``, checking the distinctness promise and that it warns exactly when it cannot keep it."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        masks = mc.generate_masks(channels, n, scale, seed=seed)
+    possible = math.comb(channels, mc.ones_per_mask(channels, n, scale))
+    assert distinct_rows(masks) == min(n, possible), "as many distinct masks as exist, up to n"
+    expected = [mc.DuplicateMasksWarning] if possible < n and scale > 1.0 else []
+    assert [w.category for w in caught] == expected, [str(w.message) for w in caught]
+    return masks
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     channels=st.integers(1, 3000),
@@ -28,9 +46,44 @@ def assert_fixed_width_invariants(masks: np.ndarray, channels: int, n: int) -> N
     seed=st.integers(0, 2**63),
 )
 def test_generate_masks_invariants(channels: int, n: int, scale: float, seed: int) -> None:
-    masks = mc.generate_masks(channels, n, scale, seed=seed)
+    masks = generate(channels, n, scale, seed)
     assert_fixed_width_invariants(masks, channels, n)
     assert masks.sum(axis=1)[0] == mc.ones_per_mask(channels, n, scale)
+
+
+@settings(max_examples=1000, deadline=None)
+@given(
+    channels=st.integers(2, 64),
+    n=st.integers(1, 8),
+    scale=st.one_of(st.sampled_from([1.0, 1.5, 2.0, 3.0, 5.0]), st.floats(1.0, 100.0)),
+    seed=st.integers(0, 2**63),
+)
+def test_masks_are_distinct_whenever_possible(channels: int, n: int, scale: float, seed: int) -> None:
+    """The widths where repeats are likely: distinct masks (or the warning), fixed width, full coverage."""
+    assert_fixed_width_invariants(generate(channels, n, scale, seed), channels, n)
+
+
+@pytest.mark.parametrize("channels", [4, 5, 6, 8])
+def test_no_repeated_masks_where_the_first_generator_repeated_them(channels: int) -> None:
+    """n=4, S=2 repeated a mask for 135, 80, 30 and 2 of these 200 seeds at 4, 5, 6 and 8 channels."""
+    for seed in range(200):
+        assert distinct_rows(generate(channels, 4, 2.0, seed)) == 4, seed
+
+
+@pytest.mark.parametrize(
+    "channels,n,scale,distinct",
+    [(1, 4, 2.0, 1), (4, 8, 2.0, 6), (5, 16, 1.5, 10), (12, 1000, 2.0, 924), (4, 4, 1.1, 1)],
+)
+def test_too_few_distinct_masks_warns_with_the_numbers(channels: int, n: int, scale: float, distinct: int) -> None:
+    ones = mc.ones_per_mask(channels, n, scale)
+    message = (
+        rf"{n} masks cannot all differ: the number of distinct masks with {ones} ones among {channels} channels "
+        rf"is {distinct}, less than n, so members share masks \(channels={channels}, n={n}, scale={scale}\)"
+    )
+    with pytest.warns(mc.DuplicateMasksWarning, match=message):
+        masks = mc.generate_masks(channels, n, scale, seed=0)
+    assert distinct_rows(masks) == distinct
+    assert_fixed_width_invariants(masks, channels, n)
 
 
 @settings(max_examples=200, deadline=None)
@@ -55,17 +108,22 @@ OFFICIAL_FAILURES = (
 
 @pytest.mark.parametrize("channels,n,scale", OFFICIAL_FAILURES, ids=lambda v: str(v))
 def test_succeeds_where_official_package_fails(channels: int, n: int, scale: float) -> None:
-    assert_fixed_width_invariants(mc.generate_masks(channels, n, scale, seed=0), channels, n)
+    assert_fixed_width_invariants(generate(channels, n, scale, seed=0), channels, n)
 
 
+@pytest.mark.parametrize("channels", [1, 3, 100])
 @pytest.mark.parametrize("n", [1, 2, 4, 16])
-def test_scale_one_is_a_single_model(n: int) -> None:
-    assert mc.generate_masks(100, n, 1.0, seed=0).all()
+def test_scale_one_is_a_single_model(channels: int, n: int) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # identical all-ones masks are the point here, not a repeat to warn about
+        assert mc.generate_masks(channels, n, 1.0, seed=0).all()
 
 
 @pytest.mark.parametrize("scale", [1.0, 3.0, 1e9])
 def test_one_mask_uses_every_channel(scale: float) -> None:
-    assert mc.generate_masks(50, 1, scale, seed=0).all()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert mc.generate_masks(50, 1, scale, seed=0).all()
 
 
 @pytest.mark.parametrize("channels,n", [(64, 4), (63, 4), (1000, 7), (12, 12)])

@@ -154,3 +154,155 @@ def test_norm_affine_is_batchnorm_in_eval() -> None:
     np.testing.assert_allclose(x * scale + shift, (x - mean) / np.sqrt(var + 1e-5) * weight + bias, rtol=1e-15)
     scale, shift = norm_affine(mean, var, None, None, 0.0)
     assert scale.tolist() == [0.5, 2.0] and shift.tolist() == [-0.5, 4.0]
+
+
+# --- the program: grouped convolutions, combines, concatenations, channel norms, fallbacks and moves -------------
+
+from masksembles_core.packing import Move, moves_between, plan_program  # noqa: E402
+
+DISJOINT = np.array([[1, 1, 0, 0, 0, 0], [0, 0, 1, 1, 0, 0], [0, 0, 0, 0, 1, 1]], dtype=bool)
+
+
+def masked_input(*middle: GraphNode, channels: int = 6) -> list[GraphNode]:
+    """x -> fc (mixing) -> masks (DISJOINT) -> middle... ; the last node reads the one before it."""
+    nodes = [
+        GraphNode("x", "input", (), 3),
+        GraphNode("fc", "mixing", ("x",), channels),
+        GraphNode("m", "masks", ("fc",), channels, masks=DISJOINT),
+    ]
+    previous = "m"
+    for node in middle:
+        inputs = node.inputs or (previous,)
+        nodes.append(GraphNode(node.name, node.kind, inputs, node.channels, node.zero_preserving, node.spatial,
+                               node.masks, node.channels_last, node.groups, node.zero_rule, node.parts,
+                               node.batch_dependent))  # fmt: skip
+        previous = node.name
+    return nodes
+
+
+def layouts(placement: Placement) -> list[list[int]]:
+    return [layout.tolist() for layout in placement.layouts]
+
+
+def test_depthwise_keeps_zero_only_without_bias() -> None:
+    for bias_zero, expected in ((True, [[0, 1], [2, 3], [4, 5]]), (False, [list(range(6))] * 3)):
+        nodes = masked_input(
+            GraphNode("dw", "grouped", (), 6, zero_preserving=bias_zero, groups=6),
+            GraphNode("out", "mixing", (), 2),
+        )
+        program = plan_program(nodes, "out", range(3))
+        assert layouts(program.step("dw").placement) == expected
+        step = program.step("dw")
+        assert step.groups == len(expected[0]), "one group per kept channel, padded to the widest member"
+        assert layouts(step.edges[0].placement) == expected, "depthwise: each output reads its own input channel"
+
+
+def test_grouped_keeps_whole_groups() -> None:
+    nodes = masked_input(
+        GraphNode("g", "grouped", (), 6, zero_preserving=True, groups=3), GraphNode("out", "mixing", (), 2)
+    )
+    step = plan_program(nodes, "out", range(3)).step("g")
+    assert layouts(step.placement) == [[0, 1], [2, 3], [4, 5]] and step.groups == 1
+    nodes = masked_input(
+        GraphNode("g", "grouped", (), 6, zero_preserving=False, groups=2),
+        GraphNode("m2", "masks", (), 6, masks=DISJOINT[[1, 2, 0]]),
+        GraphNode("out", "mixing", (), 2),
+    )
+    step = plan_program(nodes, "out", range(3)).step("g")
+    padded = [-1, -1, -1]
+    assert layouts(step.placement) == [[0, 1, 2, 3, 4, 5], [3, 4, 5, *padded], [0, 1, 2, *padded]], (
+        "member 0 needs channels 2 and 3 (both groups), member 1 channels 4 and 5, member 2 channels 0 and 1"
+    )
+    assert step.groups == 2
+    assert layouts(step.edges[0].placement) == [[0, 1, 2, 3, 4, 5], [3, 4, 5, *padded], [0, 1, 2, *padded]]
+
+
+@pytest.mark.parametrize("rule,zero_after", [("all", False), ("any", True), ("never", False)])
+def test_combine_rules(rule: str, zero_after: bool) -> None:
+    nodes = [
+        GraphNode("x", "input", (), 3),
+        GraphNode("fc", "mixing", ("x",), 6),
+        GraphNode("m", "masks", ("fc",), 6, masks=DISJOINT),
+        GraphNode("gate", "mixing", ("x",), 6),
+        GraphNode("c", "combine", ("m", "gate"), 6, zero_rule=rule),
+        GraphNode("out", "mixing", ("c",), 2),
+    ]
+    kept = kept_channels(nodes, "out", 0)
+    assert kept["c"].tolist() == (DISJOINT[0].tolist() if zero_after else [True] * 6)
+
+
+def test_concat_lays_parts_out_one_after_another() -> None:
+    nodes = [
+        GraphNode("x", "input", (), 3),
+        GraphNode("fc", "mixing", ("x",), 6),
+        GraphNode("m", "masks", ("fc",), 6, masks=DISJOINT),
+        GraphNode("other", "mixing", ("x",), 2),
+        GraphNode("cat", "concat", ("m", "other"), 8, parts=(6, 2)),
+        GraphNode("out", "mixing", ("cat",), 2),
+    ]
+    program = plan_program(nodes, "out", range(3))
+    assert layouts(program.step("cat").placement) == [[0, 1, 6, 7], [2, 3, 6, 7], [4, 5, 6, 7]]
+    assert program.step("other").placement.shared
+    assert [layouts(edge.placement) for edge in program.step("cat").edges] == [
+        [[0, 1], [2, 3], [4, 5]],
+        [[0, 1], [0, 1], [0, 1]],
+    ]
+
+
+def test_norm_reads_every_channel_zeros_written_by_the_move() -> None:
+    nodes = masked_input(GraphNode("ln", "norm", (), 6), GraphNode("out", "mixing", (), 2))
+    program = plan_program(nodes, "out", range(3))
+    assert layouts(program.step("m").placement) == [[0, 1], [2, 3], [4, 5]], "the masks keep only what is live"
+    step = program.step("ln")
+    assert layouts(step.placement) == [list(range(6))] * 3
+    (move,) = step.edges[0].moves
+    assert move.kind == "select" and move.index is not None and move.scale is not None
+    assert move.scale.reshape(3, 6).tolist() == DISJOINT.astype(float).tolist(), "dropped channels come in as 0"
+
+
+def test_fallback_runs_dense_and_its_neighbours_move() -> None:
+    nodes = masked_input(
+        GraphNode("f", "fallback", (), 6),
+        GraphNode("relu", "channelwise", (), 6),
+        GraphNode("m2", "masks", (), 6, masks=DISJOINT),
+        GraphNode("out", "mixing", (), 2),
+    )
+    program = plan_program(nodes, "out", range(3))
+    assert program.fallbacks == ("f",)
+    assert program.step("f").placement.dense and not program.step("f").placement.shared
+    assert [m.kind for m in program.step("f").edges[0].moves] == ["select", "to_batch"]
+    assert program.step("relu").placement.dense, "elementwise on dense input stays dense"
+    assert [m.kind for m in program.step("m2").edges[0].moves] == ["to_channels", "select"]
+    kept = kept_channels(nodes, "out", 1)
+    assert kept["m"].tolist() == DISJOINT[1].tolist(), "known zeros are written back, not computed"
+
+
+def test_shared_fallback_and_batch_dependent_fallback() -> None:
+    nodes = [
+        GraphNode("x", "input", (), 3),
+        GraphNode("f", "fallback", ("x",), 3),
+        GraphNode("g", "fallback", ("x",), 3, batch_dependent=True),
+        GraphNode("fc", "mixing", ("f",), 6),
+        GraphNode("m", "masks", ("fc",), 6, masks=DISJOINT),
+        GraphNode("sum", "fallback", ("m", "g", "f"), 6),
+        GraphNode("out", "mixing", ("sum",), 2),
+    ]
+    program = plan_program(nodes, "out", range(3))
+    assert program.step("f").placement.shared and not program.step("g").placement.shared
+    kinds = [[m.kind for m in edge.moves] for edge in program.step("sum").edges]
+    assert kinds == [["select", "to_batch"], [], ["tile"]]
+
+
+def test_moves_between_placements() -> None:
+    shared_full = Placement(True, (np.arange(4),))
+    member_dense = Placement(False, (np.arange(4),) * 2, dense=True)
+    shared_dense = Placement(True, (np.arange(4),), dense=True)
+    member = Placement(False, (np.array([0, 1]), np.array([2, -1])))
+    assert moves_between(shared_full, shared_dense, 2) == ()
+    assert [m.kind for m in moves_between(shared_dense, member_dense, 2)] == ["tile"]
+    assert [m.kind for m in moves_between(member_dense, member, 2)] == ["to_channels", "select"]
+    (select, to_batch) = moves_between(member, member_dense, 2)
+    assert to_batch.kind == "to_batch"
+    assert select.index is not None and select.scale is not None
+    assert select.index.tolist() == [0, 1, 0, 0, 2, 2, 2, 2] and select.scale.tolist() == [1, 1, 0, 0, 0, 0, 1, 0]
+    assert Move("select", np.array([0, 1, 0, 1]), np.ones(4)).repeats == 2

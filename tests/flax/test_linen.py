@@ -97,9 +97,36 @@ def test_wrong_input_raises_the_core_error() -> None:
         given.init(KEY, jnp.zeros((8, 7)))
 
 
-def test_apply_needs_the_saved_masks() -> None:
-    with pytest.raises(errors.ScopeCollectionNotFound):
-        Masksembles(n=4, scale=2.0, seed=0).apply({}, jnp.zeros((4, 6)))
+MISSING_MASKS = r"Masksembles layer 'Masksembles_0' has no masks: .* pass them to every apply like batch_stats"
+APPLY_WITHOUT_MASKS = {"plain": {}, "mutable-masks": {"mutable": [MASKS_COLLECTION]}, "mutable-all": {"mutable": True}}
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("apply_kwargs", APPLY_WITHOUT_MASKS.values(), ids=APPLY_WITHOUT_MASKS.keys())
+def test_apply_without_the_masks_is_an_error_never_new_masks(apply_kwargs: dict[str, Any], jit: bool) -> None:
+    model = LinenMLP()
+    x = jnp.ones((8, 3))
+    params = model.init(KEY, x)["params"]
+
+    def apply(params: Any, x: jax.Array) -> Any:
+        return model.apply({"params": params}, x, **apply_kwargs)
+
+    with pytest.raises(ValueError, match=MISSING_MASKS):
+        (jax.jit(apply) if jit else apply)(params, x)
+    with pytest.raises(ValueError, match=r"^The Masksembles layer has no masks"):
+        Masksembles(n=4, scale=2.0, seed=0).apply({}, jnp.zeros((4, 6)), **apply_kwargs)
+
+
+def test_masks_from_init_stay_fixed_across_calls_and_retraces_with_seed_none() -> None:
+    layer = Masksembles(n=4, scale=2.0)
+    variables = layer.init(KEY, jnp.zeros((8, 64)))
+    initial = masks_of(variables)
+    apply = jax.jit(lambda variables, x: layer.apply(variables, x, mutable=[MASKS_COLLECTION]))
+    for batch in (8, 8, 5, 3):  # 5 and 3: partial last batches, each a retrace
+        x = jax.random.normal(jax.random.key(batch), (batch, 64))
+        y, returned = apply(variables, x)
+        assert np.array_equal(masks_of(returned), initial)
+        assert_same_bits(y, oracle(np.asarray(x), initial, -1))
 
 
 LAYOUTS = {"bhwc": ((5, 3, 12), -1), "bchw": ((12, 3, 5), 1), "bc": ((12,), -1)}

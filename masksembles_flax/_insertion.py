@@ -1,0 +1,235 @@
+"""``insert``: Masksembles layers on the input of chosen layers of any NNX model, by the paper's recipe (Section 5).
+
+The model's layers are found by walking its graph in the model's order: a module's attributes in the order they were
+assigned (for a model built by its ``__init__``, the order of the constructor), list and ``nnx.List`` items by
+index, dict and ``nnx.Dict`` items in insertion order, parents before their children. A layer's path is the
+``nnx.iter_graph`` path joined with dots: ``"conv1"``, ``"blocks.2.conv"``, ``"layers.3"`` in an ``nnx.Sequential``.
+Which of the chosen layers get masks is decided by the rule every framework shares,
+``masksembles_core.insertion.plan_insertion``; ``insert`` only finds the layers and rewires the copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+from flax import nnx
+
+from masksembles_core.insertion import Candidate, check_insert_arguments, plan_insertion
+
+from . import nnx as masksembles_nnx
+
+ModuleT = TypeVar("ModuleT", bound=nnx.Module)
+Key = str | int
+Path = tuple[Key, ...]
+LayerFilter = type | tuple[type, ...] | list[type] | Callable[[str, Any], bool]
+
+DEPTHWISE = "depthwise convolution: each output channel reads one input channel (before=... includes it)"
+ALREADY_MASKED = "already has Masksembles on its input (the layer of a Masked)"
+NO_CHANNELS = "no integer in_features: the channel count of its input is unknown"
+
+
+INPUT_LAYERS = (
+    nnx.Conv,
+    nnx.ConvTranspose,
+    nnx.Linear,
+    nnx.Embed,
+    nnx.LinearGeneral,
+    nnx.Einsum,
+)  # what reads raw input
+
+
+class Masked(nnx.Module):
+    """A layer with a Masksembles layer on its input, as ``insert`` places it: ``layer(masksembles(x), ...)``.
+
+    Input (B, ..., C) with C = ``masksembles.channels`` on ``masksembles.channel_axis``; output: the layer's.
+    Arguments after ``x`` go to the layer.
+    """
+
+    def __init__(self, masksembles: masksembles_nnx.Masksembles, layer: Callable[..., Any]) -> None:
+        self.masksembles = masksembles
+        self.layer = layer
+
+    def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        return self.layer(self.masksembles(x), *args, **kwargs)
+
+
+def insert(
+    model: ModuleT,
+    n: int,
+    scale: float,
+    *,
+    seed: int | None = None,
+    before: LayerFilter = (nnx.Conv, nnx.Linear),
+    start: str | None = None,
+    include_first: bool = False,
+) -> ModuleT:
+    """A copy of ``model`` with a Masksembles layer on the input of every chosen layer (the paper's recipe).
+
+    Each chosen layer of the copy is replaced, where it sits (an attribute, a list or dict item), by
+    ``Masked(Masksembles(in_features, n, scale, seed=...), layer)``: its weights are kept and no width changes, so
+    any NNX model works, whatever its ``__call__`` does. The masks cover the layer's ``in_features`` channels on the
+    last axis (NNX layers are channels-last). ``model`` itself is not modified; the copy holds its own arrays and
+    keeps the model's attribute order.
+
+    Decided by ``masksembles_core.insertion.plan_insertion``, as in every framework: the network's first layer (its
+    first Conv, Linear or Embed in the model's order) reads the raw input and is left alone unless
+    ``include_first``; layers before ``start`` are left alone; so are depthwise convolutions
+    (``feature_group_count == in_features``), layers with one input channel, layers whose instance also sits at
+    another path (masks at one place would miss the calls from the other) and the layer of an existing ``Masked``.
+    The i-th layer given masks gets ``masksembles_core.derive_seed(seed, i)``.
+
+    Args:
+        model: any ``nnx.Module`` (a user's module, ``nnx.Sequential``, nested modules, lists of blocks).
+        n: number of masks (ensemble members).
+        scale: overlap control, >= 1.
+        seed: seed of all the masks (reproducible per layer); None draws fresh entropy.
+        before: the layers to put masks before: a type or a tuple (or list) of types (``isinstance``), or a predicate
+            ``(path, layer) -> bool`` called on every module below the root. A chosen layer needs an integer
+            ``in_features``.
+        start: path of the layer (or block) insertion starts from, e.g. ``"blocks.2"``; None for the whole model.
+        include_first: also mask the network's first layer's input (the raw input).
+
+    Returns:
+        the copy, with the decisions as ``masksembles_report`` (a ``masksembles_core.insertion.LayerReport``; print
+        it for a table of every chosen layer: inserted, or left as is and why).
+
+    Raises:
+        TypeError: ``model`` is not an ``nnx.Module``, or ``before`` is neither types nor a callable.
+        ValueError: bad ``n``/``scale``/``seed``, ``start`` names no layer, or no layer gets masks.
+    """
+    n, scale, seed = check_insert_arguments(n, scale, seed, start)
+    if not isinstance(model, nnx.Module):
+        raise TypeError(f"insert needs an nnx.Module; received {type(model).__name__}")
+    chosen = _layer_filter(before)
+    nodes = list(_walk(model))
+    paths_of: dict[int, list[str]] = {}
+    for path, node, _ in nodes:
+        paths_of.setdefault(id(node), []).append(_dotted(path))
+    candidates: list[Candidate] = []
+    path_parts: dict[str, Path] = {}
+    for path, node, parent in nodes:
+        dotted = _dotted(path)
+        if isinstance(node, nnx.Module) and paths_of[id(node)][0] == dotted and chosen(dotted, node):
+            others = paths_of[id(node)][1:]
+            candidates.append(_candidate(dotted, node, others, isinstance(parent, Masked) and path[-1] == "layer"))
+            path_parts[dotted] = path
+    order = [_dotted(path) for path, _, _ in nodes]
+    first = next(  # the network's first layer: it reads the raw input
+        (dotted for dotted, (path, node, _) in zip(order, nodes, strict=True) if isinstance(node, INPUT_LAYERS)
+         or dotted in path_parts),
+        None,
+    )  # fmt: skip
+    report = plan_insertion(
+        candidates, order, n, scale, seed=seed, start=start, include_first=include_first, first_layer=first
+    )
+    copy = nnx.clone(model, arrays=True)
+    _keep_attribute_order(model, copy)
+    for path, node, _ in nodes:
+        if isinstance(node, nnx.Module):
+            _keep_attribute_order(node, _node_at(copy, path))
+    for row in report.changed:
+        assert row.channels is not None and row.channel_axis is not None  # set on every inserted row
+        path = path_parts[row.path]
+        masks = masksembles_nnx.Masksembles(row.channels, n, scale, seed=row.seed, channel_axis=row.channel_axis)
+        _replace(copy, path, Masked(masks, _node_at(copy, path)))
+    copy.masksembles_report = report  # type: ignore[attr-defined]  # a static attribute: LayerReport is hashable
+    return copy
+
+
+def _layer_filter(before: LayerFilter) -> Callable[[str, Any], bool]:
+    if isinstance(before, type):
+        return lambda _, layer: isinstance(layer, before)
+    if isinstance(before, tuple | list):
+        if before and all(isinstance(kind, type) for kind in before):
+            kinds = tuple(before)
+            return lambda _, layer: isinstance(layer, kinds)
+    elif callable(before):
+        return before
+    raise TypeError(
+        f"before must be a layer type, a non-empty tuple or list of layer types or a predicate (path, layer) -> bool; "
+        f"received {before!r}"
+    )
+
+
+def _candidate(path: str, layer: nnx.Module, others: list[str], masked: bool) -> Candidate:
+    name = type(layer).__name__
+    channels = getattr(layer, "in_features", None)
+    reason = ""
+    if masked:
+        reason = ALREADY_MASKED
+    elif others:
+        reason = f"shared: the same {name} also sits at {', '.join(others)}; masks at one place would miss the others"
+    elif not isinstance(channels, int):
+        reason = NO_CHANNELS
+    elif isinstance(layer, nnx.Conv) and channels > 1 and layer.feature_group_count == channels:
+        reason = DEPTHWISE
+    return Candidate(path, name, channels if isinstance(channels, int) else 0, -1, reason)
+
+
+def _keep_attribute_order(original: nnx.Module, copy: nnx.Module) -> None:
+    """Give ``copy`` the attribute order of ``original`` (``nnx.clone`` sorts attributes by name): the copy keeps the
+    model's order, for its repr and for a later ``insert``."""
+    attributes = vars(copy)
+    rank = {name: i for i, name in enumerate(vars(original))}
+    ordered = sorted(attributes.items(), key=lambda item: rank.get(item[0], len(rank)))
+    attributes.clear()
+    attributes.update(ordered)
+
+
+def _dotted(path: Path) -> str:
+    return ".".join(str(key) for key in path)
+
+
+def _children(node: Any) -> Iterator[tuple[Key, Any]]:
+    """The direct children of ``node`` that may hold layers, in the model's order."""
+    if isinstance(node, nnx.List) or type(node) in (list, tuple):
+        items: Iterator[tuple[Key, Any]] = iter(enumerate(node))
+    elif isinstance(node, nnx.Dict) or type(node) is dict:
+        items = iter(node.items())
+    else:
+        items = ((key, value) for key, value in vars(node).items() if not key.startswith("_pytree__"))
+    for key, value in items:
+        if isinstance(value, nnx.Module) or type(value) in (list, tuple, dict):
+            yield key, value
+
+
+def _walk(root: nnx.Module) -> Iterator[tuple[Path, Any, Any]]:
+    """(path, node, parent) of every module and container below ``root``, parents first; a node reached by several
+    paths is yielded at each of them (cycles are cut)."""
+    stack: list[tuple[Path, Any, Any]] = [((), root, None)]
+    ancestors: list[int] = []
+    while stack:
+        path, node, parent = stack.pop()
+        del ancestors[len(path) :]
+        if id(node) in ancestors:
+            continue
+        if path:
+            yield path, node, parent
+        ancestors.append(id(node))
+        stack.extend(reversed([((*path, key), value, node) for key, value in _children(node)]))
+
+
+def _child(node: Any, key: Key) -> Any:
+    if isinstance(node, nnx.List | nnx.Dict) or type(node) in (list, tuple, dict):
+        return node[key]
+    return getattr(node, str(key))
+
+
+def _node_at(root: Any, path: Path) -> Any:
+    for key in path:
+        root = _child(root, key)
+    return root
+
+
+def _replace(root: nnx.Module, path: Path, value: Any) -> None:
+    """Put ``value`` at ``path`` in ``root``: set the attribute or item (a tuple is rebuilt in its own parent)."""
+    *head, key = path
+    parent = _node_at(root, tuple(head))
+    if type(parent) is tuple:
+        assert isinstance(key, int)
+        _replace(root, tuple(head), (*parent[:key], value, *parent[key + 1 :]))
+    elif isinstance(parent, nnx.List | nnx.Dict) or type(parent) in (list, dict):
+        parent[key] = value
+    else:
+        setattr(parent, str(key), value)

@@ -1,0 +1,161 @@
+"""The operations a packed module's graph calls: channel moves between placements, and member-blocked kernels.
+
+Tensors of a packed module are in one of two forms (``masksembles_core.packing``): *compacted*, with the members'
+blocks side by side on the channel axis, (B, m*P, ...); or *dense*, every channel on the member-stacked batch,
+(m*B, C, ...) with member ``k``'s copy of the batch in block ``k``, as the tiled dense model holds it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+def gather_channels(x: Tensor, axis: int, index: Tensor) -> Tensor:
+    """``x.index_select(axis, index)``, along the contiguous axis when ``x`` is channels-last (faster there)."""
+    if axis == 1 and x.dim() > 2 and not x.is_contiguous() and x.movedim(1, -1).is_contiguous():
+        rows = x.movedim(1, -1)
+        flat = rows.reshape(-1, rows.shape[-1])
+        picked = torch.gather(flat, 1, index.expand(flat.shape[0], -1))
+        return picked.view(*rows.shape[:-1], -1).movedim(-1, 1)
+    return x.index_select(axis, index)
+
+
+def to_batch(x: Tensor, members: int, batch_axis: int, channel_axis: int) -> Tensor:
+    """(…B…, m*C…) -> (…m*B…, C…): the members' channel blocks onto the batch, member ``k`` in block ``k``.
+
+    Axes are non-negative.
+    """
+    split: Tensor = x.unflatten(channel_axis, (members, -1))  # type: ignore[no-untyped-call]
+    moved = split.movedim(channel_axis, batch_axis)  # members just before the batch
+    return moved.flatten(batch_axis, batch_axis + 1)
+
+
+def to_channels(x: Tensor, members: int, batch_axis: int, channel_axis: int) -> Tensor:
+    """(…m*B…, C…) -> (…B…, m*C…): the reverse of ``to_batch`` (non-negative axes)."""
+    split: Tensor = x.unflatten(batch_axis, (members, -1))  # type: ignore[no-untyped-call]
+    return split.movedim(batch_axis, channel_axis).flatten(channel_axis, channel_axis + 1)
+
+
+def tile(x: Tensor, members: int, batch_axis: int) -> Tensor:
+    """A shared tensor repeated for every member along its batch axis: (…B…) -> (…m*B…)."""
+    repeats = [1] * x.dim()
+    repeats[batch_axis] = members
+    return x.repeat(repeats)
+
+
+def frame_size(x: Tensor, batch_axes: Sequence[int], factor: int, channel_axis: int, channels: int) -> torch.Size:
+    """The size ``x`` has in the dense model: batch-proportional axes times ``factor``, the channel axis ``channels``.
+
+    ``channel_axis`` -1 leaves the channels as they are (a dense tensor).
+    """
+    sizes = list(x.shape)
+    for axis in batch_axes:
+        sizes[axis] = sizes[axis] * factor
+    if channel_axis >= 0:
+        sizes[channel_axis] = channels
+    return torch.Size(sizes)
+
+
+def members_first(x: Tensor, members: int, axis: int) -> Tensor:
+    """(…, m*X, …) on ``axis`` -> (m, …, X, …): the members' blocks of one axis as the leading axis."""
+    split: Tensor = x.unflatten(axis, (members, -1))  # type: ignore[no-untyped-call]
+    return split.movedim(axis, 0)
+
+
+def add_shared(member: Tensor, shared: Tensor, members: int, axis: int) -> Tensor:
+    """``member + shared`` where ``shared`` holds one block that every member's block reads (no repeated copy)."""
+    grouped: Tensor = member.unflatten(axis, (members, -1))  # type: ignore[no-untyped-call]
+    return (grouped + shared.unsqueeze(axis)).flatten(axis, axis + 1)
+
+
+def concat_members(parts: Sequence[Tensor], members: int, axis: int) -> Tensor:
+    """Concatenate the parts member by member: block ``k`` of the result is the parts' blocks ``k``, in order."""
+    split = [part.unflatten(axis, (members, -1)) for part in parts]  # type: ignore[no-untyped-call]
+    return torch.cat(split, axis + 1).flatten(axis, axis + 1)
+
+
+def flatten_members_last(x: Tensor, members: int) -> Tensor:
+    """(B, *spatial, m*P) -> (B, m*spatial*P): a channels-last flatten with every member's features in one block."""
+    split: Tensor = x.unflatten(-1, (members, -1))  # type: ignore[no-untyped-call]
+    return split.movedim(-2, 1).flatten(1)
+
+
+def layer_norm_members(x: Tensor, members: int, weight: Tensor | None, bias: Tensor | None, eps: float) -> Tensor:
+    """LayerNorm over each member's block of the last axis (every channel of the member, zeros included)."""
+    split: Tensor = x.unflatten(-1, (members, -1))  # type: ignore[no-untyped-call]
+    return F.layer_norm(split, split.shape[-1:], weight, bias, eps).flatten(-2)
+
+
+def group_norm_members(
+    x: Tensor, members: int, groups: int, weight: Tensor | None, bias: Tensor | None, eps: float
+) -> Tensor:
+    """GroupNorm over each member's block of axis 1: ``groups`` groups per member (weights repeated per member)."""
+    return F.group_norm(
+        x,
+        members * groups,
+        None if weight is None else weight.repeat(members),
+        None if bias is None else bias.repeat(members),
+        eps,
+    )
+
+
+class Affine(nn.Module):
+    """A per-channel map ``x * scale + shift`` (BatchNorm in eval) on ``axis`` of a rank-``rank`` input."""
+
+    scale: Tensor
+    shift: Tensor
+
+    def __init__(self, scale: Tensor, shift: Tensor, axis: int, rank: int, *, inplace: bool = False) -> None:
+        super().__init__()
+        shape = [1] * rank
+        shape[axis] = len(scale)
+        self.register_buffer("scale", scale.reshape(shape))
+        self.register_buffer("shift", shift.reshape(shape))
+        self.inplace = inplace
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x.mul_(self.scale).add_(self.shift) if self.inplace else torch.addcmul(self.shift, x, self.scale)
+
+    def extra_repr(self) -> str:
+        return f"channels={self.scale.numel()}, inplace={self.inplace}"
+
+
+class MemberLinear(nn.Module):
+    """One Linear per member on the member blocks of the last axis: (..., m*I) -> (..., m*O), one batched matmul."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
+        super().__init__()
+        members, outputs, _ = weight.shape
+        self.weight = nn.Parameter(weight.transpose(1, 2).contiguous(), requires_grad=False)  # (m, I, O)
+        self.bias = None if bias is None else nn.Parameter(bias.view(members, 1, outputs), requires_grad=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        members, inputs, _ = self.weight.shape
+        rows = x.reshape(-1, members, inputs).transpose(0, 1)  # (m, rows, I)
+        y = torch.bmm(rows, self.weight) if self.bias is None else torch.baddbmm(self.bias, rows, self.weight)
+        return y.transpose(0, 1).reshape(*x.shape[:-1], -1)
+
+    def extra_repr(self) -> str:
+        members, inputs, outputs = self.weight.shape
+        return f"members={members}, in_features={inputs}, out_features={outputs}, bias={self.bias is not None}"
+
+
+def macs(weight_shape: Sequence[int], output_shape: Sequence[int], channel_axis: int) -> int:
+    """Multiply-adds of a Linear/convolution: its output elements times the inputs each one reads."""
+    per_output = math.prod(weight_shape[1:]) if len(weight_shape) > 2 else weight_shape[-1]
+    return int(math.prod(output_shape)) * int(per_output) if channel_axis >= 0 else 0
+
+
+def tile_parts(parts: Sequence[Tensor], members: int, batch_axes: Sequence[int]) -> tuple[Tensor, ...]:
+    """``tile`` for each tensor of a tuple (batch axis -1: the same for every member, left as it is)."""
+    return tuple(part if axis < 0 else tile(part, members, axis) for part, axis in zip(parts, batch_axes, strict=True))
+
+
+def repeat_members(x: Tensor, members: int) -> Tensor:
+    """A shared result as every member's: (B, ...) -> (m, B, ...) (a broadcast view)."""
+    return x.unsqueeze(0).expand(members, *x.shape)
