@@ -14,7 +14,7 @@ is reported as left alone.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,8 +37,20 @@ Shape = tuple[int | None, ...]
 Predicate = Callable[[str, Any], bool]
 
 DEFAULT_BEFORE = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D, keras.layers.Dense)
+INPUT_LAYERS = (  # the kinds of layer that read a network's raw input: its first one is the network's first layer
+    *DEFAULT_BEFORE,
+    keras.layers.Conv1DTranspose,
+    keras.layers.Conv2DTranspose,
+    keras.layers.Conv3DTranspose,
+    keras.layers.DepthwiseConv1D,
+    keras.layers.DepthwiseConv2D,
+    keras.layers.SeparableConv1D,
+    keras.layers.SeparableConv2D,
+    keras.layers.EinsumDense,
+    keras.layers.Embedding,
+)
+DEPTHWISE = "depthwise convolution: each output channel reads one input channel (before=... includes it)"
 _MASKS_BY_RANK: dict[int, type[Masksembles]] = {2: Masksembles1D, 3: Masksembles1D, 4: Masksembles2D, 5: Masksembles3D}
-_DEPTHWISE = (keras.layers.DepthwiseConv1D, keras.layers.DepthwiseConv2D)
 
 
 @dataclass
@@ -251,28 +263,32 @@ def _unique_name(name: str, taken: set[str]) -> str:
 
 
 def _selector(before: object) -> Predicate:
-    """``before`` as a predicate (path, layer) -> bool."""
+    """``before`` (a layer type, a tuple or list of them, or a predicate) as a predicate (path, layer) -> bool."""
     if isinstance(before, type):
         before = (before,)
-    if isinstance(before, tuple) and before and all(isinstance(kind, type) for kind in before):
-        kinds = before
-        return lambda path, layer: isinstance(layer, kinds)
-    if callable(before):
+    if isinstance(before, tuple | list):
+        kinds = tuple(before)
+        if kinds and all(isinstance(kind, type) for kind in kinds):
+            return lambda path, layer: isinstance(layer, kinds)
+    elif callable(before):
         return lambda path, layer: bool(before(path, layer))
     raise TypeError(
-        f"before must be a tuple of layer types or a predicate (path: str, layer) -> bool; received {before!r}"
+        "before must be a layer type, a non-empty tuple or list of layer types or a predicate (path, layer) -> bool; "
+        f"received {before!r}"
     )
 
 
-def _candidate(site: _Site) -> Candidate:
-    """The insertion candidate of a matching layer, with the reason it must be left alone, if any."""
+def _candidate(site: _Site, default: bool) -> Candidate:
+    """The insertion candidate of a matching layer, with the reason it must be left alone, if any.
+
+    With the default ``before``, a convolution with one group per input channel (``Conv2D(groups=C)``, depthwise)
+    is left alone; a user who names depthwise layers in ``before`` gets masks there.
+    """
     axis = _channel_axis(site.op)
     channels, reason = _channels(site, axis)
-    layer_type = type(site.op).__name__
-    groups = getattr(site.op, "groups", 1)
-    if not reason and (isinstance(site.op, _DEPTHWISE) or 1 < groups == channels):
-        reason = "depthwise convolution: each channel is filtered alone (masks go on the next pointwise layer's input)"
-    return Candidate(site.path, layer_type, channels, axis, reason)
+    if not reason and default and 1 < getattr(site.op, "groups", 1) == channels:
+        reason = DEPTHWISE
+    return Candidate(site.path, type(site.op).__name__, channels, axis, reason)
 
 
 def insert(
@@ -281,7 +297,7 @@ def insert(
     scale: float,
     *,
     seed: int | None = None,
-    before: type | tuple[type, ...] | Predicate = DEFAULT_BEFORE,
+    before: type | Sequence[type] | Predicate = DEFAULT_BEFORE,
     start: str | None = None,
     include_first: bool = False,
 ) -> keras.Model:
@@ -299,22 +315,24 @@ def insert(
     called at each of them.
 
     Which layers get masks is decided by ``masksembles_core.insertion.plan_insertion``, the rule shared with
-    PyTorch and Flax: the network's first matching layer (it reads the raw input) is skipped unless
+    PyTorch and Flax: the network's first layer (its first convolution, dense, einsum-dense or embedding layer in
+    ``model.layers`` order, or an earlier one ``before`` selects) reads the raw input and is skipped unless
     ``include_first``; layers before ``start`` in ``model.layers`` order (a nested model's layers follow it) are
-    skipped; the ``i``-th layer given masks gets
-    ``derive_seed(seed, i)``. Left alone, with the reason in the report: depthwise convolutions, layers with a single
-    input channel, layers reading several tensors or inputs of different channel counts, and layers inside custom
-    layers or subclassed models (their ``call()`` cannot be rebuilt).
+    skipped; the ``i``-th layer given masks gets ``derive_seed(seed, i)``. Left alone, with the reason in the report:
+    depthwise convolutions (``Conv2D(groups=C)``) when ``before`` is the default, layers with a single input
+    channel, layers reading several tensors or inputs of different channel counts, and layers inside custom layers
+    or subclassed models (their ``call()`` cannot be rebuilt).
 
     Args:
         model: a built Sequential or functional model (left unchanged).
         n, scale, seed: as for ``Masksembles``; ``seed`` makes every layer's masks reproducible.
-        before: a layer type or a tuple of them (default Conv1D/2D/3D and Dense, subclasses included), or a predicate
+        before: a layer type, a tuple or list of them (default Conv1D/2D/3D and Dense, subclasses included; not
+            DepthwiseConv2D, SeparableConv2D or transposed convolutions), or a predicate
             ``(path, layer) -> bool`` on every layer (paths as in the module docstring: ``"block3/conv"``).
         start: the path of the layer insertion starts from, e.g. ``"conv4_block1_1_conv"``: ResNet50's third
             residual stage (torchvision's ``layer3``), whose shortcut ``conv4_block1_0_conv`` comes later in
             ``model.layers`` and is included.
-        include_first: also put masks on the first matching layer's input.
+        include_first: also put masks on the input of the network's first layer (the raw input).
 
     Returns:
         the new model, of the input model's class (compiled with its compile configuration when it was compiled);
@@ -328,15 +346,26 @@ def insert(
     """
     n, scale, seed = check_insert_arguments(n, scale, seed, start)
     matches = _selector(before)
+    default = isinstance(before, tuple | list) and set(before) == set(DEFAULT_BEFORE)
     _check_model(model, "insert")
     sites = _survey(model)
-    candidates = [
-        _candidate(site)
+    chosen = [
+        site
         for site in sites
         if isinstance(site.op, keras.layers.Layer) and not _is_graph_model(site.op) and matches(site.path, site.op)
     ]
+    first = next(  # the network's first layer: it reads the raw input
+        (site.path for site in sites if isinstance(site.op, INPUT_LAYERS) or site in chosen), None
+    )
     report = plan_insertion(
-        candidates, [site.path for site in sites], n, scale, seed=seed, start=start, include_first=include_first
+        [_candidate(site, default) for site in chosen],
+        [site.path for site in sites],
+        n,
+        scale,
+        seed=seed,
+        start=start,
+        include_first=include_first,
+        first_layer=first,
     )
     by_path = {site.path: site for site in sites}
     taken = {site.op.name for site in sites}

@@ -183,21 +183,51 @@ def test_start_skips_the_layers_before_it_in_model_layers_order() -> None:
 
 def test_before_takes_layer_types_or_a_predicate_on_path_and_layer() -> None:
     model = mobilenet_v3_like()
-    convolutions = mk.insert(model, 4, 2.0, before=keras.layers.Conv2D, include_first=True).masksembles_report
+    convolutions = mk.insert(model, 4, 2.0, before=[keras.layers.Conv2D], include_first=True).masksembles_report
     assert len(convolutions.changed) == 7 and not convolutions.unchanged
     by_name = mk.insert(model, 4, 2.0, before=lambda path, layer: "squeeze_excite_conv" in path).masksembles_report
-    assert [(row.path, row.action) for row in by_name.rows] == [
-        ("expanded_conv_squeeze_excite_conv", LEFT),  # the first matching layer: skipped unless include_first
+    assert [(row.path, row.action) for row in by_name.rows] == [  # neither is the network's first layer
+        ("expanded_conv_squeeze_excite_conv", INSERTED),
         ("expanded_conv_squeeze_excite_conv_1", INSERTED),
     ]
-    with_depthwise = (keras.layers.DepthwiseConv2D, keras.layers.Conv2D)
-    depthwise = mk.insert(model, 4, 2.0, before=with_depthwise, include_first=True).masksembles_report
-    assert len(depthwise.changed) == 7
-    (row,) = depthwise.unchanged
-    assert (row.path, row.layer) == ("expanded_conv_depthwise", "DepthwiseConv2D")
-    assert row.reason.startswith("depthwise convolution")
-    with pytest.raises(TypeError, match="before must be a tuple of layer types or a predicate"):
+    asked = mk.insert(model, 4, 2.0, before=keras.layers.DepthwiseConv2D).masksembles_report
+    assert [(row.path, row.action, row.channels) for row in asked.rows] == [("expanded_conv_depthwise", INSERTED, 16)]
+    with pytest.raises(TypeError, match="before must be a layer type, a non-empty tuple or list of layer types"):
         mk.insert(model, 4, 2.0, before=("Conv2D",))
+
+
+def test_the_first_layer_is_the_networks_whatever_before_selects() -> None:
+    dense_only = mk.insert(resnet_like(), 4, 2.0, before=keras.layers.Dense).masksembles_report
+    assert [(row.path, row.action) for row in dense_only.rows] == [("predictions", INSERTED)]
+    stem = keras.layers.Rescaling(1 / 255, name="rescale")
+    preprocessed = mk.insert(
+        keras.Sequential([keras.Input((4, 4, 3)), stem, keras.layers.Conv2D(4, 1, name="conv")]),
+        4,
+        2.0,
+        before=lambda path, layer: True,
+    ).masksembles_report
+    assert [(row.path, row.action) for row in preprocessed.rows] == [("rescale", LEFT), ("conv", INSERTED)]
+
+
+def test_depthwise_convolutions_are_left_alone_by_the_default_before() -> None:
+    model = keras.Sequential(
+        [
+            keras.Input((6, 6, 3)),
+            keras.layers.Conv2D(4, 1, name="pointwise"),
+            keras.layers.Conv2D(4, 3, groups=4, name="depthwise"),
+            keras.layers.Conv2D(8, 1, groups=2, name="grouped"),
+        ]
+    )
+    report = mk.insert(model, 2, 2.0).masksembles_report
+    assert [(row.path, row.action, row.reason) for row in report.rows] == [
+        ("pointwise", LEFT, report.rows[0].reason),
+        (
+            "depthwise",
+            LEFT,
+            "depthwise convolution: each output channel reads one input channel (before=... includes it)",
+        ),
+        ("grouped", INSERTED, ""),
+    ]
 
 
 def test_sequential_models_stay_sequential() -> None:
