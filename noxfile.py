@@ -35,8 +35,18 @@ TEST = nox.project.dependency_groups(PYPROJECT, "test")
 METRICS_TEST = nox.project.dependency_groups(PYPROJECT, "test-metrics")
 DEMO = nox.project.dependency_groups(PYPROJECT, "demo")
 CONSTRAINTS = ("-c", "constraints/cpu.txt")
-CORE_TESTS = ("tests/core", "tests/test_conformance.py", "tests/test_backends_installed.py")
-ADAPTER_TESTS = ("tests/test_conformance.py", "tests/test_backends_installed.py", "tests/test_demo_smoke.py")
+CORE_TESTS = (
+    "tests/core",
+    "tests/test_conformance.py",
+    "tests/test_layer_arguments.py",
+    "tests/test_backends_installed.py",
+)
+ADAPTER_TESTS = (
+    "tests/test_conformance.py",
+    "tests/test_layer_arguments.py",
+    "tests/test_backends_installed.py",
+    "tests/test_demo_smoke.py",
+)
 
 
 def run_pytest(session: nox.Session, backends: str, *paths: str) -> None:

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import masksembles_core as mc
+import masksembles_core.adapter as mca
 from masksembles_core.packing import (
     GraphNode,
     Placement,
@@ -157,7 +157,7 @@ def _classify(layer: Any, path: str, source: _Node) -> _Node:
     elif type(layer) is nnx.Dropout:
         kind = "dropout"
     elif isinstance(layer, masksembles_nnx.Masksembles):
-        mc.check_input_shape(shape, channels=layer.channels, channel_axis=layer.channel_axis)
+        mca.check_input_shape(shape, channels=layer.channels, channel_axis=layer.channel_axis)
         if layer.channel_axis % len(shape) != len(shape) - 1:
             raise ValueError(
                 f"pack/extract_member: {where} has channel_axis={layer.channel_axis} on a rank-{len(shape)} input; "

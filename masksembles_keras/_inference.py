@@ -10,18 +10,19 @@ import numpy as np
 from keras import ops
 
 import masksembles_core as mc
+import masksembles_core.adapter as mca
 
 
 def tile(x: Any, n: int) -> Any:
     """Repeat the batch ``n`` times: (B, ...) -> (n*B, ...); copy ``k`` goes through member ``k``."""
-    return ops.tile(x, (mc.check_n(n),) + (1,) * (len(x.shape) - 1))
+    return ops.tile(x, (mca.check_n(n),) + (1,) * (len(x.shape) - 1))
 
 
 def untile(y: Any, n: int) -> Any:
     """(n*B, ...) -> (n, B, ...): ``y[k]`` is member ``k``'s output (the batch may be unknown)."""
-    n = mc.check_n(n)
+    n = mca.check_n(n)
     batch = y.shape[0]
-    per_member = -1 if batch is None else mc.check_tiled_batch(batch, n)
+    per_member = -1 if batch is None else mca.check_tiled_batch(batch, n)
     return ops.reshape(y, (n, per_member, *ops.shape(y)[1:]))
 
 
@@ -43,10 +44,10 @@ def predict(model: keras.Model, x: Any, n: int, *, batch_size: int | None = None
     batch into batches, and under a distribution strategy into per-replica batches. ``x`` and
     the outputs may be nested structures (multi-input or multi-output models).
     """
-    n = mc.check_n(n)
+    n = mca.check_n(n)
     inputs = keras.tree.map_structure(ops.convert_to_numpy, x)
     total = int(keras.tree.flatten(inputs)[0].shape[0])
-    step = total if batch_size is None else mc.check_int("batch_size", batch_size, minimum=1)
+    step = total if batch_size is None else mca.check_int("batch_size", batch_size, minimum=1)
     step = max(step, 1)
     parts = []
     with _no_autograd():

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-import masksembles_core as mc
+import masksembles_core.adapter as mca
 
 
 def _grouped_index(batch: int, n: int, device: torch.device) -> Tensor:
@@ -38,7 +38,7 @@ def masksembles(
         tensor of the shape, dtype and memory format of ``x``.
     """
     n, channels = masks.shape
-    axis = mc.check_input_shape(tuple(x.shape), channels=channels, channel_axis=channel_axis, ranks=ranks, layer=layer)
+    axis = mca.check_input_shape(tuple(x.shape), channels=channels, channel_axis=channel_axis, ranks=ranks, layer=layer)
     masks = masks.to(dtype=x.dtype)
     batch = x.shape[0]
     if index is None and isinstance(batch, int) and batch % n == 0 and not torch.compiler.is_compiling():
@@ -53,4 +53,4 @@ def masksembles(
     # gather the per-sample masks, (B, C), then one broadcast multiply.
     if index is None:
         index = _grouped_index(batch, n, x.device)
-    return x * masks.index_select(0, index).view(mc.mask_shape(x.ndim, axis, channels, batch))
+    return x * masks.index_select(0, index).view(mca.mask_shape(x.ndim, axis, channels, batch))

@@ -7,17 +7,17 @@ from typing import cast
 import torch
 from torch import Tensor, nn
 
-import masksembles_core as mc
+import masksembles_core.adapter as mca
 
 
 def tile(x: Tensor, n: int) -> Tensor:
     """Repeat the batch ``n`` times: (B, ...) -> (n*B, ...); copy ``k`` goes through member ``k``."""
-    return x.repeat(mc.check_n(n), *([1] * (x.ndim - 1)))
+    return x.repeat(mca.check_n(n), *([1] * (x.ndim - 1)))
 
 
 def untile(y: Tensor, n: int) -> Tensor:
     """(n*B, ...) -> (n, B, ...): ``y[k]`` is member ``k``'s output."""
-    batch = mc.check_tiled_batch(y.shape[0], n)
+    batch = mca.check_tiled_batch(y.shape[0], n)
     return cast(Tensor, y.unflatten(0, (n, batch)))  # type: ignore[no-untyped-call]
 
 
@@ -28,8 +28,8 @@ def predict(model: nn.Module, x: Tensor, n: int, *, batch_size: int | None = Non
     train/eval mode is restored afterwards), ``batch_size`` samples of ``x`` at a time (all at
     once when None).
     """
-    n = mc.check_n(n)
-    step = x.shape[0] if batch_size is None else mc.check_int("batch_size", batch_size, minimum=1)
+    n = mca.check_n(n)
+    step = x.shape[0] if batch_size is None else mca.check_int("batch_size", batch_size, minimum=1)
     was_training = model.training
     model.eval()
     try:

@@ -29,6 +29,7 @@ from torch import Tensor, fx, nn
 from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
 
 import masksembles_core as mc
+import masksembles_core.adapter as mca
 from masksembles_core.insertion import (
     CONVERTED,
     LEFT,
@@ -673,7 +674,7 @@ def convert_dropout(
     """
     n, scale, seed = check_insert_arguments(n, scale, seed, None)
     if channel_axis is not None:
-        mc.check_channel_axis(channel_axis)
+        mca.check_channel_axis(channel_axis)
     if not inplace:
         model = copy.deepcopy(model)
     inputs = example_input if isinstance(example_input, tuple) else (example_input,)

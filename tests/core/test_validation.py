@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import masksembles_core as mc
+import masksembles_core.adapter as mca
 
 BAD_N = [
     (0, ValueError, "n must be an integer >= 1; received 0"),
@@ -64,37 +65,37 @@ def test_numpy_scalars_are_accepted() -> None:
 
 @pytest.mark.parametrize("mode", ["grouped", "random"])
 def test_modes(mode: str) -> None:
-    assert mc.check_mode(mode) == mode
+    assert mca.check_mode(mode) == mode
 
 
 @pytest.mark.parametrize("mode", ["Grouped", "", None, 1])
 def test_bad_mode(mode: object) -> None:
     with pytest.raises(ValueError, match=r"mode must be one of \('grouped', 'random'\); received"):
-        mc.check_mode(mode)
+        mca.check_mode(mode)
 
 
 def test_channel_axis() -> None:
-    assert mc.check_channel_axis(-1) == -1
+    assert mca.check_channel_axis(-1) == -1
     with pytest.raises(ValueError, match="axis 0 is the batch"):
-        mc.check_channel_axis(0)
+        mca.check_channel_axis(0)
     with pytest.raises(TypeError, match="channel_axis must be a non-zero integer"):
-        mc.check_channel_axis(1.0)
+        mca.check_channel_axis(1.0)
 
 
 def test_check_input_shape() -> None:
-    assert mc.check_input_shape((8, 16, 4, 4), channels=16, channel_axis=1) == 1
-    assert mc.check_input_shape((None, 4, 4, 16), channels=16, channel_axis=-1) == 3
+    assert mca.check_input_shape((8, 16, 4, 4), channels=16, channel_axis=1) == 1
+    assert mca.check_input_shape((None, 4, 4, 16), channels=16, channel_axis=-1) == 3
     with pytest.raises(
         ValueError, match=r"expects 16 channels on axis 1, layout \(B, C, D2, D3\); received shape \(8, 3, 4, 4\)"
     ):
-        mc.check_input_shape((8, 3, 4, 4), channels=16, channel_axis=1)
+        mca.check_input_shape((8, 3, 4, 4), channels=16, channel_axis=1)
     with pytest.raises(
         ValueError, match=r"Masksembles2D expects an input of rank 4; received shape \(8, 16\) \(rank 2\)"
     ):
-        mc.check_input_shape((8, 16), channels=16, channel_axis=1, ranks=(4,), layer="Masksembles2D")
+        mca.check_input_shape((8, 16), channels=16, channel_axis=1, ranks=(4,), layer="Masksembles2D")
     with pytest.raises(ValueError, match=r"rank >= 2"):
-        mc.check_input_shape((8,), channels=16, channel_axis=1)
+        mca.check_input_shape((8,), channels=16, channel_axis=1)
     with pytest.raises(ValueError, match="channel_axis=5 is not a non-batch axis"):
-        mc.check_input_shape((8, 16), channels=16, channel_axis=5)
+        mca.check_input_shape((8, 16), channels=16, channel_axis=5)
     with pytest.raises(ValueError, match="channel_axis=-2 is not a non-batch axis"):
-        mc.check_input_shape((8, 16), channels=16, channel_axis=-2)
+        mca.check_input_shape((8, 16), channels=16, channel_axis=-2)

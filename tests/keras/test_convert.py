@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import masksembles_core as mc
+import masksembles_core.adapter as mca
 import masksembles_keras as mk
 from masksembles_core.insertion import CONVERTED, LEFT
 from tests.keras.architectures import BUILDERS, CLASSES
@@ -217,6 +218,6 @@ def test_convert_dropout_errors() -> None:
         mk.convert_dropout(unbuilt, 4, 2.0)
     with pytest.raises(TypeError, match="convert_dropout rebuilds Sequential and functional Keras models"):
         mk.convert_dropout(keras.layers.Dropout(0.1), 4, 2.0)
-    error, message = core_error(lambda: mc.check_scale(0.0))
+    error, message = core_error(lambda: mca.check_scale(0.0))
     with pytest.raises(error, match=message):
         mk.convert_dropout(dropout_sequential(), 4, 0.0)

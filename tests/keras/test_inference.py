@@ -8,6 +8,7 @@ import pytest
 from keras import ops
 
 import masksembles_core as mc
+import masksembles_core.adapter as mca
 import masksembles_keras as mk
 from tests.keras.common import core_error, masks_of, to_numpy
 
@@ -22,7 +23,7 @@ def test_tile_and_untile_follow_the_core(shape: tuple[int, ...]) -> None:
 
 
 def test_untile_rejects_a_batch_that_is_not_a_multiple_of_n() -> None:
-    error, message = core_error(lambda: mc.check_tiled_batch(7, 3))
+    error, message = core_error(lambda: mca.check_tiled_batch(7, 3))
     with pytest.raises(error, match=message):
         mk.untile(np.zeros((7, 2), np.float32), 3)
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import masksembles_core as mc
+import masksembles_core.adapter as mca
 import masksembles_keras as mk
 from masksembles_core.insertion import INSERTED, LEFT
 from tests.keras.architectures import BUILDERS, CLASSES, mobilenet_v3_like, resnet_like
@@ -362,6 +363,6 @@ def test_insert_errors() -> None:
         mk.insert(keras.Sequential([keras.layers.Dense(2), keras.layers.Dense(2)]), 4, 2.0)
     with pytest.raises(ValueError, match=r"(?s)insert found no layer to put masks before \(1 candidates\).*first"):
         mk.insert(keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)]), 4, 2.0)
-    error, message = core_error(lambda: mc.check_scale(0.5))
+    error, message = core_error(lambda: mca.check_scale(0.5))
     with pytest.raises(error, match=message):
         mk.insert(resnet_like(), 4, 0.5)
