@@ -20,9 +20,12 @@ from ._grouping import check_tiled_batch, group_index, tile, untile
 from ._reference import apply_masks, apply_masks_grad, mask_shape
 from ._stats import MaskStats, expected_iou, expected_width, mask_stats
 from ._validation import (
+    GAUSSIAN_HEADS,
     MODES,
     check_channel_axis,
     check_channels,
+    check_gaussian_head,
+    check_gaussian_target,
     check_input_shape,
     check_int,
     check_mode,
@@ -33,12 +36,15 @@ from ._validation import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "GAUSSIAN_HEADS",
     "MODES",
     "MaskStats",
     "apply_masks",
     "apply_masks_grad",
     "check_channel_axis",
     "check_channels",
+    "check_gaussian_head",
+    "check_gaussian_target",
     "check_input_shape",
     "check_int",
     "check_mode",

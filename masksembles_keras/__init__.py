@@ -7,8 +7,10 @@ Layers are written in ``keras.ops`` only and registered for serialization under 
 
 from ._inference import convert_dropout, predict, tile, untile
 from ._layers import Masksembles, Masksembles1D, Masksembles2D, Masksembles3D
+from ._losses import GaussianNLL
 
 __all__ = [
+    "GaussianNLL",
     "Masksembles",
     "Masksembles1D",
     "Masksembles2D",

@@ -3,6 +3,7 @@
 from ._functional import masksembles
 from ._inference import convert_dropout, predict, tile, untile
 from ._layers import Masksembles, Masksembles1D, Masksembles2D, Masksembles3D
+from ._losses import gaussian_nll_loss
 from ._packing import PackedMasksembles, extract_member, pack
 
 __all__ = [
@@ -13,6 +14,7 @@ __all__ = [
     "PackedMasksembles",
     "convert_dropout",
     "extract_member",
+    "gaussian_nll_loss",
     "masksembles",
     "pack",
     "predict",
