@@ -142,7 +142,7 @@ PRESETS = {
         regression_points=60,
         regression_seeds=1,
         regression_train=TrainConfig(epochs=2, batch_size=32, learning_rate=1e-2),
-        diabetes_seeds=2,
+        diabetes_seeds=1,
         diabetes_train=(TrainConfig(1, 64, 1e-2),),
     ),
 }
