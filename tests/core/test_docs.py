@@ -26,7 +26,7 @@ def test_numpy_snippets_run(capsys: pytest.CaptureFixture[str]) -> None:
     assert metrics.negative_log_likelihood(after, y_test) < metrics.negative_log_likelihood(before, y_test)
     assert metrics.expected_calibration_error(after, y_test) < metrics.expected_calibration_error(before, y_test)
     assert "close to 2" in DOC_TEXT and abs(metrics.fit_temperature(*binary_stand_in(namespace)) - 2.0) < 0.3
-    assert np.shape(namespace["per_member"]) == (4,)
+    assert np.asarray(namespace["per_member"]).shape == (4,)
     covered, alone = namespace["covered"], namespace["alone"]
     assert isinstance(covered, float) and isinstance(alone, float) and covered > alone
 
