@@ -197,7 +197,7 @@ def plot_diversity(
         diversity = np.concatenate([p.diversity for p in per_seed])
         base = name.split(" (")[0]
         color = next(scale_colors) if base == "Masksembles" else MODEL_COLORS[base]
-        marker = {"MC-Dropout": "^", "Deep Ensemble": "o"}.get(base, "*")
+        marker = {"MC-Dropout": "^", "Deep Ensemble": "o", "Masksembles 2.3×": "D"}.get(base, "*")
         axis.plot(accuracy, diversity, marker, color=color, label=name, markersize=6, alpha=0.8, linestyle="none")
     low = min([*single_accuracy, *(p.accuracy.min() for s in points.values() for p in s)])
     grid = np.linspace(max(low - 0.02, 0.0), 0.999, 200)

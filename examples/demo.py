@@ -398,18 +398,18 @@ def pooled_reliability(
     return metrics.reliability_diagram(probs, np.tile(data.y_test, seeds), bins=ECE_BINS)
 
 
-METRIC_COLUMNS = (
-    ("accuracy", "Accuracy"),
-    ("nll", "NLL"),
-    ("ece", "ECE"),
-    ("brier", "Brier"),
-    ("aurc", "AURC"),
-    ("ood_auroc_entropy", "OOD AUROC (entropy)"),
-    ("ood_aupr_entropy", "OOD AUPR (entropy)"),
-    ("ood_fpr95_entropy", "OOD FPR95 (entropy)"),
-    ("ood_auroc_mutual_information", "OOD AUROC (MI)"),
-    ("ood_aupr_mutual_information", "OOD AUPR (MI)"),
-    ("ood_fpr95_mutual_information", "OOD FPR95 (MI)"),
+METRIC_COLUMNS = (  # (summary key, title, factor)
+    ("accuracy", "Accuracy", 1.0),
+    ("nll", "NLL", 1.0),
+    ("ece", "ECE", 1.0),
+    ("brier", "Brier", 1.0),
+    ("aurc", "AURC ×10³", 1e3),
+    ("ood_auroc_entropy", "OOD AUROC (entropy)", 1.0),
+    ("ood_aupr_entropy", "OOD AUPR (entropy)", 1.0),
+    ("ood_fpr95_entropy", "OOD FPR95 (entropy)", 1.0),
+    ("ood_auroc_mutual_information", "OOD AUROC (MI)", 1.0),
+    ("ood_aupr_mutual_information", "OOD AUPR (MI)", 1.0),
+    ("ood_fpr95_mutual_information", "OOD FPR95 (MI)", 1.0),
 )
 
 
@@ -433,7 +433,9 @@ OOD_SCORES = {
 
 def metric_cells(runs: Sequence[Run]) -> tuple[Stat, ...]:
     """Mean ± std over seeds of every metric column; missing (one member: no MI) as NaN."""
-    return tuple(seed_stat([run.scores.get(key, math.nan) for run in runs]) for key, _ in METRIC_COLUMNS)
+    return tuple(
+        seed_stat([factor * run.scores.get(key, math.nan) for run in runs]) for key, _, factor in METRIC_COLUMNS
+    )
 
 
 def main_table(
@@ -459,7 +461,7 @@ def main_table(
         (
             "Model",
             "Picked on validation",
-            *(title for _, title in METRIC_COLUMNS),
+            *(title for _, title, _ in METRIC_COLUMNS),
             "Parameters",
             "Size",
             "Train time (s)",
@@ -477,7 +479,7 @@ def main_table(
             "+ TS: the same models with one temperature for all members, fitted on the validation logits "
             "(metrics.fit_temperature) and applied before averaging. "
             f"ECE with {ECE_BINS} equal-width bins. AURC: area under the risk-coverage curve of the maximum "
-            "probability (lower is better). OOD: higher score = more OOD; AUROC and AUPR with OOD as positives, "
+            "probability, ×1000 (lower is better). OOD: higher score = more OOD; AUROC and AUPR with OOD as positives, "
             "FPR95 = fraction of OOD images accepted when 95 % of the in-distribution test images are (lower is "
             "better). MI = mutual information (one member: undefined). "
             "Size: parameters ÷ the single model's. Train time: the model (the ensemble: its 4 members), on this "
