@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from masksembles_core import metrics
-from tests.doc_snippets import DOC, run, snippets
+from tests.metrics_docs import DOC, run, snippets
 
 DOC_TEXT = DOC.read_text()
 

@@ -1,4 +1,4 @@
-"""docs/metrics.md: the flax snippet (a Masksembles regressor trained on the Gaussian NLL) runs as written."""
+"""docs/metrics.md: the keras snippet (a Masksembles regressor trained on the Gaussian NLL) runs as written."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 
 from masksembles_core import metrics
-from tests.doc_snippets import run, snippets
+from tests.metrics_docs import run, snippets
 
 
-def test_flax_snippet_runs(capsys: pytest.CaptureFixture[str]) -> None:
-    (block,) = snippets("flax")
+def test_keras_snippet_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    (block,) = snippets("keras")
     namespace = run([block])
     assert capsys.readouterr().out.startswith("| Metric | Value |\n|---|---:|\n| nll |")
     means, variances = np.asarray(namespace["means"]), np.asarray(namespace["variances"])
