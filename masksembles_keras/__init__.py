@@ -8,9 +8,11 @@ layers into an existing Sequential or functional model.
 
 from ._inference import predict, tile, untile
 from ._layers import Masksembles, Masksembles1D, Masksembles2D, Masksembles3D
+from ._losses import GaussianNLL
 from ._surgery import convert_dropout, insert
 
 __all__ = [
+    "GaussianNLL",
     "Masksembles",
     "Masksembles1D",
     "Masksembles2D",

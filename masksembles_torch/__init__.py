@@ -3,6 +3,7 @@
 from ._functional import masksembles
 from ._inference import predict, tile, untile
 from ._layers import Masksembles, Masksembles1D, Masksembles2D, Masksembles3D
+from ._losses import gaussian_nll_loss
 from ._packing import PackedMasksembles, extract_member, pack
 from ._surgery import Masked, convert_dropout, insert
 
@@ -15,6 +16,7 @@ __all__ = [
     "PackedMasksembles",
     "convert_dropout",
     "extract_member",
+    "gaussian_nll_loss",
     "insert",
     "masksembles",
     "pack",

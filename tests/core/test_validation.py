@@ -99,3 +99,37 @@ def test_check_input_shape() -> None:
         mca.check_input_shape((8, 16), channels=16, channel_axis=5)
     with pytest.raises(ValueError, match="channel_axis=-2 is not a non-batch axis"):
         mca.check_input_shape((8, 16), channels=16, channel_axis=-2)
+
+
+def test_gaussian_head_and_floor() -> None:
+    assert mca.check_gaussian_head("log_variance", 1e-6) == ("log_variance", 1e-6)
+    assert mca.check_gaussian_head("variance", 1) == ("variance", 1.0)
+    with pytest.raises(ValueError, match=r"head must be one of \('log_variance', 'variance'\); received 'std'"):
+        mca.check_gaussian_head("std", 1e-6)
+    for bad in (0.0, -1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match=r"min_variance must be a finite number > 0; received"):
+            mca.check_gaussian_head("variance", bad)
+    with pytest.raises(TypeError, match=r"min_variance must be a finite number > 0; received '1' \(str\)"):
+        mca.check_gaussian_head("variance", "1")
+
+
+@pytest.mark.parametrize(
+    "output,target,squeeze",
+    [((8, 2), (8,), False), ((8, 2), (8, 1), True), ((None, 2), (8,), False), ((4, 3, 2), (4, 3), False)],
+)
+def test_gaussian_target_shapes(output: tuple[int | None, ...], target: tuple[int, ...], squeeze: bool) -> None:
+    assert mca.check_gaussian_target(output, target) is squeeze
+
+
+@pytest.mark.parametrize(
+    "output,target,message",
+    [
+        ((8, 3), (8,), r"expects outputs of shape \(B, \.\.\., 2\) .*received shape \(8, 3\)"),
+        ((2,), (), r"expects outputs of shape \(B, \.\.\., 2\)"),
+        ((8, 2), (8, 2), r"target of a Gaussian NLL loss must have shape \(8,\) \(or \(8, 1\)\) .*received \(8, 2\)"),
+        ((8, 2), (4,), r"must have shape \(8,\) .*received \(4,\)"),
+    ],
+)
+def test_bad_gaussian_target_shapes(output: tuple[int, ...], target: tuple[int, ...], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        mca.check_gaussian_target(output, target)
