@@ -39,11 +39,13 @@ CORE_TESTS = (
     "tests/core",
     "tests/test_conformance.py",
     "tests/test_layer_arguments.py",
+    "tests/test_readme.py",
     "tests/test_backends_installed.py",
 )
 ADAPTER_TESTS = (
     "tests/test_conformance.py",
     "tests/test_layer_arguments.py",
+    "tests/test_readme.py",
     "tests/test_backends_installed.py",
     "tests/test_demo_smoke.py",
 )
