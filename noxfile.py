@@ -88,7 +88,7 @@ def torch(session: nox.Session) -> None:
     run_pytest(session, "torch", "tests/torch", *ADAPTER_TESTS)
 
 
-KERAS_BACKEND_PACKAGES = {"tensorflow": ("tensorflow-cpu>=2.21",), "jax": ("jax>=0.10",), "torch": ("torch",)}
+KERAS_BACKEND_PACKAGES = {"tensorflow": ("tensorflow-cpu>=2.21",), "jax": ("jax>=0.10.2",), "torch": ("torch",)}
 
 
 @nox.session
