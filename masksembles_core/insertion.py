@@ -9,7 +9,8 @@ may get masks, with their input channel count), and ``plan_insertion`` decides, 
 - with ``start`` (a layer path, e.g. ``"layer3"``), candidates before that layer in the model's order are skipped;
   a ``start`` that names no layer is an error that lists the model's top-level layers;
 - a candidate the adapter marked with a reason (e.g. a depthwise convolution) is skipped with that reason, and so is
-  one with a single input channel (every mask would keep it);
+  one with a single input channel (every mask would keep it) or too few for n distinct masks (members would share
+  masks);
 - the ``i``-th inserted layer gets masks from ``derive_seed(seed, i)``.
 
 The result is a ``LayerReport``: one row per candidate, what was done and why, printable as a Markdown table.
@@ -18,10 +19,11 @@ The result is a ``LayerReport``: one row per candidate, what was done and why, p
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ._generation import derive_seed
+from ._generation import derive_seed, ones_per_mask
 from ._validation import check_int, check_n, check_scale
 
 INSERTED = "inserted"
@@ -162,6 +164,13 @@ def plan_insertion(
             reason = f"before start={start!r}"
         if not reason and candidate.channels < 2:
             reason = "a single input channel: every mask would keep it"
+        if not reason and n > 1 and scale > 1:
+            ones = ones_per_mask(candidate.channels, n, scale)
+            if math.comb(candidate.channels, ones) < n:
+                reason = (
+                    f"{candidate.channels} input channels: only {math.comb(candidate.channels, ones)} distinct masks "
+                    f"of {ones} ones exist, fewer than n={n} (members would share masks)"
+                )
         if reason:
             rows.append(LayerChange(candidate.path, candidate.layer, LEFT, reason=reason))
             continue

@@ -57,6 +57,9 @@ def test_seeds_are_derived_per_inserted_layer() -> None:
 
 def test_include_first_and_start() -> None:
     report = plan_insertion(CANDIDATES, ORDER, 4, 2.0, first_layer=FIRST, seed=0, include_first=True)
+    assert actions(report)["stem.conv"] == LEFT, "included, but 3 channels give fewer than 4 distinct masks"
+    assert report.unchanged[0].reason.startswith("3 input channels: only 3 distinct masks")
+    report = plan_insertion(CANDIDATES, ORDER, 3, 2.0, first_layer=FIRST, seed=0, include_first=True)
     assert actions(report)["stem.conv"] == INSERTED
     report = plan_insertion(CANDIDATES, ORDER, 4, 2.0, first_layer=FIRST, seed=0, start="layer2")
     assert [row.path for row in report.changed] == ["layer2.conv", "head.fc"]
@@ -116,3 +119,14 @@ def test_the_first_layer_is_the_networks_not_the_first_candidate() -> None:
     assert [row.path for row in report.changed] == ["head.fc"]
     report = plan_insertion(CANDIDATES[1:], ORDER, 4, 2.0, seed=0, first_layer=None)
     assert [row.path for row in report.changed] == ["layer1.conv", "layer2.conv", "head.fc"]
+
+
+def test_too_few_channels_for_distinct_masks_are_left_alone() -> None:
+    candidates = (Candidate("a", "Linear", 5, -1), Candidate("b", "Linear", 3, -1), Candidate("c", "Linear", 6, -1))
+    report = plan_insertion(candidates, ("a", "b", "c"), 4, 2.0, seed=0, first_layer=None)
+    assert actions(report) == {"a": INSERTED, "b": LEFT, "c": INSERTED}
+    assert report.unchanged[0].reason == (
+        "3 input channels: only 3 distinct masks of 2 ones exist, fewer than n=4 (members would share masks)"
+    )
+    single = plan_insertion(candidates, ("a", "b", "c"), 4, 1.0, seed=0, first_layer=None)
+    assert [row.action for row in single.rows] == [INSERTED] * 3, "S=1 masks are all ones by design"

@@ -137,7 +137,7 @@ def test_the_copy_keeps_the_attribute_order() -> None:
     assert public_attributes(inserted) == ["stem", "blocks", "head", "masksembles_report"]
     assert public_attributes(model) == ["stem", "blocks", "head"]
     assert public_attributes(inserted.blocks[1]) == ["conv1", "bn1", "conv2", "bn2", "projection"]
-    again = insert(inserted, 4, 2.0, seed=0, include_first=True).masksembles_report
+    again = insert(inserted, 3, 2.0, seed=0, include_first=True).masksembles_report
     assert [row.path for row in again.changed] == ["stem"]
 
 
@@ -207,9 +207,11 @@ def test_resnet_blocks_and_start() -> None:
 
 
 def test_include_first_masks_the_raw_input() -> None:
-    report = insert(ResNet(nnx.Rngs(0)), 4, 2.0, seed=0, include_first=True).masksembles_report
+    report = insert(ResNet(nnx.Rngs(0)), 3, 2.0, seed=0, include_first=True).masksembles_report
     assert report.rows[0].path == "stem" and report.rows[0].action == INSERTED
     assert report.rows[0].channels == 3
+    rgb = insert(ResNet(nnx.Rngs(0)), 4, 2.0, seed=0, include_first=True).masksembles_report
+    assert rgb.rows[0].reason.startswith("3 input channels: only 3 distinct masks of 2 ones"), "n=4 needs more"
 
 
 def test_layers_in_lists_tuples_dicts_and_sequentials_are_replaced_in_place() -> None:
@@ -293,7 +295,7 @@ def test_inserting_again_leaves_masked_layers_alone() -> None:
     once = insert(CNN(nnx.Rngs(0)), 4, 2.0, seed=0)
     with pytest.raises(ValueError, match=r"(?s)insert found no layer to put masks before.*already has Masksembles"):
         insert(once, 4, 2.0, seed=0)
-    twice = insert(once, 4, 2.0, seed=0, include_first=True).masksembles_report
+    twice = insert(once, 3, 2.0, seed=0, include_first=True).masksembles_report
     assert [row.path for row in twice.changed] == ["conv1"]
 
 

@@ -211,6 +211,7 @@ def random_model(seed: int) -> tuple[nnx.Sequential, tuple[int, ...]]:
     return randomize_norms(nnx.Sequential(*layers), seed), shape
 
 
+@pytest.mark.filterwarnings("ignore::masksembles_core.DuplicateMasksWarning")  # random layers as narrow as 2 channels
 @pytest.mark.parametrize("seed", range(8), ids=lambda seed: f"seed{seed}")
 def test_randomly_built_models(seed: int) -> None:
     model, shape = random_model(seed)

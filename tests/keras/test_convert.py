@@ -74,7 +74,8 @@ def test_all_ones_masks_reproduce_the_model_and_read_the_dropouts_input(name: st
         holder = row.path.rpartition("/")[0]
         new, old = (layer_at(converted, holder), layer_at(model, holder)) if holder else (converted, model)
         reads = [keras.Model(owner.inputs, layer_at(owner, row.path.rpartition("/")[2]).input) for owner in (new, old)]
-        np.testing.assert_array_equal(run(reads[0], data(old)), run(reads[1], data(old)), err_msg=row.path)
+        x = [data(old)]  # the models read ``inputs``, a list
+        np.testing.assert_array_equal(run(reads[0], x), run(reads[1], x), err_msg=row.path)
 
 
 def test_the_issue_repro_with_raw_operations_converts_on_every_backend() -> None:

@@ -246,7 +246,7 @@ def test_only_random_mode_owns_a_seed_generator() -> None:
 @pytest.mark.parametrize(
     "kwargs",
     [
-        pytest.param({"n": 4, "scale": 2.0, "seed": 5}, id="seed"),
+        pytest.param({"n": 3, "scale": 2.0, "seed": 5}, id="seed"),  # 3 channels: at most 3 distinct masks
         pytest.param({"n": 3, "scale": 1.5, "channel_axis": 1, "mode": "random", "name": "ens"}, id="random-axis1"),
         pytest.param({"n": 2, "scale": 4.0, "dtype": "float16", "trainable": False}, id="dtype-trainable"),
         pytest.param({"masks": [[1, 0, 1], [0, 1, 1]], "scale": 2.0}, id="given-masks"),

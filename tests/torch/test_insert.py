@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import math
+from typing import cast
 
 import pytest
 import torch
@@ -25,6 +27,31 @@ LEFT_ALONE = {
     "convnext": {f"stages.{i}.conv_dw": DEPTHWISE for i in ("0.0", "1.1")},
     "vit_torch": {f"blocks.{i}.self_attention.out_proj": INSIDE_ATTENTION for i in (0, 1)},
 }
+
+
+def narrow(channels: int, n: int = N, scale: float = 2.0) -> str | None:
+    """The reason insert leaves a layer with too few input channels for n distinct masks, or None."""
+    ones = mc.ones_per_mask(channels, n, scale)
+    distinct = math.comb(channels, ones)
+    if distinct >= n:
+        return None
+    return (
+        f"{channels} input channels: only {distinct} distinct masks of {ones} ones exist, fewer than n={n} "
+        "(members would share masks)"
+    )
+
+
+def narrow_layers(model: nn.Module) -> dict[str, str]:
+    """The convolution and linear layers of ``model`` that are too narrow for n distinct masks, with the reason."""
+    found = {}
+    for path, module in model.named_modules():
+        channels = getattr(module, "in_channels", getattr(module, "in_features", None))
+        groups = getattr(module, "groups", 1)
+        if isinstance(module, (nn.Conv2d, nn.Linear)) and channels not in (None, groups) and narrow(channels):
+            found[path] = cast(str, narrow(channels))
+    return found
+
+
 FIRST_LAYER = {
     "mobilenet_v3": "features.0.0",
     "efficientnet": "features.0.0",
@@ -48,7 +75,7 @@ def test_masks_go_before_every_conv_and_linear_layer_but_the_reported_ones(name:
     assert report.operation == "insert" and (report.n, report.scale) == (N, 2.0)
     layers = [path for path, m in model.named_modules() if isinstance(m, nn.Conv2d | nn.Linear)]
     assert [row.path for row in report.rows] == layers, "one row per conv/linear layer, in named_modules order"
-    expected_left = {FIRST_LAYER.get(name, "conv1"): FIRST, **LEFT_ALONE.get(name, {})}
+    expected_left = {**narrow_layers(model), FIRST_LAYER.get(name, "conv1"): FIRST, **LEFT_ALONE.get(name, {})}
     assert {row.path: row.reason for row in report.unchanged} == expected_left
     assert set(masked_layers(inserted)) == {row.path for row in report.changed}
     assert not masked_layers(model), "the input model is not modified"
@@ -104,6 +131,8 @@ def test_start_include_first_and_resnext_grouped_convolutions() -> None:
     assert model.get_submodule(grouped.path).groups == 2
     assert grouped.channels == model.get_submodule(grouped.path).in_channels, "masks over all input channels"
     report = mt.insert(model, N, 2.0, seed=0, include_first=True).masksembles_report
+    assert (report.rows[0].path, report.rows[0].reason) == ("conv1", narrow(3)), "RGB: 3 distinct masks at most"
+    report = mt.insert(model, 3, 2.0, seed=0, include_first=True).masksembles_report
     assert (report.rows[0].path, report.rows[0].action, report.rows[0].channels) == ("conv1", INSERTED, 3)
     with pytest.raises(ValueError, match="start='layer9' names no layer of the model; its top-level layers are"):
         mt.insert(model, N, 2.0, start="layer9")
@@ -116,7 +145,8 @@ def test_before_chooses_by_type_or_by_predicate() -> None:
     assert len(report.rows) == 9
     mobilenet = zoo.build("mobilenet_v3")
     report = mt.insert(mobilenet, N, 2.0, seed=0, before=nn.Conv2d).masksembles_report
-    assert [row.path for row in report.unchanged] == ["features.0.0"], "explicit types include depthwise convs"
+    expected = {**narrow_layers(mobilenet), "features.0.0": FIRST}
+    assert {row.path: row.reason for row in report.unchanged} == expected, "explicit types include depthwise convs"
     depthwise = mobilenet.get_submodule("features.2.block.1.0")
     assert {row.path: row.channels for row in report.changed}["features.2.block.1.0"] == depthwise.in_channels
     resnet = zoo.build("resnet_basic")
@@ -208,7 +238,7 @@ def test_left_alone_with_reasons() -> None:
         "narrow": "a single input channel: every mask would keep it",
     }
     assert [row.path for row in report.changed] == ["head"]
-    twice = mt.insert(mt.insert(zoo.build("resnet_basic"), N, 2.0, seed=0), N, 2.0, include_first=True)
+    twice = mt.insert(mt.insert(zoo.build("resnet_basic"), 3, 2.0, seed=0), 3, 2.0, include_first=True)
     assert [row.path for row in twice.masksembles_report.changed] == ["conv1"]
     assert {row.reason for row in twice.masksembles_report.unchanged} == {
         "already masked: the layer of a Masked wrapper"
