@@ -228,7 +228,7 @@ def trace(model: nnx.Module, example: Any) -> Program:
         raise TypeError(f"{PREFIX} need an nnx.Module; received {type(model).__name__}")
     graphdef, state = nnx.split(model)
     copy = nnx.merge(graphdef, state)  # a new module graph on the same arrays: eval mode leaves the model alone
-    copy.eval()
+    copy.eval()  # type: ignore[no-untyped-call]
     graphdef, state = nnx.split(copy)
     leaves, treedef = jax.tree.flatten(state)
 
@@ -261,7 +261,7 @@ def _merge(flats: list[tuple[_Flat, list[Any]]], out_trees: list[Any], leaves: i
 
     def signature(flat: _Flat, outputs: list[Any]) -> Any:
         def atom(a: Any) -> Any:
-            return ("literal", str(a.aval.dtype)) if isinstance(a, jex.Literal) else a
+            return ("literal", str(cast(Any, a.aval).dtype)) if isinstance(a, jex.Literal) else a
 
         eqns = [(p.name, tuple(map(atom, i)), tuple(o), tuple(sorted(params))) for p, i, o, params, _ in flat.eqns]
         return len(flat.avals), sorted(flat.constants), eqns, [atom(o) for o in outputs]
@@ -273,8 +273,9 @@ def _merge(flats: list[tuple[_Flat, list[Any]]], out_trees: list[Any], leaves: i
                 f"{PREFIX}: {name} runs different operations at batch sizes {batch} and {batch + 1}; packing needs "
                 "one program for every batch size"
             )
+    avals: list[list[Any]] = [flat.avals for flat, _ in flats]
     values = [
-        Value(tuple(tuple(int(d) for d in flat.avals[i].shape) for flat, _ in flats), first.avals[i].dtype, batch)
+        Value(tuple(tuple(int(d) for d in probe[i].shape) for probe in avals), avals[0][i].dtype, batch)
         for i in range(len(first.avals))
     ]
 
@@ -326,17 +327,17 @@ def analyse(program: Program) -> Analysis:
     folded = _evaluate_constants(program, [e for e in eqns if not set(e.outputs) & reads_input], wanted)
     runtime = set(reads_input)
     for var in sorted(sized):
-        value = program.values[var]
-        if value.batch_axis < 0 or not _uniform(folded[var], value.batch_axis):
+        axis = program.values[var].batch_axis
+        if axis < 0 or not _uniform(folded[var], axis):
             runtime.add(var)
     runtime = _forward(runtime, eqns)
     live = [eqn for eqn in eqns if set(eqn.outputs) & runtime]
     needed = {a for eqn in live for a in _vars(eqn) if a not in runtime}
     constants = {var: folded[var] if var in folded else program.constants[var] for var in needed}
     reduced = {}
-    for var, value in constants.items():
+    for var, array in constants.items():
         axis = program.values[var].batch_axis
-        reduced[var] = value[(slice(None),) * axis + (slice(0, 1),)] if axis >= 0 else value
+        reduced[var] = array[(slice(None),) * axis + (slice(0, 1),)] if axis >= 0 else array
     return Analysis(program, runtime, live, constants, reduced)
 
 
@@ -379,8 +380,15 @@ def _evaluate_constants(program: Program, eqns: Sequence[Eqn], wanted: Sequence[
             env.update(zip(eqn.outputs, bind(eqn, [read(env, a) for a in eqn.inputs]), strict=True))
         return [env[var] for var in wanted]
 
-    results = jax.jit(run)([program.constants[var] for var in sources])
+    results = evaluate_once(run, [program.constants[var] for var in sources])
     return dict(zip(wanted, results, strict=True))
+
+
+def evaluate_once(function: Callable[[list[Any]], list[Any]], args: list[Any]) -> list[Any]:
+    """``function(args)`` compiled by XLA without its backend optimizations: it runs once, at pack time, and compiles
+    in about half the time."""
+    compiled = jax.jit(function).lower(args).compile({"xla_backend_optimization_level": "0"})
+    return cast(list[Any], compiled(args))
 
 
 def read(env: dict[int, Any], atom: Atom) -> Any:
@@ -389,7 +397,7 @@ def read(env: dict[int, Any], atom: Atom) -> Any:
 
 def bind(eqn: Eqn, args: Sequence[Any], params: dict[str, Any] | None = None) -> list[Any]:
     """Run one equation (first probe's parameters unless given); always a list of outputs."""
-    result = eqn.primitive.bind(*args, **(eqn.params[0] if params is None else params))
+    result = eqn.primitive.bind(*args, **(eqn.params[0] if params is None else params))  # type: ignore[no-untyped-call]
     return list(result) if eqn.primitive.multiple_results else [result]
 
 
@@ -446,12 +454,37 @@ class Capture:
         return list(dict.fromkeys(a for a in _vars(eqn) if a in self.runtime))
 
     def fallback(self, eqn: Eqn, var: int) -> Op:
-        """Run as the dense model runs it; per member when it follows the batch size (or is a Masksembles layer)."""
-        dependent = bool(eqn.varying) or any(
-            isinstance(a, Literal) and not all(_same(a.values[0], v) for v in a.values[1:]) for a in eqn.inputs
-        )
-        dependent = dependent or not self.tensors(eqn) or is_masking(eqn.name, eqn.params[0])
-        return Op(eqn, var, "fallback", self.tensors(eqn), rule="none", batch_dependent=dependent)
+        """Run as the dense model runs it (whether per member is decided once the axes are: ``batch_dependent``)."""
+        return Op(eqn, var, "fallback", self.tensors(eqn), rule="none")
+
+    def batch_dependent(self, op: Op) -> bool:
+        """Whether a fallback must run on the member-stacked batch even when what it reads is shared: unless it
+        provably treats every sample on its own (the dense model's result is then the shared one repeated), it
+        may mix samples or read the batch size, which the member-stacked batch has m times."""
+        eqn, out = op.eqn, self.values[op.var]
+        name, params = eqn.name, eqn.params[0]
+        batch = [self.values[t].batch_axis for t in op.tensors]
+        literals = all(all(_same(a.values[0], v) for v in a.values[1:]) for a in eqn.inputs if isinstance(a, Literal))
+        if not op.tensors or is_masking(name, params) or out.batch_axis < 0 or min(batch) < 0 or not literals:
+            return True
+        if eqn.varying - set(SHAPE_PARAMS.get(name, ())):
+            return True
+        if name in ELEMENTWISE or (name == "concatenate" and int(params["dimension"]) not in batch):
+            return set(batch) != {out.batch_axis}
+        if name in REDUCTIONS | WINDOWS | CUMULATIVE:
+            return _param_map(op)(batch[0]) != out.batch_axis
+        if name in MOVES and len(op.tensors) == 1:
+            return self.answers.mapped_axis(op, batch[0]) != out.batch_axis
+        if name == "conv_general_dilated":
+            numbers = params["dimension_numbers"]
+            return op.tensors != [eqn.inputs[0]] or (batch[0], out.batch_axis) != (
+                numbers.lhs_spec[0],
+                numbers.out_spec[0],
+            )
+        if name == "dot_general":
+            ranks = [self.values[a].rank if isinstance(a, int) else 0 for a in eqn.inputs]
+            return _dot_batch_axis(eqn, dict(zip(op.tensors, batch, strict=True)), ranks) != out.batch_axis
+        return True
 
     def _classify(self, eqn: Eqn, var: int) -> Op:
         tensors = self.tensors(eqn)
@@ -492,9 +525,7 @@ class Capture:
         """Constant operands of an elementwise operation or a move: scalars, or of the output's rank (their axes are
         the output's, so their channels can be laid out like it)."""
         rank = self.values[var].rank
-        return all(
-            isinstance(a, Literal) or a in self.runtime or self.values[a].rank in (0, rank) for a in eqn.inputs
-        )
+        return all(isinstance(a, Literal) or a in self.runtime or self.values[a].rank in (0, rank) for a in eqn.inputs)
 
     def _masks(self, eqn: Eqn, var: int, tensors: list[int]) -> Op | None:
         x, masks = eqn.inputs
@@ -524,8 +555,9 @@ class Capture:
             return None
         numbers = params["dimension_numbers"]
         groups = int(params["feature_group_count"])
-        return Op(eqn, var, "mixing" if groups == 1 else "grouped", tensors, rule="fixed",
-                  fixed_in=numbers.lhs_spec[1], fixed_out=numbers.out_spec[1], weight=weight, groups=groups)  # fmt: skip
+        kind = "mixing" if groups == 1 else "grouped"
+        return Op(eqn, var, kind, tensors, rule="fixed", fixed_in=numbers.lhs_spec[1], fixed_out=numbers.out_spec[1],
+                  weight=weight, groups=groups)  # fmt: skip
 
     def _flatten(self, eqn: Eqn, source: int, var: int) -> bool:
         """(B, ..., C) or (B, C, ...) -> (B, features), row-major."""
@@ -558,7 +590,7 @@ class Answers:
                 for assignment in self._zero_inputs(op):
                     self.zero_questions[var].append(len(questions))
                     questions.append((op.eqn, assignment, False))
-            if op.mapping == "evaluate":
+            if op.eqn.name in MOVES and len(op.tensors) == 1:  # also asked when it falls back: does it keep samples
                 source = capture.values[op.tensors[0]]
                 for axis in range(source.rank):
                     self.index_questions[(var, axis)] = len(questions)
@@ -584,28 +616,26 @@ class Answers:
         sources = sorted(analysis.constants)
         runtime = self.capture.runtime
 
+        def operand(atom: Atom, given: dict[int, Callable[[], jax.Array]], index: bool, env: dict[int, Any]) -> Any:
+            if isinstance(atom, int) and atom in given:
+                return given[atom]()
+            if index:  # a move on index tensors: every other array operand is a NaN sentinel
+                shape = () if isinstance(atom, Literal) else self.capture.values[atom].shape
+                return jnp.full(shape, np.nan, jnp.float32)
+            if isinstance(atom, Literal):
+                return atom.values[0]
+            assert atom not in runtime, "a run-time operand that is not given"
+            return env[atom]
+
         def run(constants: list[Any]) -> list[Any]:
             env = dict(zip(sources, constants, strict=True))
             results = []
             for eqn, given, index in questions:
-
-                def operand(atom: Atom) -> Any:
-                    if isinstance(atom, int) and atom in given:
-                        return given[atom]()
-                    if index:  # a move on index tensors: every other array operand is a NaN sentinel
-                        if isinstance(atom, Literal):
-                            return jnp.asarray(np.nan, jnp.float32)
-                        return jnp.full(self.capture.values[atom].shape, np.nan, jnp.float32)
-                    if isinstance(atom, Literal):
-                        return atom.values[0]
-                    assert atom not in runtime, "a run-time operand that is not given"
-                    return env[atom]
-
-                (output,) = bind(eqn, [operand(a) for a in eqn.inputs])
+                (output,) = bind(eqn, [operand(a, given, index, env) for a in eqn.inputs])
                 results.append(output if index else output == 0)
             return results
 
-        return [np.asarray(r) for r in jax.jit(run)([analysis.constants[var] for var in sources])]
+        return [np.asarray(r) for r in evaluate_once(run, [analysis.constants[var] for var in sources])]
 
     def zero_map(self, op: Op) -> np.ndarray:
         """Per output channel (``op.axis``), whether every evaluation on zero inputs gave 0 there."""
@@ -662,8 +692,10 @@ class _Conflict(Exception):
 
 
 def solve_axes(capture: Capture) -> dict[int, int]:
-    """The channel axis of every compacted node and of what it reads; nodes that cannot agree fall back."""
+    """The channel axis of every compacted node and of what it reads; nodes that cannot agree fall back. Then which
+    fallbacks run per member."""
     while True:
+        _demote_dense(capture)
         try:
             axis = _propagate_axes(capture)
         except _Conflict as conflict:
@@ -672,7 +704,22 @@ def solve_axes(capture: Capture) -> dict[int, int]:
             continue
         for op in capture.ops.values():
             op.axis = axis.get(op.var, -1)
+            op.batch_dependent = op.kind == "fallback" and capture.batch_dependent(op)
         return axis
+
+
+def _demote_dense(capture: Capture) -> None:
+    """Elementwise nodes that read only fallbacks run at full width anyway (the core places them dense): make them
+    fallbacks, so that their axes constrain nothing (the reductions of a LayerNorm, say)."""
+    changed = True
+    while changed:
+        changed = False
+        for var, op in capture.ops.items():
+            if op.kind in ("channelwise", "combine", "concat", "flatten") and all(
+                t in capture.ops and not capture.ops[t].compacted for t in op.tensors
+            ):
+                capture.ops[var] = capture.fallback(op.eqn, var)
+                changed = True
 
 
 def _propagate_axes(capture: Capture) -> dict[int, int]:
@@ -772,6 +819,33 @@ def mapped_axis(capture: Capture, op: Op, source_axis: int) -> int | None:
     if mapping(batch) != capture.values[op.var].batch_axis:
         return None
     return mapping(source_axis)
+
+
+def _dot_batch_axis(eqn: Eqn, batch: dict[int, int], ranks: list[int]) -> int | None:
+    """Where a ``dot_general`` puts the batch of its run-time operands (``batch``: each one's batch axis), if every
+    output sample reads only its own samples: a batch axis is a batch dimension of both operands at the same
+    position, or a free axis of one operand while the other is a constant. None otherwise."""
+    (contracting, batch_dims) = eqn.params[0]["dimension_numbers"]
+    found = set()
+    for side, atom in enumerate(eqn.inputs):
+        if not isinstance(atom, int) or atom not in batch:
+            continue
+        axis = batch[atom]
+        dims = [int(d) for d in batch_dims[side]]
+        if axis in [int(d) for d in contracting[side]]:
+            return None
+        if axis in dims:
+            other = eqn.inputs[1 - side]
+            if not isinstance(other, int) or batch.get(other) != int(batch_dims[1 - side][dims.index(axis)]):
+                return None
+            found.add(dims.index(axis))
+            continue
+        if len(batch) > 1:
+            return None  # a free batch axis on both sides: every sample meets every other
+        free = [a for a in range(ranks[side]) if a not in dims and a not in [int(d) for d in contracting[side]]]
+        before = 0 if side == 0 else ranks[0] - len(contracting[0]) - len(batch_dims[0])
+        found.add(len(dims) + before + free.index(axis))
+    return found.pop() if len(found) == 1 else None
 
 
 def _param_map(op: Op) -> Callable[[int], int | None]:
@@ -878,9 +952,9 @@ def _member_frames(capture: Capture) -> None:
 
 
 def fallbacks(capture: Capture, names: Sequence[str]) -> tuple[str, ...]:
-    """The fallback nodes, described by primitive and where the model calls it."""
+    """The fallback nodes, described by primitive and where the model calls it (each place once)."""
     by_name = {node_name(var): op for var, op in capture.ops.items()}
-    return tuple(by_name[name].eqn.describe() for name in names if name != OUTPUT)
+    return tuple(dict.fromkeys(by_name[name].eqn.describe() for name in names if name != OUTPUT))
 
 
 @dataclass(frozen=True)
@@ -942,4 +1016,3 @@ def instantiate(value: Any, batch: int) -> Any:
             return value.kind(items)
         return value.kind(*items)
     raise TypeError(f"not a template: {value!r}")
-

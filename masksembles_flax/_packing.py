@@ -189,7 +189,8 @@ class _Run:
         self.results: dict[int, list[jax.Array]] = {}  # full-width equations: all their outputs, once
 
     def constant(self, key: str) -> jax.Array:
-        return cast(jax.Array, self.module.constants[key][...])
+        value: jax.Array = self.module.constants[key][...]
+        return value
 
     def edge(self, edge: tuple[str, tuple[int, ...]]) -> Values:
         source, moves = edge
@@ -238,7 +239,7 @@ class _Run:
             eqn = cast(Eqn, step.eqn)
             params = cast(dict[str, Any], step.params)
             return tuple(
-                eqn.primitive.bind(xk, kernel[k] if step.copies > 1 else kernel, **params)
+                capture_module.bind(eqn, [xk, kernel[k] if step.copies > 1 else kernel], params)[0]
                 for k, xk in enumerate(inputs[0])
             )
         if step.how == "bind":
@@ -259,13 +260,13 @@ class _Run:
         weight = self.module.weights[step.key][...]
         eqn, params = cast(Eqn, step.eqn), dict(cast(dict[str, Any], step.params))
         if step.copies == 1:
-            operands = (value[0], weight) if step.side == 0 else (weight, value[0])
-            return (eqn.primitive.bind(*operands, **params),)
+            operands = [value[0], weight] if step.side == 0 else [weight, value[0]]
+            return (capture_module.bind(eqn, operands, params)[0],)
         (contracting, _) = params["dimension_numbers"]
         params["dimension_numbers"] = (tuple(tuple(int(d) + 1 for d in dims) for dims in contracting), ((0,), (0,)))
         stacked = jnp.stack(value)
-        operands = (stacked, weight) if step.side == 0 else (weight, stacked)
-        result = eqn.primitive.bind(*operands, **params)
+        operands = [stacked, weight] if step.side == 0 else [weight, stacked]
+        (result,) = capture_module.bind(eqn, operands, params)
         return tuple(result[k] for k in range(step.copies))
 
     def bind(self, step: _Step, tensors: list[jax.Array], copy: int) -> jax.Array:
@@ -295,10 +296,8 @@ class _Run:
             else:
                 value = self.constant(operand.key)
                 value = value[copy] if value.shape[0] > 1 else value[0]
-                if operand.shape is not None:  # a move's operand: exactly the shape of its place
-                    target = [shape[a] if dim is None else dim for a, dim in enumerate(operand.shape)]
-                    value = jnp.broadcast_to(value, target)
-                args.append(value)
+                target = [shape[a] if dim is None else dim for a, dim in enumerate(operand.shape)]
+                args.append(jnp.broadcast_to(value, target))
         (result,) = capture_module.bind(eqn, args, params)
         return cast(jax.Array, result)
 
@@ -308,7 +307,7 @@ class _Run:
         frame = self.batch * self.m if step.member_frame else self.batch
         if eqn.index not in self.results:
             params = {key: capture_module.instantiate(value, frame) for key, value in step.params.items()}
-            args = []
+            args: list[Any] = []
             for operand in step.operands:
                 if operand.kind == "edge":
                     args.append(tensors[operand.index])
@@ -363,7 +362,8 @@ class _Emitter:
         for edge in step.edges:
             produced = self.program.step(edge.source).placement
             shared, width = produced.shared, produced.width  # where the tensor is, as the moves go
-            ids, key = [], (edge.source,)
+            ids: list[int] = []
+            key: tuple[Any, ...] = (edge.source,)
             for move in edge.moves:
                 key = (*key, move.kind, _bytes(move.index), _bytes(move.scale))
                 if key not in self.move_ids:
@@ -450,7 +450,7 @@ class _Emitter:
         oriented = weight if into == 1 else weight.T  # (C_out, C_in)
         blocks = np.where(valid, oriented[r, c], np.zeros((), weight.dtype))
         blocks = blocks if into == 1 else blocks.transpose(0, 2, 1)
-        key = f"{step.name}_{op.eqn.name}"
+        key = self._weight_key(op)
         self.weights[key] = blocks if copies > 1 else blocks[0]
         return _Step(step.name, "dot", edges, copies, op.eqn, params=params, key=key, side=side)
 
@@ -475,15 +475,20 @@ class _Emitter:
             keep = valid.reshape(*valid.shape, *([1] * (oriented.ndim - 2)))
             stacked = np.where(keep, oriented[r, c], np.zeros((), kernel.dtype))
         restored = np.moveaxis(stacked, (1, 2), (out_dim + 1, in_dim + 1))
-        key = f"{step.name}_{op.eqn.name}"
+        key = self._weight_key(op)
         self.weights[key] = restored if copies > 1 else restored[0]
         return _Step(step.name, "conv", edges, copies, op.eqn, params=params, key=key)
+
+    def _weight_key(self, op: Op) -> str:
+        """``dot_general_000``, ``conv_general_dilated_001``, ...: the i-th kernel of that primitive in program order
+        (state keys sort in that order)."""
+        count = sum(key.startswith(op.eqn.name) for key in self.weights)
+        return f"{op.eqn.name}_{count:03d}"
 
     def _bind(self, step: Step, op: Op, edges: Any, copies: int) -> _Step:
         """A compacted elementwise operation, reduction or move, with its constant operands laid out per copy."""
         capture = self.capture
         out = capture.values[op.var]
-        move = op.eqn.name in SHAPE_PARAMS or op.eqn.name in ("concatenate", "pad")
         operands = []
         for position, atom in enumerate(op.eqn.inputs):
             if isinstance(atom, Literal):
@@ -494,13 +499,13 @@ class _Emitter:
                 key = f"{step.name}_operand{position}"
                 value = np.asarray(capture.analysis.reduced[atom])
                 self.constants[key] = self._lay_out(value, op.axis, out.shape[op.axis], step.placement, copies)
-                shape = None
-                if move:
-                    full = capture.values[atom].shape
-                    shape = tuple(
-                        None if (a == out.batch_axis and full[a] == out.shape[a]) or a == op.axis else full[a]
-                        for a in range(len(full))
-                    )
+                seen = capture.values[atom]  # None: the batch's size, or the compacted channels'
+                shape = tuple(
+                    None
+                    if (a == out.batch_axis and a in seen.batch_axes) or (a == op.axis and size == out.shape[a])
+                    else size
+                    for a, size in enumerate(seen.shape)
+                )
                 operands.append(_Operand("constant", key=key, shape=shape))
         source = capture.values[op.tensors[0]]
         in_axes = (source.batch_axis, self.axis.get(op.tensors[0], -1))
