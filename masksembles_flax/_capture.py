@@ -527,9 +527,13 @@ class Capture:
         rank = self.values[var].rank
         return all(isinstance(a, Literal) or a in self.runtime or self.values[a].rank in (0, rank) for a in eqn.inputs)
 
+    def _constant(self, atom: Atom) -> bool:
+        """An operand computed from the state alone (a weight), not a literal."""
+        return isinstance(atom, int) and atom not in self.runtime
+
     def _masks(self, eqn: Eqn, var: int, tensors: list[int]) -> Op | None:
         x, masks = eqn.inputs
-        if not isinstance(masks, int) or masks in self.runtime or tensors != [x]:
+        if not self._constant(masks) or tensors != [x]:
             return None
         axis = masking_axis(eqn.params[0])
         return Op(eqn, var, "masks", tensors, rule="fixed", fixed_in=axis, fixed_out=axis)
@@ -541,23 +545,24 @@ class Capture:
             return None
         side = eqn.inputs.index(tensors[0])
         weight = eqn.inputs[1 - side]
-        if not isinstance(weight, int) or self.values[weight].rank != 2 or len(contracting[side]) != 1:
+        if not self._constant(weight) or self.values[cast(int, weight)].rank != 2 or len(contracting[side]) != 1:
             return None
         fixed_in = int(contracting[side][0])
         # output axes: the left operand's free axes, then the right one's; the weight has one free axis
         fixed_out = self.values[tensors[0]].rank - 1 if side == 0 else 0
-        return Op(eqn, var, "mixing", tensors, rule="fixed", fixed_in=fixed_in, fixed_out=fixed_out, weight=weight)
+        return Op(eqn, var, "mixing", tensors, rule="fixed", fixed_in=fixed_in, fixed_out=fixed_out,
+                  weight=cast(int, weight))  # fmt: skip
 
     def _conv(self, eqn: Eqn, var: int, tensors: list[int]) -> Op | None:
         params = eqn.params[0]
         weight = eqn.inputs[1]
-        if tensors != [eqn.inputs[0]] or not isinstance(weight, int) or params["batch_group_count"] != 1:
+        if tensors != [eqn.inputs[0]] or not self._constant(weight) or params["batch_group_count"] != 1:
             return None
         numbers = params["dimension_numbers"]
         groups = int(params["feature_group_count"])
         kind = "mixing" if groups == 1 else "grouped"
         return Op(eqn, var, kind, tensors, rule="fixed", fixed_in=numbers.lhs_spec[1], fixed_out=numbers.out_spec[1],
-                  weight=weight, groups=groups)  # fmt: skip
+                  weight=cast(int, weight), groups=groups)  # fmt: skip
 
     def _flatten(self, eqn: Eqn, source: int, var: int) -> bool:
         """(B, ..., C) or (B, C, ...) -> (B, features), row-major."""

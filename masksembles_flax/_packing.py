@@ -69,6 +69,7 @@ class Constant(nnx.Variable[jax.Array]):
 
 
 Values = tuple[jax.Array, ...]  # one array per member, one for a shared tensor or one on the member-stacked batch
+Arrays = dict[str, list[np.ndarray]]  # a packed module's arrays: one per copy
 
 
 # ------------------------------------------------------------------------------------------------ the static program
@@ -151,13 +152,14 @@ class PackedMasksembles(nnx.Module):
     ``__call__``: (B, ...) -> (m, B, ...) for the m members it was built for (each output leaf of the model), or
     (B, ...) for an extracted member. Inference only (eval semantics). Jit it like any NNX module (``nnx.jit``, or
     ``nnx.split`` + ``jax.jit``). ``weights`` holds the compacted kernels (``nnx.Param``), ``constants`` the other
-    arrays.
+    arrays; each entry is a list with one array per copy (one for a shared layer or an extracted member, one per
+    member otherwise; the members' Linear kernels stacked in one array).
     """
 
-    def __init__(self, plan: _Plan, weights: dict[str, np.ndarray], constants: dict[str, np.ndarray]) -> None:
+    def __init__(self, plan: _Plan, weights: Arrays, constants: Arrays) -> None:
         self.plan = plan
-        self.weights = nnx.Dict({key: nnx.Param(jnp.asarray(value)) for key, value in weights.items()})
-        self.constants = nnx.Dict({key: Constant(jnp.asarray(value)) for key, value in constants.items()})
+        self.weights = nnx.Dict({k: nnx.List([nnx.Param(jnp.asarray(a)) for a in v]) for k, v in weights.items()})
+        self.constants = nnx.Dict({k: nnx.List([Constant(jnp.asarray(a)) for a in v]) for k, v in constants.items()})
 
     @property
     def members(self) -> tuple[int, ...]:
@@ -188,8 +190,14 @@ class _Run:
         self.moved: dict[tuple[str, tuple[int, ...]], Values] = {}
         self.results: dict[int, list[jax.Array]] = {}  # full-width equations: all their outputs, once
 
-    def constant(self, key: str) -> jax.Array:
-        value: jax.Array = self.module.constants[key][...]
+    def constant(self, key: str, copy: int = 0) -> jax.Array:
+        """A constant's array for one copy (the first, if the constant is the same for every copy)."""
+        copies = self.module.constants[key]
+        value: jax.Array = copies[copy if len(copies) > 1 else 0][...]
+        return value
+
+    def weight(self, key: str, copy: int = 0) -> jax.Array:
+        value: jax.Array = self.module.weights[key][copy][...]
         return value
 
     def edge(self, edge: tuple[str, tuple[int, ...]]) -> Values:
@@ -213,7 +221,7 @@ class _Run:
         for k, (index, scale) in enumerate(zip(move.index, move.scale, strict=True)):
             x = value[move.source[k]]
             if move.matrix:
-                matrix = self.constant(move.matrix)[k].astype(x.dtype)
+                matrix = self.constant(move.matrix, k).astype(x.dtype)
                 outputs.append(jnp.dot(x, matrix, precision=jax.lax.Precision.HIGHEST))
                 continue
             if len(index) != x.shape[move.axis] or not np.array_equal(index, np.arange(len(index))):
@@ -235,12 +243,10 @@ class _Run:
         if step.how == "dot":
             return self.dot(step, inputs[0])
         if step.how == "conv":
-            kernel = self.module.weights[step.key][...]
             eqn = cast(Eqn, step.eqn)
             params = cast(dict[str, Any], step.params)
             return tuple(
-                capture_module.bind(eqn, [xk, kernel[k] if step.copies > 1 else kernel], params)[0]
-                for k, xk in enumerate(inputs[0])
+                capture_module.bind(eqn, [xk, self.weight(step.key, k)], params)[0] for k, xk in enumerate(inputs[0])
             )
         if step.how == "bind":
             return tuple(self.bind(step, [value[k] for value in inputs], k) for k in range(step.copies))
@@ -257,7 +263,7 @@ class _Run:
 
     def dot(self, step: _Step, value: Values) -> Values:
         """The members' Linear layers as one batched matmul: (m, ..., P_in) x (m, weight) -> (m, ...)."""
-        weight = self.module.weights[step.key][...]
+        weight = self.weight(step.key)
         eqn, params = cast(Eqn, step.eqn), dict(cast(dict[str, Any], step.params))
         if step.copies == 1:
             operands = [value[0], weight] if step.side == 0 else [weight, value[0]]
@@ -294,8 +300,7 @@ class _Run:
             elif operand.kind == "literal":
                 args.append(operand.value)
             else:
-                value = self.constant(operand.key)
-                value = value[copy] if value.shape[0] > 1 else value[0]
+                value = self.constant(operand.key, copy)
                 target = [shape[a] if dim is None else dim for a, dim in enumerate(operand.shape)]
                 args.append(jnp.broadcast_to(value, target))
         (result,) = capture_module.bind(eqn, args, params)
@@ -342,8 +347,8 @@ class _Emitter:
         self.capture, self.axis, self.program = capture, axis, program
         self.m = len(program.members)
         self.ops = {node_name(var): op for var, op in capture.ops.items()}
-        self.weights: dict[str, np.ndarray] = {}
-        self.constants: dict[str, np.ndarray] = {}
+        self.weights: Arrays = {}
+        self.constants: Arrays = {}
         self.moves: list[_Select | _Frame] = []
         self.move_ids: dict[tuple[Any, ...], int] = {}
         steps = [self._step(step) for step in program.steps]
@@ -403,7 +408,7 @@ class _Emitter:
             selection = np.zeros((blocks, source_width, width), dtype=np.float32)
             for k in range(blocks):
                 selection[k, index[k], np.arange(width)] = scale[k]
-            self.constants[matrix] = selection
+            self.constants[matrix] = list(selection)
         return _Select(tuple(index), scales, sources, channel_axis, matrix)
 
     # ---- steps
@@ -421,7 +426,7 @@ class _Emitter:
             if capture_module.is_masking(op.eqn.name, op.eqn.params[0]):
                 masks = np.asarray(self.capture.analysis.constants[cast(int, op.eqn.inputs[1])])
                 key = f"{name}_masks"
-                self.constants[key] = masks[list(self.program.members)]
+                self.constants[key] = [masks[list(self.program.members)]]
                 axis = capture_module.masking_axis(op.eqn.params[0])
                 return _Step(name, "masks", edges, key=key, axis=axis)
             return self._dense(step, op, edges)
@@ -451,7 +456,7 @@ class _Emitter:
         blocks = np.where(valid, oriented[r, c], np.zeros((), weight.dtype))
         blocks = blocks if into == 1 else blocks.transpose(0, 2, 1)
         key = self._weight_key(op)
-        self.weights[key] = blocks if copies > 1 else blocks[0]
+        self.weights[key] = [blocks if copies > 1 else blocks[0]]  # the members' blocks stacked: one matmul
         return _Step(step.name, "dot", edges, copies, op.eqn, params=params, key=key, side=side)
 
     def _conv(self, step: Step, op: Op, edges: Any, copies: int) -> _Step:
@@ -476,7 +481,7 @@ class _Emitter:
             stacked = np.where(keep, oriented[r, c], np.zeros((), kernel.dtype))
         restored = np.moveaxis(stacked, (1, 2), (out_dim + 1, in_dim + 1))
         key = self._weight_key(op)
-        self.weights[key] = restored if copies > 1 else restored[0]
+        self.weights[key] = list(restored)
         return _Step(step.name, "conv", edges, copies, op.eqn, params=params, key=key)
 
     def _weight_key(self, op: Op) -> str:
@@ -512,16 +517,18 @@ class _Emitter:
         return _Step(step.name, "bind", edges, copies, op.eqn, operands=tuple(operands), params=dict(op.eqn.params[0]),
                      axis=op.axis, batch_axis=out.batch_axis, out_shape=out.shape, in_axes=in_axes)  # fmt: skip
 
-    def _lay_out(self, value: np.ndarray, axis: int, channels: int, placement: Placement, copies: int) -> np.ndarray:
-        """A constant operand per copy, (copies, ...): its channel axis laid out like the copy's channels (a constant
-        with one channel, or a scalar, is the same for every copy: (1, ...))."""
+    def _lay_out(
+        self, value: np.ndarray, axis: int, channels: int, placement: Placement, copies: int
+    ) -> list[np.ndarray]:
+        """A constant operand per copy: its channel axis laid out like the copy's channels (a constant with one
+        channel, or a scalar, is the same for every copy: one array)."""
         if value.ndim == 0 or value.shape[axis] != channels or channels == 1:
-            return value[None]
+            return [value]
         laid = []
         for layout in placement.layouts[:copies]:
             index, _ = channel_indices([layout])  # padding reads channel 0: finite, and never read back
             laid.append(np.take(value, index, axis=axis))
-        return np.stack(laid)
+        return laid
 
     def _dense(self, step: Step, op: Op, edges: Any) -> _Step:
         """The model's equation as the dense model runs it, its batch-sized parameters rebuilt per call."""
@@ -537,7 +544,7 @@ class _Emitter:
                     operands.append(_Operand("edge", index=op.tensors.index(atom)))
                 else:
                     key = f"{step.name}_operand{position}"
-                    self.constants[key] = np.asarray(capture.analysis.reduced[atom])
+                    self.constants[key] = [np.asarray(capture.analysis.reduced[atom])]
                     shape = capture_module.template(capture.values[atom].shapes, start)
                     operands.append(_Operand("constant", key=key, shape=shape))
         except NotAffine as error:
@@ -560,7 +567,7 @@ class _Emitter:
                 operands.append(_Operand("edge", index=names.index(node_name(atom))))
             else:
                 key = f"output_{position}"
-                self.constants[key] = np.asarray(capture.analysis.constants[atom])
+                self.constants[key] = [np.asarray(capture.analysis.constants[atom])]
                 operands.append(_Operand("constant", key=key))
         return tuple(operands)
 

@@ -231,8 +231,10 @@ def ones_per_layer(model: nnx.Sequential, k: int) -> list[int]:
 
 
 def kernels(module: nnx.Module, primitive: str) -> list[tuple[int, ...]]:
-    """Shapes of a packed module's weights of one primitive, in program order."""
-    return [tuple(module.weights[key].shape) for key in sorted(module.weights) if key.startswith(primitive)]
+    """Shapes of a packed module's weights of one primitive, in program order (one per copy)."""
+    return [
+        tuple(copy.shape) for key in sorted(module.weights) if key.startswith(primitive) for copy in module.weights[key]
+    ]
 
 
 def test_extracted_member_is_physically_smaller() -> None:
@@ -257,7 +259,7 @@ def test_packed_convolutions_run_one_per_member() -> None:
     x = jnp.zeros((2, *shape))
     packed = pack(model, x)
     widths = [max(ones_per_layer(model, k)[i] for k in range(N)) for i in range(2)]
-    assert kernels(packed, "conv_general_dilated") == [(3, 3, 3, 16), (N, 3, 3, widths[0], widths[1])]
+    assert kernels(packed, "conv_general_dilated") == [(3, 3, 3, 16)] + [(3, 3, widths[0], widths[1])] * N
     convolutions = [e for e in jax.make_jaxpr(packed)(x).jaxpr.eqns if e.primitive.name == "conv_general_dilated"]
     assert [e.invars[1].aval.shape for e in convolutions] == [(3, 3, 3, 16)] + [(3, 3, widths[0], widths[1])] * N
     assert all(e.params["feature_group_count"] == 1 for e in convolutions), "not one grouped convolution"
