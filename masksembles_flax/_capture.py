@@ -45,7 +45,7 @@ from jax.extend import source_info_util
 
 from masksembles_core.packing import GraphNode
 
-from ._ops import GROUPED_MASKING
+from ._ops import GROUPED_MASKING, apply_masks
 
 PREFIX = "pack/extract_member"
 PROBES = 3  # batch sizes B, B+1, B+2: the first two find the batch axes, the third checks affine parameters
@@ -441,10 +441,13 @@ class Capture:
         for eqn in self.analysis.eqns:
             for var in eqn.outputs:
                 self.ops[var] = self._classify(eqn, var)
-        masks = [op for op in self.ops.values() if is_masking(op.eqn.name, op.eqn.params[0])]
-        if not masks:
+        counts = sorted(
+            {int(self.values[cast(int, op.eqn.inputs[1])].shape[0]) for op in self.ops.values() if is_masking(
+                op.eqn.name, op.eqn.params[0])}.union(*(
+                masking_counts(sub) for op in self.ops.values() for sub in jex.jaxprs_in_params(op.eqn.params[0])))
+        )  # fmt: skip
+        if not counts:
             raise ValueError(f"{PREFIX}: the model has no Masksembles layer (none is called on the input)")
-        counts = sorted({int(self.analysis.constants[cast(int, op.eqn.inputs[1])].shape[0]) for op in masks})
         if len(counts) != 1:
             raise ValueError(f"{PREFIX}: every Masksembles layer needs the same n; found {counts}")
         self.n = counts[0]
@@ -982,20 +985,105 @@ def template(values: Sequence[Any], start: int) -> Any:
     """``values`` at the probe batch sizes start, start+1, ... as a function of the batch: a constant, an ``Affine``,
     or a tuple/list/named tuple of them (``instantiate`` evaluates it)."""
     first = values[0]
-    if all(_same(first, v) for v in values[1:]):
+    masking = isinstance(first, jex.ClosedJaxpr) and has_masking(first.jaxpr)
+    if all(_same(first, v) for v in values[1:]) and not masking:
         return _Constant(first)
     if isinstance(first, tuple | list) and all(type(v) is type(first) and len(v) == len(first) for v in values):
         items = [template([v[i] for v in values], start) for i in range(len(first))]
         return _Sequence(type(first), tuple(items))
-    numbers = [np.asarray(v) for v in values]
-    if all(n.shape == () and np.issubdtype(n.dtype, np.number) for n in numbers):
+    if all(isinstance(v, jex.ClosedJaxpr) for v in values):
+        return _JaxprTemplate([(v.jaxpr, v.consts) for v in values], start)
+    if all(isinstance(v, int | float | np.number | np.ndarray) and np.ndim(v) == 0 for v in values):
+        numbers = [np.asarray(v) for v in values]
         slope = numbers[1] - numbers[0]
         predicted = [numbers[0] + slope * i for i in range(len(numbers))]
         if all(np.array_equal(p, n) for p, n in zip(predicted, numbers, strict=True)):
             if isinstance(first, int | np.integer):
                 return Affine(int(first), int(slope), start)
             return Affine(numbers[0], slope, start)
-    raise NotAffine(repr(values))
+        raise NotAffine(f"{[n.item() for n in numbers]} at batch sizes {start}, {start + 1}, ...")
+    raise NotAffine(f"{type(first).__name__} values that differ")
+
+
+def has_masking(jaxpr: jex.Jaxpr) -> bool:
+    """Whether a (sub-)program calls a Masksembles layer, at any depth."""
+    return bool(masking_counts(jaxpr))
+
+
+def masking_counts(jaxpr: jex.Jaxpr) -> set[int]:
+    """The n of every Masksembles layer a (sub-)program calls, at any depth."""
+    counts = set()
+    for eqn in jaxpr.eqns:
+        if is_masking(eqn.primitive.name, eqn.params):
+            counts.add(int(cast(Any, eqn.invars[1].aval).shape[0]))
+        for sub in jex.jaxprs_in_params(eqn.params):
+            counts |= masking_counts(sub)
+    return counts
+
+
+class _JaxprTemplate:
+    """A sub-program parameter (the body of a ``scan``, ``while_loop`` or ``cond``) whose shapes follow the batch, or
+    that calls a Masksembles layer: rebuilt for a batch size and members by tracing the first probe's equations with
+    their parameters at that size, nested calls inlined, each Masksembles layer on the members' masks (the members'
+    copies of the batch one after the other, as the member-stacked batch holds them)."""
+
+    def __init__(self, probes: Sequence[tuple[jex.Jaxpr, Sequence[Any]]], start: int) -> None:
+        first, consts = probes[0]
+        if any(len(j.eqns) != len(first.eqns) or len(j.invars) != len(first.invars) for j, _ in probes):
+            raise NotAffine("sub-programs with different operations")
+        if any(not all(_same(a, b) for a, b in zip(consts, c, strict=True)) for _, c in probes):
+            raise NotAffine("sub-programs with different constants")
+        self.jaxpr, self.consts = first, consts
+        shapes = [[tuple(cast(Any, var.aval).shape) for var in j.invars] for j, _ in probes]
+        self.inputs = [template([probe[i] for probe in shapes], start) for i in range(len(first.invars))]
+        self.eqns: list[tuple[Any, Any, dict[int, Any]]] = []  # (equation, how: template or params, literals)
+        for i, eqn in enumerate(first.eqns):
+            eqns = [j.eqns[i] for j, _ in probes]
+            literals = {
+                position: template([cast(jex.Literal, e.invars[position]).val for e in eqns], start)
+                for position, var in enumerate(eqn.invars)
+                if isinstance(var, jex.Literal)
+            }
+            if is_masking(eqn.primitive.name, eqn.params):
+                self.eqns.append((eqn, None, literals))
+            elif _body(eqn) is not None:
+                self.eqns.append((eqn, _JaxprTemplate([cast(Any, _body(e)) for e in eqns], start), literals))
+            else:
+                self.eqns.append((eqn, {key: template([e.params[key] for e in eqns], start) for key in eqn.params},
+                                  literals))  # fmt: skip
+        self.built: dict[tuple[int, tuple[int, ...]], jex.ClosedJaxpr] = {}
+
+    def at(self, batch: int, members: tuple[int, ...]) -> jex.ClosedJaxpr:
+        if (batch, members) not in self.built:
+            avals = [
+                jax.ShapeDtypeStruct(instantiate(shape, batch, members), cast(Any, var.aval).dtype)  # type: ignore[no-untyped-call]
+                for shape, var in zip(self.inputs, self.jaxpr.invars, strict=True)
+            ]
+            traced = jax.make_jaxpr(lambda *args: self.evaluate(batch, members, args))(*avals)
+            self.built[(batch, members)] = traced
+        return self.built[(batch, members)]
+
+    def evaluate(self, batch: int, members: tuple[int, ...], args: Sequence[Any]) -> list[Any]:
+        env: dict[Any, Any] = dict(zip(self.jaxpr.constvars, self.consts, strict=True))
+        env.update(zip(self.jaxpr.invars, args, strict=True))
+        for eqn, how, literals in self.eqns:
+            inputs = [
+                instantiate(literals[i], batch, members) if isinstance(var, jex.Literal) else env[var]
+                for i, var in enumerate(eqn.invars)
+            ]
+            if how is None:  # a Masksembles layer: on the members' masks, in the members' order
+                x, masks = inputs
+                outputs = [apply_masks(x, masks[np.asarray(members)], channel_axis=masking_axis(eqn.params))]
+            elif isinstance(how, _JaxprTemplate):
+                outputs = how.evaluate(batch, members, inputs)
+            else:
+                bound = {key: instantiate(value, batch, members) for key, value in how.items()}
+                result = eqn.primitive.bind(*inputs, **bound)
+                outputs = result if eqn.primitive.multiple_results else [result]
+            env.update(
+                (var, out) for var, out in zip(eqn.outvars, outputs, strict=True) if not isinstance(var, jex.DropVar)
+            )
+        return [var.val if isinstance(var, jex.Literal) else env[var] for var in self.jaxpr.outvars]
 
 
 @dataclass(frozen=True)
@@ -1009,14 +1097,16 @@ class _Sequence:
     items: tuple[Any, ...]
 
 
-def instantiate(value: Any, batch: int) -> Any:
-    """A ``template`` at ``batch``."""
+def instantiate(value: Any, batch: int, members: tuple[int, ...]) -> Any:
+    """A ``template`` at ``batch`` (the members: those of the Masksembles layers inside a sub-program)."""
     if isinstance(value, _Constant):
         return value.value
     if isinstance(value, Affine):
         return value.at(batch)
+    if isinstance(value, _JaxprTemplate):
+        return value.at(batch, members)
     if isinstance(value, _Sequence):
-        items = [instantiate(item, batch) for item in value.items]
+        items = [instantiate(item, batch, members) for item in value.items]
         if value.kind in (tuple, list):
             return value.kind(items)
         return value.kind(*items)

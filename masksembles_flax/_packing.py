@@ -311,15 +311,16 @@ class _Run:
         eqn = cast(Eqn, step.eqn)
         frame = self.batch * self.m if step.member_frame else self.batch
         if eqn.index not in self.results:
-            params = {key: capture_module.instantiate(value, frame) for key, value in step.params.items()}
+            members = self.plan.members
+            params = {key: capture_module.instantiate(value, frame, members) for key, value in step.params.items()}
             args: list[Any] = []
             for operand in step.operands:
                 if operand.kind == "edge":
                     args.append(tensors[operand.index])
                 elif operand.kind == "literal":
-                    args.append(np.asarray(capture_module.instantiate(operand.value, frame)))
+                    args.append(np.asarray(capture_module.instantiate(operand.value, frame, members)))
                 else:
-                    target = tuple(capture_module.instantiate(operand.shape, frame))
+                    target = tuple(capture_module.instantiate(operand.shape, frame, members))
                     args.append(jnp.broadcast_to(self.constant(operand.key), target))
             self.results[eqn.index] = capture_module.bind(eqn, args, params)
         return self.results[eqn.index][step.output]

@@ -300,6 +300,46 @@ def test_operations_that_read_the_batch_run_on_the_member_stacked_batch() -> Non
         assert_packs(model, random_input((batch, 4), batch), members=False)
 
 
+class Layer(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.linear, self.masks = nnx.Linear(8, 8, rngs=rngs), Masksembles(8, N, 2.0, seed=4)  # under nnx.vmap
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return x + nnx.relu(self.linear(self.masks(x)))
+
+
+class Loops(nnx.Module):
+    """Layers stacked by nnx.vmap and run by nnx.scan (Masksembles inside the scanned body), a fori_loop and a
+    cond on the masked activations: sub-programs whose shapes follow the batch."""
+
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        @nnx.split_rngs(splits=3)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def stack(rngs: nnx.Rngs) -> Layer:
+            return Layer(rngs)
+
+        self.layers, self.stem, self.head = stack(rngs), linear(4, 8, rngs), linear(8, 3, rngs)
+        self.masks, self.flag = Masksembles(8, N, 2.0, seed=5), nnx.Param(jnp.ones(()))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def body(h: jax.Array, layer: Layer) -> jax.Array:
+            return layer(h)
+
+        h = self.masks(body(self.stem(x), self.layers))
+        h = jax.lax.fori_loop(0, 2, lambda i, h: jnp.tanh(h) + 0.1 * h, h)
+        h = jax.lax.cond(self.flag[...] > 0, jnp.sin, lambda h: 2.0 * h, h)
+        return self.head(h)
+
+
+def test_loops_and_branches_run_on_the_member_stacked_batch() -> None:
+    """Their bodies are rebuilt for each batch size; Masksembles layers inside use the extracted member's masks."""
+    model = Loops(nnx.Rngs(0))
+    packed = pack(model, random_input((2, 4), 0))
+    assert {where.split(" ")[0] for where in packed.fallbacks} == {"scan", "cond"}
+    assert_packs(model, random_input((5, 4), 1))
+
+
 class TwoOutputs(nnx.Module):
     def __init__(self) -> None:
         rngs = nnx.Rngs(0)
