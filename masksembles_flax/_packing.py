@@ -370,21 +370,25 @@ class _Emitter:
             shared, width = produced.shared, produced.width  # where the tensor is, as the moves go
             ids: list[int] = []
             key: tuple[Any, ...] = (edge.source,)
+            target = edge.placement.width
             for move in edge.moves:
+                # a select's copies: its index covers them side by side (a part of a concatenation may be empty)
+                blocks = len(move.index) // target if move.index is not None and target else len(edge.placement.layouts)
                 key = (*key, move.kind, _bytes(move.index), _bytes(move.scale))
                 if key not in self.move_ids:
                     self.move_ids[key] = len(self.moves)
-                    self.moves.append(self._make_move(edge.source, move, shared, width, edge.placement.width))
+                    self.moves.append(self._make_move(edge.source, move, shared, width, target, blocks))
                 ids.append(self.move_ids[key])
                 if move.kind == "to_channels":
                     shared = False
                 elif move.kind == "select":
-                    assert move.index is not None
-                    shared, width = len(move.index) == edge.placement.width, edge.placement.width
+                    shared, width = blocks == 1, target
             edges.append((edge.source, tuple(ids)))
         return tuple(edges)
 
-    def _make_move(self, source: str, move: Move, shared: bool, source_width: int, width: int) -> _Select | _Frame:
+    def _make_move(
+        self, source: str, move: Move, shared: bool, source_width: int, width: int, blocks: int
+    ) -> _Select | _Frame:
         """A core move as a kernel. A select's index addresses the members' blocks side by side: each target copy's
         block is cut out of its own source copy (or the one shared copy)."""
         var = self.var(source)
@@ -394,7 +398,6 @@ class _Emitter:
             return _Frame(move.kind, axis, self.m)
         assert move.index is not None and move.scale is not None
         channel_axis = self.axis[var]
-        blocks = len(move.index) // width
         index = move.index.reshape(blocks, width)
         scale = move.scale.reshape(blocks, width)
         if not shared:

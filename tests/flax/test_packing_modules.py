@@ -278,6 +278,95 @@ def test_pattern_packs_equal_to_predict(name: str) -> None:
     assert_packs(model, random_input((5, 6, 6, 3), 1))
 
 
+# --- randomly built modules -----------------------------------------------------------------------------------------
+
+
+class Residual2(nnx.Module):
+    """x + conv(masks(act(conv(x))))."""
+
+    def __init__(self, channels: int, act: Callable[..., Any], seed: int, rngs: nnx.Rngs) -> None:
+        self.conv1, self.conv2 = conv(channels, channels, (3, 3), rngs), conv(channels, channels, (1, 1), rngs)
+        self.act, self.masks = act, Masksembles(channels, N, 2.0, seed=seed)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return x + self.conv2(self.masks(self.act(self.conv1(x))))
+
+
+class Concat2(nnx.Module):
+    """Two branches concatenated on the channels."""
+
+    def __init__(self, channels: int, act: Callable[..., Any], rngs: nnx.Rngs) -> None:
+        self.a, self.b, self.act = conv(channels, 3, (1, 1), rngs), conv(channels, 5, (3, 3), rngs), act
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return jnp.concatenate([self.act(self.a(x)), self.b(x)], axis=-1)
+
+
+ACTIVATIONS: list[Callable[..., Any]] = [
+    nnx.relu,
+    nnx.gelu,
+    jnp.tanh,
+    nnx.sigmoid,
+    nnx.leaky_relu,
+    nnx.elu,
+    nnx.silu,
+    lambda x: jnp.clip(x, -0.5, 2.0),
+]
+
+
+class RandomNet(nnx.Module):
+    """Random blocks (conv-BatchNorm-activation-masks in random order, residual and concatenating blocks, depthwise
+    convolutions, squeeze-excitation, LayerNorm, pools, transposes, per-channel arithmetic), a mean pool, a head."""
+
+    def __init__(self, seed: int) -> None:
+        rng, rngs = np.random.default_rng(seed), nnx.Rngs(seed)
+        seeds = iter(range(100 * seed, 100 * seed + 100))
+
+        def act() -> Callable[..., Any]:
+            return ACTIVATIONS[int(rng.integers(len(ACTIVATIONS)))]
+
+        channels, layers = 3, []
+        for _ in range(int(rng.integers(3, 6))):
+            choice = int(rng.integers(9))
+            if choice <= 1 or channels == 3:
+                out = int(rng.integers(6, 13))
+                after = [nnx.BatchNorm(out, rngs=rngs), act(), Masksembles(out, N, 2.0, seed=next(seeds))]
+                layers += [conv(channels, out, (3, 3), rngs), *(after[i] for i in rng.permutation(3))]
+                channels = out
+            elif choice == 2:
+                layers.append(Residual2(channels, act(), next(seeds), rngs))
+            elif choice == 3:
+                layers += [Concat2(channels, act(), rngs), Masksembles(8, N, 2.0, seed=next(seeds))]
+                channels = 8
+            elif choice == 4:
+                layers += [conv(channels, channels, (3, 3), rngs, feature_group_count=channels), act()]
+            elif choice == 5:
+                layers.append(SqueezeExcite(channels))
+            elif choice == 6:
+                layers.append(nnx.LayerNorm(channels, rngs=rngs))
+            elif choice == 7:
+                layers.append(
+                    lambda x: jnp.transpose(
+                        nnx.max_pool(jnp.transpose(x, (0, 2, 1, 3)), (2, 2), padding="SAME"), (0, 2, 1, 3)
+                    )
+                )
+            else:
+                scale = jnp.asarray(rng.normal(size=channels) * (rng.random(channels) < 0.5), jnp.float32)
+                layers.append(lambda x, scale=scale: x * scale + scale)
+        self.layers = nnx.List(layers)
+        self.masks, self.head = Masksembles(channels, N, 2.0, seed=next(seeds)), linear(channels, 3, rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.masks(x.mean(axis=(1, 2))))
+
+
+@pytest.mark.parametrize("seed", range(6), ids=lambda seed: f"seed{seed}")
+def test_randomly_built_modules(seed: int) -> None:
+    assert_packs(randomized(RandomNet(seed), seed), random_input((5, 6, 6, 3), seed))
+
+
 class BatchMixing(nnx.Module):
     """Operations that read the batch: a sum over it, and an index over it (both differ on the tiled batch)."""
 
