@@ -2,10 +2,11 @@
 
 The model (a copy in eval mode) is traced as a pure function of its state leaves and the input with
 ``jax.make_jaxpr``, at the example's batch size B and at B+1 and B+2. Nested calls (``jit``, ``custom_jvp``/
-``custom_vjp`` functions, ``remat``) are inlined, so the program is a flat list of JAX primitives; a variable's axes
-whose size follows the batch are its batch axes, and the integer parameters and literals that follow it (a
-``reshape`` to (B*L, C), a mean over the batch) are affine in the batch size (checked at the third size). Everything
-computed from the state alone is folded to a constant, once; the rest reads the input.
+``custom_vjp`` functions, ``remat``) are inlined, so the program is a flat list of JAX primitives (loops and branches,
+``scan``/``while``/``cond``, stay whole); a variable's axes whose size follows the batch are its batch axes, and the
+parameters and literals that follow it (a ``reshape`` to (B*L, C), a mean over the batch, a loop body) are affine in
+the batch size (checked at the third size), so they can be rebuilt for any batch. Everything computed from the state
+alone is folded to a constant, once; the rest reads the input.
 
 Each equation that reads the input becomes a core node (``masksembles_core.packing``, whose module docstring defines
 the kinds): ``dot_general`` with a constant operand contracted over one axis and one free axis of its own is
@@ -441,17 +442,23 @@ class Capture:
         for eqn in self.analysis.eqns:
             for var in eqn.outputs:
                 self.ops[var] = self._classify(eqn, var)
-        counts = sorted(
-            {int(self.values[cast(int, op.eqn.inputs[1])].shape[0]) for op in self.ops.values() if is_masking(
-                op.eqn.name, op.eqn.params[0])}.union(*(
-                masking_counts(sub) for op in self.ops.values() for sub in jex.jaxprs_in_params(op.eqn.params[0])))
-        )  # fmt: skip
+        counts = sorted(self._mask_counts())
         if not counts:
             raise ValueError(f"{PREFIX}: the model has no Masksembles layer (none is called on the input)")
         if len(counts) != 1:
             raise ValueError(f"{PREFIX}: every Masksembles layer needs the same n; found {counts}")
         self.n = counts[0]
         self.answers = Answers(self)
+
+    def _mask_counts(self) -> set[int]:
+        """The n of every Masksembles layer the model calls, in sub-programs (a scanned layer stack) too."""
+        counts = set()
+        for op in self.ops.values():
+            if is_masking(op.eqn.name, op.eqn.params[0]):
+                counts.add(self.values[cast(int, op.eqn.inputs[1])].shape[0])
+            for sub in jex.jaxprs_in_params(op.eqn.params[0]):
+                counts |= masking_counts(sub)
+        return counts
 
     def tensors(self, eqn: Eqn) -> list[int]:
         return list(dict.fromkeys(a for a in _vars(eqn) if a in self.runtime))

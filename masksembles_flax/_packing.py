@@ -111,7 +111,19 @@ class _Operand:
 
 @dataclass(frozen=True, eq=False)
 class _Step:
-    """One node of the program. ``how``: input, identity, dot, conv, bind, concat, flatten, dense, masks, output."""
+    """One node of the program, run ``copies`` times (once shared, once per member) on its moved ``edges``. ``how``:
+
+    - ``input``; ``identity`` (a Masksembles layer: the move into it applied the masks);
+    - ``dot``/``conv``: the model's ``eqn`` with its ``params`` on the compacted weight ``key`` (``side``: the input's
+      operand position);
+    - ``bind``: an elementwise operation, reduction or move on compacted arrays, with ``operands``; its output
+      (``out_shape`` at the first probe batch size) has the batch on ``batch_axis`` and the channels on ``axis``, its
+      input on ``in_axes``;
+    - ``concat`` (on ``axis``), ``flatten``;
+    - ``dense``: output ``output`` of ``eqn`` at full width, ``params`` and ``operands`` templates of the batch size,
+      on the member-stacked batch when ``member_frame``; ``masks``: a Masksembles layer at full width (masks ``key``);
+    - ``output``: every output leaf on the member-stacked batch.
+    """
 
     name: str
     how: str
