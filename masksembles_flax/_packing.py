@@ -629,5 +629,7 @@ def extract_member(model: nnx.Module, k: int, example_input: jax.Array | jax.Sha
 
     Every layer next to a Masksembles layer is physically shrunk to member ``k``'s live channels; the output equals
     member ``k``'s output of the masked model (eval semantics, finite values). Same support and errors as ``pack``.
+    An operation that reads the batch (a sum over it, its size) sees member ``k``'s copy of the batch alone, where
+    ``predict`` and ``pack`` see every member's.
     """
     return _build(model, example_input, [k], squeeze=True)
