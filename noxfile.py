@@ -35,8 +35,20 @@ TEST = nox.project.dependency_groups(PYPROJECT, "test")
 METRICS_TEST = nox.project.dependency_groups(PYPROJECT, "test-metrics")
 DEMO = nox.project.dependency_groups(PYPROJECT, "demo")
 CONSTRAINTS = ("-c", "constraints/cpu.txt")
-CORE_TESTS = ("tests/core", "tests/test_conformance.py", "tests/test_backends_installed.py")
-ADAPTER_TESTS = ("tests/test_conformance.py", "tests/test_backends_installed.py", "tests/test_demo_smoke.py")
+CORE_TESTS = (
+    "tests/core",
+    "tests/test_conformance.py",
+    "tests/test_layer_arguments.py",
+    "tests/test_readme.py",
+    "tests/test_backends_installed.py",
+)
+ADAPTER_TESTS = (
+    "tests/test_conformance.py",
+    "tests/test_layer_arguments.py",
+    "tests/test_readme.py",
+    "tests/test_backends_installed.py",
+    "tests/test_demo_smoke.py",
+)
 
 
 def run_pytest(session: nox.Session, backends: str, *paths: str) -> None:
@@ -76,7 +88,7 @@ def torch(session: nox.Session) -> None:
     run_pytest(session, "torch", "tests/torch", *ADAPTER_TESTS)
 
 
-KERAS_BACKEND_PACKAGES = {"tensorflow": ("tensorflow-cpu>=2.21",), "jax": ("jax>=0.10",), "torch": ("torch",)}
+KERAS_BACKEND_PACKAGES = {"tensorflow": ("tensorflow-cpu>=2.21",), "jax": ("jax>=0.10.2",), "torch": ("torch",)}
 
 
 @nox.session
@@ -171,8 +183,8 @@ TEST_INSTALLED = (
 def wheel(session: nox.Session) -> None:
     """Build the sdist and the wheel from it, check their files, and run the core tests on the installed wheel.
 
-    The tests run from a copy of tests/ in a temporary directory (the checkout is not on sys.path there), with the
-    pytest settings of pyproject.toml.
+    The tests run from a copy of tests/ (with the README and docs/, whose code blocks they run) in a temporary
+    directory (the checkout is not on sys.path there), with the pytest settings of pyproject.toml.
     """
     session.install(*nox.project.dependency_groups(PYPROJECT, "build"))
     dist = Path(session.create_tmp()) / "dist"
@@ -187,6 +199,8 @@ def wheel(session: nox.Session) -> None:
     session.install("--force-reinstall", "--no-deps", str(wheel_path))  # not a same-version wheel of an earlier run
     with tempfile.TemporaryDirectory() as tmp:
         shutil.copytree(ROOT / "tests", Path(tmp) / "tests", ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copytree(ROOT / "docs", Path(tmp) / "docs", ignore=shutil.ignore_patterns("*.png", "*.csv"))
+        shutil.copy(ROOT / "README.md", Path(tmp) / "README.md")  # the tests run the guides' code blocks
         with session.chdir(tmp):
             config = ("-c", str(ROOT / "pyproject.toml"), "--rootdir", tmp, "-p", "no:cacheprovider")
             session.run(

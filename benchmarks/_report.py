@@ -44,13 +44,20 @@ def interleaved_medians(fns: dict[str, Callable[[], object]], *, rounds: int, wa
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-def arguments(rounds: int = 15, *, device: bool = False) -> argparse.Namespace:
-    """Command-line options shared by the benchmarks."""
+def arguments(rounds: int = 15, *, device: bool = False, models: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options shared by the benchmarks (``models``: the names ``--models`` may choose from)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=rounds, help="interleaved timing rounds")
     parser.add_argument("--threads", type=int, default=2, help="intra-op threads")
     if device:
         parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    if models is not None:
+        parser.add_argument(
+            "--models",
+            type=lambda text: [name.strip() for name in text.split(",")],
+            default=models,
+            help=f"comma-separated, from: {', '.join(models)}",
+        )
     parser.add_argument("--no-write", action="store_true", help="print only, leave BENCHMARKS.md alone")
     return parser.parse_args()
 

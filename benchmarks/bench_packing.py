@@ -1,28 +1,29 @@
 """Packed inference: all N members at about the cost of one model.
 
-    python benchmarks/bench_packing.py [--rounds 15] [--device cpu|cuda]
+    python benchmarks/bench_packing.py [--rounds 15] [--device cpu|cuda] [--models MLP,ResNet,...]
 
-Fixed capacity N=4, S=2 (M·S = C). Models: an MLP 784→1024→1024→1024→10 with Masksembles before
-each Linear after the first, and a small ResNet on 3×32×32. For batch sizes 1, 32, 256 (medians of
-interleaved rounds, every ratio from the same run):
-(a) ``pack(model)`` on the batch ÷ one forward of the same network without Masksembles;
-(a′) for the ResNet, the same ÷ that network in channels-last memory format (as ``pack`` runs its convolutions):
-the stricter baseline, since channels-last alone speeds the single network up on CPU;
-(b) tiled dense ``predict(model, x, 4)`` ÷ the same;
-(c) one ``extract_member`` model ÷ the same (latency and parameters).
-Next to each, the multiply-accumulate (MAC) ratio of its Linear/Conv layers, counted on the run:
-the floor that no implementation of that computation can beat.
+N=4, S=2. Models (float32): an MLP 784→1024→1024→1024→10 with Masksembles before each Linear after the first; a
+small ResNet on 3×32×32 (masks inside the blocks and before the head); and, with masks placed by ``insert`` (the
+paper's recipe: before every Conv/Linear but the first), a MobileNetV3-like (depthwise convolutions, squeeze-excite,
+hardswish) and a ConvNeXt-like (depthwise 7×7, channels-first LayerNorm, GELU MLP, layer scale) on 3×64×64 and a
+ViT-like (dim 96, 4 blocks, 4×4 patches) on 3×32×32; and the issue's case, a ResNet-50 (bottleneck blocks 3-4-6-3)
+on 3×32×32 with masks after every block. For each batch size (medians of interleaved rounds, every ratio from the same
+run), ÷ one forward of the same network without Masksembles on the same batch: ``pack(model, program="packed")``,
+the tiled dense ``predict(model, x, 4)``, and packed ÷ tiled (``pack``'s default ``program="auto"`` keeps the faster of
+the two). Next to the packed ratio: the multiply-accumulate (MAC) ratio of its Linear/Conv layers (attention
+products not counted) and the share of those MACs that run at full width because they fell back.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from _report import arguments, interleaved_medians, machine, publish
 from _torch_setup import torch_device
-from torch import nn
+from torch import Tensor, nn
 
 import masksembles_torch as mt
 
@@ -47,7 +48,7 @@ class Block(nn.Module):
         self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
         self.bn2 = nn.BatchNorm2d(channels)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: Tensor) -> Tensor:
         return F.relu(self.bn2(self.conv2(self.masks(F.relu(self.bn1(self.conv1(x)))))) + x)
 
 
@@ -64,64 +65,209 @@ class ResNet(nn.Module):
         self.head_masks = mt.Masksembles1D(128, N, SCALE, seed=2) if masks else nn.Identity()
         self.fc = nn.Linear(128, 10)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: Tensor) -> Tensor:
         y = self.pool(self.block2(self.down(self.block1(self.stem(x))))).flatten(1)
         return self.fc(self.head_masks(y))
 
 
-def macs(model: nn.Module, x: torch.Tensor) -> int:
-    """Multiply-accumulates of the Linear, Conv and grouped-Linear layers in one forward of ``x``."""
-    total = 0
+class ConvBN(nn.Sequential):
+    def __init__(self, inputs: int, outputs: int, kernel: int, stride: int = 1, groups: int = 1) -> None:
+        conv = nn.Conv2d(inputs, outputs, kernel, stride, kernel // 2, groups=groups, bias=False)
+        super().__init__(conv, nn.BatchNorm2d(outputs))
 
-    def count(module: nn.Module, _inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
-        nonlocal total
-        if isinstance(module, nn.Linear):
-            total += output.numel() * module.in_features
-        elif isinstance(module, nn.modules.conv._ConvNd):
-            total += output.numel() * module.weight[0].numel()
-        elif type(module).__name__ == "_GroupedLinear":
-            total += output.numel() * module.weight.shape[2]
 
-    hooks = [m.register_forward_hook(count) for m in model.modules()]
-    with torch.no_grad():
-        model(x)
-    for hook in hooks:
-        hook.remove()
-    return total
+class InvertedResidual(nn.Module):
+    """MobileNetV3 block: expand 1×1, depthwise k×k, squeeze-excite with hardsigmoid gate, project 1×1."""
+
+    def __init__(self, inputs: int, expanded: int, outputs: int, kernel: int, stride: int) -> None:
+        super().__init__()
+        self.expand, self.depthwise = ConvBN(inputs, expanded, 1), ConvBN(expanded, expanded, kernel, stride, expanded)
+        self.reduce, self.gate = nn.Conv2d(expanded, expanded // 4, 1), nn.Conv2d(expanded // 4, expanded, 1)
+        self.project = ConvBN(expanded, outputs, 1)
+        self.residual = stride == 1 and inputs == outputs
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = F.hardswish(self.depthwise(F.hardswish(self.expand(x))))
+        y = y * F.hardsigmoid(self.gate(F.relu(self.reduce(y.mean((2, 3), keepdim=True)))))
+        y = self.project(y)
+        return y + x if self.residual else y
+
+
+class MobileNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        settings = [  # inputs, expanded, outputs, kernel, stride
+            (16, 64, 24, 3, 2), (24, 72, 24, 3, 1), (24, 96, 40, 5, 2), (40, 240, 40, 5, 1), (40, 240, 48, 5, 1),
+        ]  # fmt: skip
+        self.stem = ConvBN(3, 16, 3, 2)
+        self.blocks = nn.Sequential(*(InvertedResidual(*s) for s in settings))
+        self.last = ConvBN(48, 288, 1)
+        self.head = nn.Sequential(nn.Linear(288, 256), nn.Hardswish(), nn.Linear(256, 10))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = F.hardswish(self.last(self.blocks(F.hardswish(self.stem(x)))))
+        return self.head(F.adaptive_avg_pool2d(x, 1).flatten(1))
+
+
+class LayerNorm2d(nn.LayerNorm):
+    def forward(self, x: Tensor) -> Tensor:
+        x = x.permute(0, 2, 3, 1)
+        return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps).permute(0, 3, 1, 2)
+
+
+class ConvNeXtBlock(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.dwconv, self.norm = nn.Conv2d(dim, dim, 7, padding=3, groups=dim), nn.LayerNorm(dim, eps=1e-6)
+        self.fc1, self.fc2 = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+        self.gamma = nn.Parameter(torch.full((dim,), 0.5))
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.norm(self.dwconv(x).permute(0, 2, 3, 1))
+        y = self.fc2(F.gelu(self.fc1(y))) * self.gamma
+        return x + y.permute(0, 3, 1, 2)
+
+
+class ConvNeXt(nn.Module):
+    def __init__(self, dims: tuple[int, ...] = (40, 80, 160)) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, dims[0], 4, stride=4), LayerNorm2d(dims[0], eps=1e-6))
+        stages: list[nn.Module] = []
+        for i, dim in enumerate(dims):
+            down = [] if i == 0 else [LayerNorm2d(dims[i - 1], eps=1e-6), nn.Conv2d(dims[i - 1], dim, 2, stride=2)]
+            stages.append(nn.Sequential(*down, ConvNeXtBlock(dim), ConvNeXtBlock(dim)))
+        self.stages = nn.Sequential(*stages)
+        self.norm, self.fc = nn.LayerNorm(dims[-1], eps=1e-6), nn.Linear(dims[-1], 10)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(self.norm(self.stages(self.stem(x)).mean((2, 3))))
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads, self.qkv, self.proj = heads, nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
+        return self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, c))
+
+
+class ViTBlock(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.norm1, self.attn, self.norm2 = nn.LayerNorm(dim), Attention(dim, heads), nn.LayerNorm(dim)
+        self.fc1, self.fc2 = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+
+
+class ViT(nn.Module):
+    def __init__(self, dim: int = 96, depth: int = 4, heads: int = 3) -> None:
+        super().__init__()
+        self.patch = nn.Conv2d(3, dim, 4, stride=4)
+        self.cls = nn.Parameter(torch.randn(1, 1, dim) * 0.02)
+        self.pos = nn.Parameter(torch.randn(1, 65, dim) * 0.02)
+        self.blocks = nn.Sequential(*(ViTBlock(dim, heads) for _ in range(depth)))
+        self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, 10)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.patch(x).flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], dim=1) + self.pos
+        return self.head(self.norm(self.blocks(x))[:, 0])
+
+
+class Bottleneck(nn.Module):
+    def __init__(self, inputs: int, width: int, stride: int, masks: bool, seed: int) -> None:
+        super().__init__()
+        self.conv1, self.conv2 = ConvBN(inputs, width, 1), ConvBN(width, width, 3, stride)
+        self.conv3 = ConvBN(width, 4 * width, 1)
+        self.down = ConvBN(inputs, 4 * width, 1, stride) if stride != 1 or inputs != 4 * width else None
+        self.masks = mt.Masksembles2D(4 * width, N, SCALE, seed=seed) if masks else nn.Identity()
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.conv3(F.relu(self.conv2(F.relu(self.conv1(x)))))
+        return self.masks(F.relu(y + (x if self.down is None else self.down(x))))
+
+
+class ResNet50(nn.Module):
+    """ResNet-50's bottleneck stages (3, 4, 6, 3 blocks, widths 64-512) on 32×32 images, masks after every block."""
+
+    def __init__(self, masks: bool) -> None:
+        super().__init__()
+        self.stem = ConvBN(3, 64, 3)
+        blocks, inputs = [], 64
+        for stage, (count, width) in enumerate(zip((3, 4, 6, 3), (64, 128, 256, 512), strict=True)):
+            for i in range(count):
+                blocks.append(Bottleneck(inputs, width, 2 if i == 0 and stage else 1, masks, len(blocks)))
+                inputs = 4 * width
+        self.blocks, self.fc = nn.Sequential(*blocks), nn.Linear(inputs, 10)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(F.adaptive_avg_pool2d(self.blocks(F.relu(self.stem(x))), 1).flatten(1))
+
+
+def inserted(factory: Callable[[], nn.Module]) -> Callable[[bool], nn.Module]:
+    """The model, with masks placed by ``insert`` when asked (the unmasked one has the same weights)."""
+
+    def build(masks: bool) -> nn.Module:
+        torch.manual_seed(0)
+        model = factory()
+        return mt.insert(model, N, SCALE, seed=0) if masks else model
+
+    return build
+
+
+MODELS: dict[str, tuple[Callable[[bool], nn.Module], tuple[int, ...], tuple[int, ...]]] = {
+    "MLP": (mlp, (784,), (1, 32, 256)),
+    "ResNet": (ResNet, (3, 32, 32), (1, 32, 256)),
+    "MobileNetV3-like": (inserted(MobileNet), (3, 64, 64), (1, 32, 256)),
+    "ConvNeXt-like": (inserted(ConvNeXt), (3, 64, 64), (1, 32, 256)),
+    "ViT-like": (inserted(ViT), (3, 32, 32), (1, 32, 256)),
+    "ResNet-50, masks after every block": (ResNet50, (3, 32, 32), (1, 8, 32)),
+}
+
+
+def randomize_norms(model: nn.Module) -> nn.Module:
+    generator = torch.Generator().manual_seed(0)
+    for module in model.modules():
+        if isinstance(module, nn.BatchNorm2d):
+            module.running_mean.copy_(torch.randn(module.num_features, generator=generator) * 0.1)
+            module.running_var.copy_(torch.rand(module.num_features, generator=generator) + 0.5)
+    return model
 
 
 def main() -> None:
-    args = arguments(device=True)
+    args = arguments(device=True, models=list(MODELS))
     device, sync, where = torch_device(args)
     lines = [
         f"## Packed inference, PyTorch ({where})",
         "",
-        f"torch {torch.__version__}, float32, N={N}, S={SCALE} at fixed capacity (M·S = C); medians of {args.rounds} "
-        f"interleaved rounds on {machine()}. Every ratio is ÷ one forward of the same network without Masksembles "
-        "on the same batch; in brackets, the MAC ratio of its Linear/Conv layers: the bound on its time ratio when "
-        "both run at the same speed per MAC (small or grouped kernels run slower per MAC, large ones faster). "
-        "Targets: packed within 1.3× of its MAC ratio and ≤ 1.5× for the MLP; tiled predict ≈ N×. `pack` runs "
-        "2-D/3-D convolutions in channels-last memory format (grouped convolutions run near the dense speed per MAC "
-        "there, not in NCHW); (a′) divides by the single ResNet in channels-last too.",
+        f"torch {torch.__version__}, float32, N={N}, S={SCALE}; medians of {args.rounds} interleaved rounds on "
+        f"{machine()}. Every ratio is ÷ one forward of the same network without Masksembles on the same batch. In "
+        "brackets after the packed ratio: the MAC ratio of its Linear/Conv layers (the bound on its time ratio if "
+        "every kernel ran at the same speed per MAC) and the share of MACs that fell back to full width. Targets: "
+        "packed within 1.3× of its MAC ratio where nothing falls back; never slower than tiled predict (`pack`'s "
+        'default `program="auto"` times both on the example input and keeps the faster).',
         "",
-        "| model | batch | single (ms) | (a) packed ÷ single [MACs] | (a′) packed ÷ single channels-last "
-        "| (b) tiled predict ÷ single [MACs] | (c) one member ÷ single [MACs] | member params ÷ full |",
+        "| model | batch | single (ms) | packed ÷ single [MACs; fallback] | tiled predict ÷ single | packed ÷ tiled "
+        "| one member ÷ single | member params ÷ full |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    torch.manual_seed(0)
-    for name, factory, shape in (("MLP", mlp, (784,)), ("ResNet", ResNet, (3, 32, 32))):
-        masked = factory(True).to(device).eval()
-        single = factory(False).to(device).eval()
-        single.load_state_dict({k: v for k, v in masked.state_dict().items() if not k.endswith("masks")})
-        convolutional = len(shape) == 3
-        single_cl = copy.deepcopy(single).to(memory_format=torch.channels_last)
-        for batch in (1, 32, 256):
+    for name in args.models:
+        factory, shape, batches = MODELS[name]
+        masked = randomize_norms(factory(True)).to(device).eval()
+        single = randomize_norms(factory(False)).to(device).eval()
+        for batch in batches:
             x = torch.randn(batch, *shape, device=device)
-            packed = mt.pack(masked, x)
+            packed = mt.pack(masked, x, program="packed")
             member = mt.extract_member(masked, 0, x)
             tiled = copy.deepcopy(masked)
 
-            def run(fn, x=x):
+            def run(fn: Callable[[Tensor], object], x: Tensor = x) -> Callable[[], None]:
                 def call() -> None:
                     with torch.no_grad():
                         fn(x)
@@ -135,25 +281,20 @@ def main() -> None:
                 "tiled": run(lambda v, model=tiled: mt.predict(model, v, N)),
                 "member": run(member),
             }
-            if convolutional:
-                contenders["single_cl"] = run(
-                    lambda v, model=single_cl: model(v.contiguous(memory_format=torch.channels_last))
-                )
             medians = interleaved_medians(contenders, rounds=args.rounds)
-            base = macs(single, x)
             ratio = {k: medians[k] / medians["single"] for k in medians}
+            macs = packed.macs
+            mac_ratio = macs["packed"] / (macs["dense"] / N)
+            fallback = macs["fallback"] / macs["packed"]
+            params = sum(p.numel() for p in member.parameters()) / sum(p.numel() for p in single.parameters())
             row = (
-                f"| {name} | {batch} | {medians['single'] * 1e3:.3f} "
-                f"| {ratio['packed']:.2f}× [{macs(packed, x) / base:.2f}×] "
-                + (f"| {medians['packed'] / medians['single_cl']:.2f}× " if convolutional else "| — ")
-                + f"| {ratio['tiled']:.2f}× [{macs(masked, mt.tile(x, N)) / base:.2f}×] "
-                f"| {ratio['member']:.2f}× [{macs(member, x) / base:.2f}×] "
-                f"| {sum(p.numel() for p in member.parameters()) / sum(p.numel() for p in single.parameters()):.2f}× |"
+                f"| {name} | {batch} | {medians['single'] * 1e3:.2f} "
+                f"| {ratio['packed']:.2f}× [{mac_ratio:.2f}×; {fallback:.0%}] | {ratio['tiled']:.2f}× "
+                f"| {medians['packed'] / medians['tiled']:.2f}× | {ratio['member']:.2f}× | {params:.2f}× |"
             )
             lines.append(row)
             print(row, flush=True)
-    text = "\n".join(lines)
-    publish(f"packing-{device.type}", text, write=not args.no_write)
+    publish(f"packing-{device.type}", "\n".join(lines), write=not args.no_write)
 
 
 if __name__ == "__main__":

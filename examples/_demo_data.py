@@ -1,4 +1,5 @@
-"""Data of the demo: the paper's two-sinusoid toy, scikit-learn's digits with held-out classes, corruptions."""
+"""Data of the demo: the paper's two-sinusoid toy, scikit-learn's digits with held-out classes, corruptions,
+a 1-D regression toy with a gap and scikit-learn's diabetes."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from numpy.typing import NDArray
-from sklearn.datasets import load_digits
+from sklearn.datasets import load_diabetes, load_digits
 
 FloatArray = NDArray[np.float32]
 LabelArray = NDArray[np.int64]
@@ -154,3 +155,69 @@ def corrupt(images: FloatArray, name: str, severity: int) -> FloatArray:
     """``images`` under corruption ``name`` at ``severity`` (1..5), the same draw on every call."""
     rng = np.random.default_rng([list(CORRUPTIONS).index(name), severity])
     return CORRUPTIONS[name](images, severity, rng)
+
+
+# --- regression toy: y = f(x) + noise that grows with x, observed on [-4, -1] and [1, 4] ---------
+
+REGRESSION_DATA = ((-4.0, -1.5), (1.5, 4.0))  # the gap (-1.5, 1.5) has no training data
+REGRESSION_GAP = (-1.5, 1.5)
+REGRESSION_PLOT = (-6.0, 6.0)
+REGRESSION_INPUT_SCALE = 4.0  # network input = x / scale
+
+
+def regression_mean(x: NDArray[np.floating]) -> NDArray[np.float64]:
+    """The toy's true function: 1.5 sin(1.2 x) + 0.2 x."""
+    values = np.asarray(x, dtype=np.float64)
+    result: NDArray[np.float64] = np.sin(1.2 * values) + 0.15 * values**2 - 1.0
+    return result
+
+
+def regression_noise(x: NDArray[np.floating]) -> NDArray[np.float64]:
+    """The toy's noise standard deviation: 0.05 at x = -4 growing linearly to 0.35 at x = 4 (heteroscedastic)."""
+    result: NDArray[np.float64] = 0.05 + 0.3 * (np.asarray(x, dtype=np.float64) + 4.0) / 8.0
+    return result
+
+
+def regression_points(count: int, seed: int, *, gap: bool = False) -> tuple[FloatArray, FloatArray]:
+    """``count`` points (x (count, 1), y (count,)): x uniform on the data's two intervals (on the gap with ``gap``)."""
+    rng = np.random.default_rng(seed)
+    if gap:
+        x = rng.uniform(*REGRESSION_GAP, size=count)
+    else:
+        (low, split), (resume, high) = REGRESSION_DATA
+        u = rng.uniform(0.0, (split - low) + (high - resume), size=count)
+        x = np.where(u < split - low, low + u, resume + u - (split - low))
+    y = regression_mean(x) + regression_noise(x) * rng.normal(size=count)
+    return x[:, None].astype(np.float32), y.astype(np.float32)
+
+
+# --- diabetes: scikit-learn's 442 patients, 10 features, a disease-progression target ----------
+
+
+@dataclass(frozen=True)
+class RegressionSplit:
+    """Features and targets standardized with the training set's mean and standard deviation."""
+
+    x_train: FloatArray
+    y_train: FloatArray
+    x_val: FloatArray
+    y_val: FloatArray
+    x_test: FloatArray
+    y_test: FloatArray
+
+
+def diabetes_split(seed: int, *, val_fraction: float = 0.2, test_fraction: float = 0.2) -> RegressionSplit:
+    """A random train/validation/test split of scikit-learn's diabetes data from ``seed``, standardized."""
+    features, target = load_diabetes(return_X_y=True)
+    order = np.random.default_rng(seed).permutation(len(target))
+    n_val, n_test = round(len(order) * val_fraction), round(len(order) * test_fraction)
+    val, test, train = order[:n_val], order[n_val : n_val + n_test], order[n_val + n_test :]
+    x_mean, x_std = features[train].mean(axis=0), features[train].std(axis=0)
+    y_mean, y_std = target[train].mean(), target[train].std()
+
+    def scaled(index: NDArray[np.int64]) -> tuple[FloatArray, FloatArray]:
+        x = ((features[index] - x_mean) / x_std).astype(np.float32)
+        return x, ((target[index] - y_mean) / y_std).astype(np.float32)
+
+    (x_train, y_train), (x_val, y_val), (x_test, y_test) = scaled(train), scaled(val), scaled(test)
+    return RegressionSplit(x_train, y_train, x_val, y_val, x_test, y_test)

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from _demo_common import ModelSpec, TrainConfig, softmax
+from _demo_common import ModelSpec, TrainConfig
 from numpy.typing import NDArray
 from tqdm.auto import tqdm
 
@@ -47,13 +47,13 @@ class Network(nn.Module):
         if spec.arch == "mlp":
             h = self.regularize(nn.relu(nn.Dense(widths[0])(x)), 0, train=train)
             h = self.regularize(nn.relu(nn.Dense(widths[1])(h)), 1, train=train)
-            return nn.Dense(spec.classes)(h)
+            return nn.Dense(spec.outputs)(h)
         h = jnp.transpose(x, (0, 2, 3, 1))
         h = nn.max_pool(nn.relu(nn.Conv(widths[0], (3, 3), padding="SAME")(h)), (2, 2), strides=(2, 2))
         h = self.regularize(h, 0, train=train)
         h = self.regularize(nn.relu(nn.Conv(widths[1], (3, 3), padding="SAME")(h)), 1, train=train)
         h = self.regularize(nn.relu(nn.Dense(widths[2])(h.reshape(h.shape[0], -1))), 2, train=train)
-        return nn.Dense(spec.classes)(h)
+        return nn.Dense(spec.outputs)(h)
 
 
 @dataclass
@@ -67,7 +67,7 @@ class FlaxModel:
     seconds: float
 
     def predict(self, x: NDArray[np.float32]) -> NDArray[np.float64]:
-        """Member probabilities, (B, ...) -> (members, B, K)."""
+        """Member outputs (logits, or mean and log-variance), (B, ...) -> (members, B, K)."""
         spec, inputs = self.network.spec, jnp.asarray(x)
         if spec.method == "dropout":
             keys = jax.random.split(jax.random.key(self.seed), spec.samples)
@@ -80,7 +80,7 @@ class FlaxModel:
             )
         else:
             logits = self.network.apply(self.variables, inputs, train=False)[None]
-        return softmax(np.asarray(logits))
+        return np.asarray(logits, dtype=np.float64)
 
 
 Step = Callable[[Any, Any, Variables, jax.Array, jax.Array, jax.Array], tuple[Any, Any]]
@@ -90,7 +90,8 @@ STEPS: dict[tuple[Any, ...], tuple[Step, optax.GradientTransformation]] = {}
 def training_step(network: Network, learning_rate: float) -> tuple[Step, optax.GradientTransformation]:
     """A jitted Adam step, compiled once per architecture: the masks come in with the fixed variables."""
     spec = network.spec
-    key = (spec.arch, spec.in_shape, spec.classes, spec.widths, spec.method, spec.rate, spec.samples, learning_rate)
+    architecture = (spec.arch, spec.in_shape, spec.outputs, spec.widths, spec.task)
+    key = (*architecture, spec.method, spec.rate, spec.samples, learning_rate)
     if key not in STEPS:
         optimizer = optax.adam(learning_rate)
 
@@ -99,8 +100,10 @@ def training_step(network: Network, learning_rate: float) -> tuple[Step, optax.G
             params: Any, state: Any, fixed: Variables, xb: jax.Array, yb: jax.Array, rng: jax.Array
         ) -> tuple[Any, Any]:
             def loss(p: Any) -> jax.Array:
-                logits = network.apply({"params": p, **fixed}, xb, train=True, rngs={"dropout": rng})
-                return optax.softmax_cross_entropy_with_integer_labels(logits, yb).mean()
+                outputs = network.apply({"params": p, **fixed}, xb, train=True, rngs={"dropout": rng})
+                if spec.task == "regression":
+                    return masksembles_flax.gaussian_nll_loss(outputs, yb).mean()
+                return optax.softmax_cross_entropy_with_integer_labels(outputs, yb).mean()
 
             updates, state = optimizer.update(jax.grad(loss)(params), state, params)
             return optax.apply_updates(params, updates), state
@@ -110,9 +113,18 @@ def training_step(network: Network, learning_rate: float) -> tuple[Step, optax.G
 
 
 def train(
-    spec: ModelSpec, x: NDArray[np.float32], y: NDArray[np.int64], config: TrainConfig, *, seed: int, desc: str
+    spec: ModelSpec,
+    x: NDArray[np.float32],
+    y: NDArray[np.int64] | NDArray[np.float32],
+    config: TrainConfig,
+    *,
+    seed: int,
+    desc: str,
 ) -> FlaxModel:
-    """Build ``spec`` from ``seed`` and train it with Adam (optax) on shuffled mini-batches of (x, y)."""
+    """Build ``spec`` from ``seed`` and train it with Adam (optax) on shuffled mini-batches of (x, y).
+
+    Classifiers minimize the cross-entropy, regressors the Gaussian NLL of ``masksembles_flax.gaussian_nll_loss``.
+    """
     network = Network(spec)
     init_key, dropout_key = jax.random.split(jax.random.key(seed))
     variables = network.init(init_key, jnp.asarray(x[:1]), train=False)

@@ -8,7 +8,7 @@ from typing import Any
 
 import keras
 import numpy as np
-from _demo_common import ModelSpec, TrainConfig, softmax
+from _demo_common import ModelSpec, TrainConfig
 from keras import layers
 from numpy.typing import NDArray
 from tqdm.auto import tqdm
@@ -49,7 +49,7 @@ def build(spec: ModelSpec) -> keras.Sequential:
                 regularizer(spec, 0, conv=False),
                 layers.Dense(widths[1], activation="relu"),
                 regularizer(spec, 1, conv=False),
-                layers.Dense(spec.classes),
+                layers.Dense(spec.outputs),
             ]
         )
     channels, height, width = spec.in_shape
@@ -64,7 +64,7 @@ def build(spec: ModelSpec) -> keras.Sequential:
             layers.Flatten(),
             layers.Dense(widths[2], activation="relu"),
             regularizer(spec, 2, conv=False),
-            layers.Dense(spec.classes),
+            layers.Dense(spec.outputs),
         ]
     )
 
@@ -93,7 +93,7 @@ class KerasModel:
     seconds: float
 
     def predict(self, x: NDArray[np.float32]) -> NDArray[np.float64]:
-        """Member probabilities, (B, ...) -> (members, B, K)."""
+        """Member outputs (logits, or mean and log-variance), (B, ...) -> (members, B, K)."""
         inputs = channels_last(x)
         if self.spec.method == "masksembles":
             logits = mk.predict(self.model, inputs, self.spec.samples, batch_size=PREDICT_BATCH)
@@ -103,19 +103,30 @@ class KerasModel:
             )
         else:
             logits = keras.ops.convert_to_numpy(self.model(inputs, training=False))[None]
-        return softmax(logits)
+        return np.asarray(logits, dtype=np.float64)
 
 
 def train(
-    spec: ModelSpec, x: NDArray[np.float32], y: NDArray[np.int64], config: TrainConfig, *, seed: int, desc: str
+    spec: ModelSpec,
+    x: NDArray[np.float32],
+    y: NDArray[np.int64] | NDArray[np.float32],
+    config: TrainConfig,
+    *,
+    seed: int,
+    desc: str,
 ) -> KerasModel:
-    """Build ``spec`` from ``seed`` and train it with Adam (``fit``) on shuffled mini-batches of (x, y)."""
+    """Build ``spec`` from ``seed`` and train it with Adam (``fit``) on shuffled mini-batches of (x, y).
+
+    Classifiers minimize the cross-entropy, regressors the Gaussian NLL of ``mk.GaussianNLL``.
+    """
     keras.utils.set_random_seed(seed)
     model = build(spec)
-    model.compile(
-        optimizer=keras.optimizers.Adam(config.learning_rate),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    loss = (
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        if spec.task == "classification"
+        else mk.GaussianNLL()
     )
+    model.compile(optimizer=keras.optimizers.Adam(config.learning_rate), loss=loss)
     start = time.perf_counter()
     model.fit(
         channels_last(x),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import matplotlib
 
@@ -17,10 +18,16 @@ from matplotlib.patches import Rectangle
 from numpy.typing import NDArray
 
 import masksembles_core as mc
-from masksembles_core.metrics import DiversityPoints, ReliabilityDiagram
+from masksembles_core.metrics import DiversityPoints, RegressionCalibration, ReliabilityDiagram
 
 FloatArray = NDArray[np.float64]
-MODEL_COLORS = {"Single": "#4c9f95", "MC-Dropout": "#e0695f", "Masksembles": "#d3a53c", "Deep Ensemble": "#9d7fb0"}
+MODEL_COLORS = {
+    "Single": "#4c9f95",
+    "MC-Dropout": "#e0695f",
+    "Masksembles": "#d3a53c",
+    "Masksembles 2.3×": "#8a6a1c",
+    "Deep Ensemble": "#9d7fb0",
+}
 TOY_COLORS = ("#d62728", "#1f77b4")  # red (label 0), blue (label 1)
 
 
@@ -190,7 +197,7 @@ def plot_diversity(
         diversity = np.concatenate([p.diversity for p in per_seed])
         base = name.split(" (")[0]
         color = next(scale_colors) if base == "Masksembles" else MODEL_COLORS[base]
-        marker = {"MC-Dropout": "^", "Deep Ensemble": "o"}.get(base, "*")
+        marker = {"MC-Dropout": "^", "Deep Ensemble": "o", "Masksembles 2.3×": "D"}.get(base, "*")
         axis.plot(accuracy, diversity, marker, color=color, label=name, markersize=6, alpha=0.8, linestyle="none")
     low = min([*single_accuracy, *(p.accuracy.min() for s in points.values() for p in s)])
     grid = np.linspace(max(low - 0.02, 0.0), 0.999, 200)
@@ -199,5 +206,65 @@ def plot_diversity(
     axis.set_ylim(bottom=-0.05, top=2.1)
     axis.legend(fontsize=7, loc="upper left")
     axis.set_title("Diversity vs accuracy of member pairs (digits test set)")
+    figure.tight_layout()
+    save(figure, path)
+
+
+class RegressionCurves(NamedTuple):
+    """One model's prediction on a grid: the mixture's mean and its aleatoric and epistemic variances, each (G,)."""
+
+    mean: FloatArray
+    aleatoric: FloatArray
+    epistemic: FloatArray
+
+
+def plot_regression_toy(
+    path: Path,
+    grid: NDArray[np.float32],
+    curves: Mapping[str, RegressionCurves],
+    x: NDArray[np.float32],
+    y: NDArray[np.float32],
+    *,
+    truth: FloatArray,
+    gap: tuple[float, float],
+    half_width: float,
+    ratios: Mapping[str, float],
+) -> None:
+    """Per model: the data, the true function, the mean, the total and the epistemic interval, the gap shaded."""
+    figure, axes = plt.subplots(1, len(curves), figsize=(4.0 * len(curves), 3.6), sharey=True, squeeze=False)
+    for axis, (name, curve) in zip(axes[0], curves.items(), strict=True):
+        color = MODEL_COLORS[name]
+        total = half_width * np.sqrt(curve.aleatoric + curve.epistemic)
+        epistemic = half_width * np.sqrt(curve.epistemic)
+        axis.axvspan(*gap, color="0.92", zorder=0)
+        axis.fill_between(grid, curve.mean - total, curve.mean + total, color=color, alpha=0.25, linewidth=0)
+        axis.fill_between(grid, curve.mean - epistemic, curve.mean + epistemic, color=color, alpha=0.7, linewidth=0)
+        axis.plot(x, y, ".", color="0.35", markersize=2)
+        axis.plot(grid, truth, "k--", linewidth=0.8)
+        axis.plot(grid, curve.mean, color="black", linewidth=1.0)
+        ratio = ratios[name]
+        axis.set_title(name + ("" if math.isnan(ratio) else f"\nepistemic std gap ÷ data: {ratio:.2f}"), fontsize=9)
+        axis.set_xlabel("x")
+        axis.set_ylim(-4.0, 5.0)
+    axes[0, 0].set_ylabel("y")
+    figure.suptitle(
+        "Gaussian members: 90 % interval of the mixture (light) and its epistemic part (dark); "
+        "dashed: true function, grey: no training data",
+        fontsize=9,
+    )
+    figure.tight_layout()
+    save(figure, path)
+
+
+def plot_regression_calibration(path: Path, curves: Mapping[str, RegressionCalibration]) -> None:
+    """Observed vs nominal coverage of central intervals, one line per model."""
+    figure, axis = plt.subplots(figsize=(4.5, 4.2))
+    axis.plot([0, 1], [0, 1], "k--", linewidth=0.8)
+    for name, curve in curves.items():
+        label = f"{name} (error {curve.error:.3f})"
+        axis.plot(curve.levels, curve.observed, "o-", color=MODEL_COLORS[name], markersize=3, label=label)
+    axis.set(xlabel="nominal coverage of the central interval", ylabel="observed coverage", xlim=(0, 1), ylim=(0, 1))
+    axis.legend(fontsize=7, loc="upper left")
+    axis.set_title("Diabetes: regression calibration (test sets, all seeds pooled)", fontsize=9)
     figure.tight_layout()
     save(figure, path)

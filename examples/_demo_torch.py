@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
-from _demo_common import ModelSpec, TrainConfig, softmax
+from _demo_common import ModelSpec, TrainConfig
 from numpy.typing import NDArray
 from torch import nn
 from tqdm.auto import tqdm
@@ -42,7 +42,7 @@ def build(spec: ModelSpec) -> nn.Sequential:
             nn.Linear(widths[0], widths[1]),
             nn.ReLU(),
             regularizer(spec, 1, conv=False),
-            nn.Linear(widths[1], spec.classes),
+            nn.Linear(widths[1], spec.outputs),
         )
     channels, height, width = spec.in_shape
     return nn.Sequential(
@@ -57,7 +57,7 @@ def build(spec: ModelSpec) -> nn.Sequential:
         nn.Linear(widths[1] * (height // 2) * (width // 2), widths[2]),
         nn.ReLU(),
         regularizer(spec, 2, conv=False),
-        nn.Linear(widths[2], spec.classes),
+        nn.Linear(widths[2], spec.outputs),
     )
 
 
@@ -72,7 +72,7 @@ class TorchModel:
     seconds: float
 
     def predict(self, x: NDArray[np.float32]) -> NDArray[np.float64]:
-        """Member probabilities, (B, ...) -> (members, B, K)."""
+        """Member outputs (logits, or mean and log-variance), (B, ...) -> (members, B, K)."""
         inputs = torch.from_numpy(x)
         self.model.eval()
         if self.spec.method == "masksembles":
@@ -82,7 +82,7 @@ class TorchModel:
         else:
             with torch.no_grad():
                 logits = self.model(inputs)[None]
-        return softmax(logits.numpy())
+        return logits.numpy().astype(np.float64)
 
     def mc_dropout(self, inputs: torch.Tensor) -> torch.Tensor:
         """``spec.samples`` forward passes with dropout on (the rest in eval mode): (B, ...) -> (samples, B, K)."""
@@ -99,19 +99,29 @@ class TorchModel:
 
 
 def train(
-    spec: ModelSpec, x: NDArray[np.float32], y: NDArray[np.int64], config: TrainConfig, *, seed: int, desc: str
+    spec: ModelSpec,
+    x: NDArray[np.float32],
+    y: NDArray[np.int64] | NDArray[np.float32],
+    config: TrainConfig,
+    *,
+    seed: int,
+    desc: str,
 ) -> TorchModel:
-    """Build ``spec`` from ``seed`` and train it with Adam on shuffled mini-batches of (x, y)."""
+    """Build ``spec`` from ``seed`` and train it with Adam on shuffled mini-batches of (x, y).
+
+    Classifiers minimize the cross-entropy, regressors the Gaussian NLL of ``mt.gaussian_nll_loss``.
+    """
     torch.manual_seed(seed)
     model = build(spec)
     optimizer = torch.optim.Adam(model.parameters(), lr=config.learning_rate)
     inputs, targets = torch.from_numpy(x), torch.from_numpy(y)
     shuffle = torch.Generator().manual_seed(seed)
+    criterion = F.cross_entropy if spec.task == "classification" else mt.gaussian_nll_loss
     model.train()
     start = time.perf_counter()
     for _ in tqdm(range(config.epochs), desc=desc, leave=False, disable=None, unit="epoch"):
         for batch in torch.randperm(len(inputs), generator=shuffle).split(config.batch_size):
-            loss = F.cross_entropy(model(inputs[batch]), targets[batch])
+            loss = criterion(model(inputs[batch]), targets[batch])
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()

@@ -1,63 +1,44 @@
 """masksembles_core: the framework-free core of Masksembles (NumPy only).
 
-Mask generation (the paper's algorithm and the fixed-width form layers use), validation,
-statistics and the paper's formulas, the batch-grouping rule, and the NumPy reference layer
-that every framework adapter is tested against. Importing this package imports no deep
-learning framework.
+Masks (the paper's algorithm, ``sample_masks``, and the fixed-width form layers use, ``generate_masks``), their
+statistics and the paper's formulas, the batch-grouping rule (``group_index``, ``tile``, ``untile``) and the NumPy
+reference layer every framework adapter is tested against (``apply_masks``). Submodules: ``metrics`` (uncertainty
+and evaluation from member outputs), ``insertion`` (where ``insert`` puts masks), ``packing`` (the program behind
+packed inference) and ``adapter`` (what framework adapters build on). Importing this package imports no deep learning
+framework.
 """
 
-from . import metrics
+from . import adapter, insertion, metrics, packing
 from ._generation import (
     DuplicateMasksWarning,
     derive_seed,
     generate_masks,
-    make_rng,
     ones_per_mask,
-    resolve_masks,
     sample_masks,
     validate_masks,
 )
-from ._grouping import check_tiled_batch, group_index, tile, untile
-from ._reference import apply_masks, apply_masks_grad, mask_shape
+from ._grouping import group_index, tile, untile
+from ._reference import apply_masks, apply_masks_grad
 from ._stats import MaskStats, expected_iou, expected_width, mask_stats
-from ._validation import (
-    MODES,
-    check_channel_axis,
-    check_channels,
-    check_input_shape,
-    check_int,
-    check_mode,
-    check_n,
-    check_scale,
-)
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "MODES",
     "DuplicateMasksWarning",
     "MaskStats",
+    "adapter",
     "apply_masks",
     "apply_masks_grad",
-    "check_channel_axis",
-    "check_channels",
-    "check_input_shape",
-    "check_int",
-    "check_mode",
-    "check_n",
-    "check_scale",
-    "check_tiled_batch",
     "derive_seed",
     "expected_iou",
     "expected_width",
     "generate_masks",
     "group_index",
-    "make_rng",
-    "mask_shape",
+    "insertion",
     "mask_stats",
     "metrics",
     "ones_per_mask",
-    "resolve_masks",
+    "packing",
     "sample_masks",
     "tile",
     "untile",

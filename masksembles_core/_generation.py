@@ -5,14 +5,28 @@ from __future__ import annotations
 import itertools
 import math
 import warnings
+from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-from ._validation import check_channels, check_int, check_n, check_scale
+from ._validation import check_channel_axis, check_channels, check_int, check_mode, check_n, check_scale
 
 Seed = int | np.integer | np.random.Generator | None
 BoolArray = NDArray[np.bool_]
+
+
+def check_seed(seed: object) -> int | np.random.Generator | None:
+    """Validate a mask seed: None (fresh entropy), an integer >= 0 or a ``numpy.random.Generator``."""
+    allowed = "None, an integer >= 0 or a numpy.random.Generator"
+    if seed is None or isinstance(seed, np.random.Generator):
+        return seed
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise TypeError(f"seed must be {allowed}; received {seed!r} ({type(seed).__name__})")
+    if int(seed) < 0:
+        raise ValueError(f"seed must be {allowed}; received {int(seed)}")
+    return int(seed)
 
 
 def make_rng(seed: Seed) -> np.random.Generator:
@@ -21,11 +35,8 @@ def make_rng(seed: Seed) -> np.random.Generator:
     ``None`` draws fresh OS entropy, an int gives the same stream on every run, and a
     Generator is used as is (and advanced).
     """
-    if seed is None or isinstance(seed, np.random.Generator):
-        return np.random.default_rng(seed)
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or int(seed) < 0:
-        raise TypeError(f"seed must be None, a non-negative integer or a numpy.random.Generator; received {seed!r}")
-    return np.random.default_rng(int(seed))
+    checked = check_seed(seed)
+    return checked if isinstance(checked, np.random.Generator) else np.random.default_rng(checked)
 
 
 def derive_seed(seed: int | None, index: int) -> int:
@@ -198,25 +209,75 @@ def validate_masks(masks: ArrayLike) -> BoolArray:
     return result
 
 
-def resolve_masks(
-    channels: int | None, n: int | None, scale: float | None, *, seed: Seed, masks: ArrayLike | None
-) -> BoolArray:
-    """The masks a layer should hold: validated user ``masks``, or generated ones.
+@dataclass(frozen=True, eq=False)
+class LayerArguments:
+    """A Masksembles layer's arguments, validated once for every framework by ``layer_arguments``.
 
-    With ``masks`` given, ``channels`` and ``n`` (when not None) must agree with its shape
-    and ``seed`` is ignored; otherwise ``channels``, ``n`` and ``scale`` are required.
+    ``masks``: the (n, C) masks the user gave, or None (then they are generated once the channels are known).
     """
-    if masks is None:
-        if channels is None or n is None or scale is None:
-            raise ValueError("channels, n and scale are required when masks is not given")
-        return generate_masks(channels, n, scale, seed=seed)
-    result = validate_masks(masks)
-    if n is not None and check_n(n) != result.shape[0]:
-        raise ValueError(f"n={n} does not match the {result.shape[0]} masks given (masks shape {result.shape})")
-    if channels is not None and check_channels(channels) != result.shape[1]:
-        raise ValueError(
-            f"channels={channels} does not match the masks' width {result.shape[1]} (masks shape {result.shape})"
-        )
-    if scale is not None:
-        check_scale(scale)
-    return result
+
+    n: int
+    scale: float | None
+    seed: int | np.random.Generator | None
+    masks: BoolArray | None
+    channel_axis: int
+    mode: str
+
+    def masks_for(self, channels: int | None) -> BoolArray:
+        """The layer's (n, C) masks for ``channels`` input channels (None: not known, only with given masks)."""
+        if self.masks is not None:
+            if channels is not None and check_channels(channels) != self.masks.shape[1]:
+                raise ValueError(
+                    f"channels={channels} does not match the masks' width {self.masks.shape[1]} "
+                    f"(masks shape {self.masks.shape})"
+                )
+            return self.masks.copy()
+        if channels is None or self.scale is None:
+            raise ValueError("channels is required when masks is not given")
+        return generate_masks(channels, self.n, self.scale, seed=self.seed)
+
+
+def layer_arguments(
+    channels: object,
+    n: object,
+    scale: object,
+    *,
+    seed: object = None,
+    masks: ArrayLike | None = None,
+    channel_axis: object,
+    mode: object = "grouped",
+) -> LayerArguments:
+    """Validate what a Masksembles layer takes, in one order for every framework.
+
+    The order: ``channels`` (None when the layer reads them from its input), ``n``, ``scale``, ``seed``, ``masks``
+    (and that they agree with ``n`` and ``channels``), ``channel_axis``, ``mode``. ``n`` and ``scale`` may be None
+    when ``masks`` is given (``n`` is then the number of masks).
+
+    Raises:
+        TypeError, ValueError: the first argument that is wrong, with its name, the allowed values and the value.
+    """
+    checked_channels = None if channels is None else check_channels(channels)
+    checked_n = None if n is None else check_n(n)
+    checked_scale = None if scale is None else check_scale(scale)
+    checked_seed = check_seed(seed)
+    given = None if masks is None else validate_masks(masks)
+    if given is None and (checked_n is None or checked_scale is None):
+        raise ValueError("n and scale are required when masks is not given")
+    if given is not None:
+        if checked_n is not None and checked_n != given.shape[0]:
+            raise ValueError(
+                f"n={checked_n} does not match the {given.shape[0]} masks given (masks shape {given.shape})"
+            )
+        if checked_channels is not None and checked_channels != given.shape[1]:
+            raise ValueError(
+                f"channels={checked_channels} does not match the masks' width {given.shape[1]} "
+                f"(masks shape {given.shape})"
+            )
+    return LayerArguments(
+        n=int(given.shape[0]) if given is not None else cast(int, checked_n),
+        scale=checked_scale,
+        seed=checked_seed,
+        masks=given,
+        channel_axis=check_channel_axis(channel_axis),
+        mode=check_mode(mode),
+    )

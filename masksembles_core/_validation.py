@@ -118,3 +118,53 @@ def check_input_shape(
             f"received shape {tuple(shape)} with {received} channels there"
         )
     return axis
+
+
+GAUSSIAN_HEADS = ("log_variance", "variance")
+
+
+def check_gaussian_head(head: object, min_variance: object) -> tuple[str, float]:
+    """Validate a Gaussian NLL loss's ``head`` (what output channel 1 holds) and its variance floor.
+
+    ``head="log_variance"``: channel 1 is log σ²; ``head="variance"``: channel 1 is σ² itself
+    (e.g. after a softplus). ``min_variance`` is a finite number > 0.
+    """
+    if not isinstance(head, str) or head not in GAUSSIAN_HEADS:
+        raise ValueError(f"head must be one of {GAUSSIAN_HEADS}; received {head!r}")
+    if isinstance(min_variance, bool) or not isinstance(min_variance, numbers.Real):
+        raise TypeError(f"min_variance must be a finite number > 0; received {_describe(min_variance)}")
+    floor = float(min_variance)
+    if not (math.isfinite(floor) and floor > 0.0):
+        raise ValueError(f"min_variance must be a finite number > 0; received {floor!r}")
+    return head, floor
+
+
+def check_gaussian_target(output_shape: Sequence[Any], target_shape: Sequence[Any]) -> bool:
+    """Check a Gaussian head's output (..., 2) = (mean, variance channel) against its target.
+
+    The target has the output's shape without the last axis, or with a last axis of 1 (as
+    Keras often passes labels); ``None`` dimensions (unknown) match anything.
+
+    Returns:
+        True when the target has that trailing axis of 1, which the loss drops.
+    """
+    output, target = tuple(output_shape), tuple(target_shape)
+    if len(output) < 2 or output[-1] not in (2, None):
+        raise ValueError(
+            f"a Gaussian NLL loss expects outputs of shape (B, ..., 2) holding (mean, variance channel); "
+            f"received shape {output}"
+        )
+
+    def matches(expected: tuple[Any, ...], received: tuple[Any, ...]) -> bool:
+        return len(expected) == len(received) and all(
+            a is None or b is None or int(a) == int(b) for a, b in zip(expected, received, strict=True)
+        )
+
+    if matches(output[:-1], target):
+        return False
+    if matches((*output[:-1], 1), target):
+        return True
+    raise ValueError(
+        f"the target of a Gaussian NLL loss must have shape {output[:-1]} (or {(*output[:-1], 1)}) to match "
+        f"outputs {output}; received {target}"
+    )

@@ -3,8 +3,9 @@
 An adapter lists the layers of a model in order (their paths) and the candidates among them (the layers whose input
 may get masks, with their input channel count), and ``plan_insertion`` decides, the same way in every framework:
 
-- the network's first candidate reads the raw input (image or feature channels): it is skipped unless
-  ``include_first`` is set;
+- the network's first layer (``first_layer``: its first convolution, linear or embedding layer in the model's order,
+  as the adapter finds it, whatever ``before`` selects) reads the raw input (image or feature channels): when it is a
+  candidate it is skipped unless ``include_first`` is set;
 - with ``start`` (a layer path, e.g. ``"layer3"``), candidates before that layer in the model's order are skipped;
   a ``start`` that names no layer is an error that lists the model's top-level layers;
 - a candidate the adapter marked with a reason (e.g. a depthwise convolution) is skipped with that reason, and so is
@@ -125,6 +126,7 @@ def plan_insertion(
     scale: float,
     *,
     seed: int | None,
+    first_layer: str | None,
     start: str | None = None,
     include_first: bool = False,
 ) -> LayerReport:
@@ -135,7 +137,9 @@ def plan_insertion(
         order: the paths of all layers of the model, in order (``start`` is looked up here).
         n, scale, seed: as given to ``insert`` (validated by ``check_insert_arguments``).
         start: the path of the layer insertion starts from, or None for the whole model.
-        include_first: also mask the input of the first candidate (the raw input).
+        include_first: also mask the input of the network's first layer (the raw input).
+        first_layer: the path of the network's first layer (None: the model has none of the kinds that read raw
+            input; every candidate is then a later layer).
 
     Raises:
         ValueError: ``start`` names no layer of the model, or no candidate gets masks (the message holds the report).
@@ -150,9 +154,9 @@ def plan_insertion(
         first_allowed = position[start]
     rows: list[LayerChange] = []
     inserted = 0
-    for index, candidate in enumerate(candidates):
+    for candidate in candidates:
         reason = candidate.reason
-        if not reason and index == 0 and not include_first:
+        if not reason and candidate.path == first_layer and not include_first:
             reason = "the network's first layer: it reads the raw input (include_first=True masks it)"
         if not reason and position[candidate.path] < first_allowed:
             reason = f"before start={start!r}"

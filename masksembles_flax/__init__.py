@@ -5,6 +5,7 @@ the grouping rule gives block ``k`` mask ``k``, and the outputs come back as (n,
 """
 
 from . import linen, nnx
+from ._losses import gaussian_nll_loss
 from ._ops import predict, tile, untile
 
-__all__ = ["linen", "nnx", "predict", "tile", "untile"]
+__all__ = ["gaussian_nll_loss", "linen", "nnx", "predict", "tile", "untile"]

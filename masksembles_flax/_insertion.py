@@ -29,6 +29,16 @@ ALREADY_MASKED = "already has Masksembles on its input (the layer of a Masked)"
 NO_CHANNELS = "no integer in_features: the channel count of its input is unknown"
 
 
+INPUT_LAYERS = (
+    nnx.Conv,
+    nnx.ConvTranspose,
+    nnx.Linear,
+    nnx.Embed,
+    nnx.LinearGeneral,
+    nnx.Einsum,
+)  # what reads raw input
+
+
 class Masked(nnx.Module):
     """A layer with a Masksembles layer on its input, as ``insert`` places it: ``layer(masksembles(x), ...)``.
 
@@ -62,11 +72,12 @@ def insert(
     last axis (NNX layers are channels-last). ``model`` itself is not modified; the copy holds its own arrays and
     keeps the model's attribute order.
 
-    Decided by ``masksembles_core.insertion.plan_insertion``, as in every framework: the first chosen layer in the
-    model's order reads the raw input and is left alone unless ``include_first``; layers before ``start`` are left
-    alone; so are depthwise convolutions (``feature_group_count == in_features``), layers with one input channel,
-    layers whose instance also sits at another path (masks at one place would miss the calls from the other) and the
-    layer of an existing ``Masked``. The i-th layer given masks gets ``masksembles_core.derive_seed(seed, i)``.
+    Decided by ``masksembles_core.insertion.plan_insertion``, as in every framework: the network's first layer (its
+    first Conv, Linear or Embed in the model's order) reads the raw input and is left alone unless
+    ``include_first``; layers before ``start`` are left alone; so are depthwise convolutions
+    (``feature_group_count == in_features``), layers with one input channel, layers whose instance also sits at
+    another path (masks at one place would miss the calls from the other) and the layer of an existing ``Masked``.
+    The i-th layer given masks gets ``masksembles_core.derive_seed(seed, i)``.
 
     Args:
         model: any ``nnx.Module`` (a user's module, ``nnx.Sequential``, nested modules, lists of blocks).
@@ -77,7 +88,7 @@ def insert(
             ``(path, layer) -> bool`` called on every module below the root. A chosen layer needs an integer
             ``in_features``.
         start: path of the layer (or block) insertion starts from, e.g. ``"blocks.2"``; None for the whole model.
-        include_first: also mask the first chosen layer's input.
+        include_first: also mask the network's first layer's input (the raw input).
 
     Returns:
         the copy, with the decisions as ``masksembles_report`` (a ``masksembles_core.insertion.LayerReport``; print
@@ -104,7 +115,14 @@ def insert(
             candidates.append(_candidate(dotted, node, others, isinstance(parent, Masked) and path[-1] == "layer"))
             path_parts[dotted] = path
     order = [_dotted(path) for path, _, _ in nodes]
-    report = plan_insertion(candidates, order, n, scale, seed=seed, start=start, include_first=include_first)
+    first = next(  # the network's first layer: it reads the raw input
+        (dotted for dotted, (path, node, _) in zip(order, nodes, strict=True) if isinstance(node, INPUT_LAYERS)
+         or dotted in path_parts),
+        None,
+    )  # fmt: skip
+    report = plan_insertion(
+        candidates, order, n, scale, seed=seed, start=start, include_first=include_first, first_layer=first
+    )
     copy = nnx.clone(model, arrays=True)
     _keep_attribute_order(model, copy)
     for path, node, _ in nodes:

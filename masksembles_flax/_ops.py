@@ -9,7 +9,7 @@ from typing import TypeVar
 import jax
 import jax.numpy as jnp
 
-import masksembles_core as mc
+import masksembles_core.adapter as mca
 
 T = TypeVar("T")
 
@@ -19,7 +19,7 @@ def input_channels(shape: Sequence[int], channel_axis: int) -> int:
     rank = len(shape)
     # An out-of-range axis has no channel count to read; the core check then raises its axis error before comparing it.
     channels = int(shape[channel_axis]) if -rank <= channel_axis < rank else 1
-    mc.check_input_shape(shape, channels=channels, channel_axis=channel_axis)
+    mca.check_input_shape(shape, channels=channels, channel_axis=channel_axis)
     return channels
 
 
@@ -36,7 +36,7 @@ def apply_masks(x: jax.Array, masks: jax.Array, *, channel_axis: int, mask_index
         array of the shape and dtype of ``x``.
     """
     n, channels = masks.shape
-    axis = mc.check_input_shape(x.shape, channels=channels, channel_axis=channel_axis)
+    axis = mca.check_input_shape(x.shape, channels=channels, channel_axis=channel_axis)
     batch = x.shape[0]
     # XLA's simplifier can turn x * convert(bool) into select(bool, x, 0) (it does for an (n, C) input, for one),
     # which maps masked inf/NaN to 0 instead of NaN and -x to +0; behind the barrier the factors are plain floats, so
@@ -48,10 +48,10 @@ def apply_masks(x: jax.Array, masks: jax.Array, *, channel_axis: int, mask_index
     if mask_index is None and batch % n == 0:
         # n contiguous groups of B//n samples: one broadcast multiply over a (n, B//n, ...) view of the batch.
         groups = x.reshape((n, batch // n, *x.shape[1:]))
-        return (groups * factors.reshape(mc.mask_shape(x.ndim + 1, axis + 1, channels, n))).reshape(x.shape)
+        return (groups * factors.reshape(mca.mask_shape(x.ndim + 1, axis + 1, channels, n))).reshape(x.shape)
     if mask_index is None:
         mask_index = (jnp.arange(batch) * n) // batch
-    return x * factors[mask_index].reshape(mc.mask_shape(x.ndim, axis, channels, batch))
+    return x * factors[mask_index].reshape(mca.mask_shape(x.ndim, axis, channels, batch))
 
 
 GROUPED_MASKING = "masksembles_grouped_channel_axis_"
@@ -80,13 +80,13 @@ def random_mask_index(key: jax.Array, batch_size: int, n: int) -> jax.Array:
 
 def tile(x: jax.Array, n: int) -> jax.Array:
     """Repeat ``x`` of shape (B, ...) ``n`` times along the batch: shape (n*B, ...), copy ``k`` in block ``k``."""
-    n = mc.check_n(n)
+    n = mca.check_n(n)
     return jnp.broadcast_to(x[None], (n, *x.shape)).reshape((n * x.shape[0], *x.shape[1:]))
 
 
 def untile(y: jax.Array, n: int) -> jax.Array:
     """Reshape ``y`` of shape (n*B, ...) to (n, B, ...); ``y[k]`` is member ``k``'s output."""
-    batch = mc.check_tiled_batch(y.shape[0], n)
+    batch = mca.check_tiled_batch(y.shape[0], n)
     return y.reshape((n, batch, *y.shape[1:]))
 
 

@@ -17,9 +17,10 @@ from collections.abc import Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from numpy.typing import ArrayLike
 
-import masksembles_core as mc
+import masksembles_core.adapter as mca
 
 from ._ops import apply_masks, input_channels, random_mask_index
 
@@ -48,7 +49,7 @@ class Masksembles(nn.Module):
 
     n: int
     scale: float
-    seed: int | None = None
+    seed: int | np.random.Generator | None = None
     masks: ArrayLike | None = None
     channel_axis: int = -1
     mode: str = "grouped"
@@ -56,21 +57,20 @@ class Masksembles(nn.Module):
     rng_collection: str = "dropout"
 
     def __post_init__(self) -> None:
-        mc.check_n(self.n)
-        mc.check_scale(self.scale)
-        mc.check_channel_axis(self.channel_axis)
-        mc.check_mode(self.mode)
-        if self.seed is not None:
-            mc.make_rng(self.seed)  # the core's seed check, at construction rather than at init
-        if self.masks is not None:
-            resolved = mc.resolve_masks(None, self.n, self.scale, seed=None, masks=self.masks)
-            object.__setattr__(self, "masks", tuple(tuple(bool(v) for v in row) for row in resolved))
+        arguments = self._arguments()  # checked at construction rather than at init
+        if arguments.masks is not None:
+            object.__setattr__(self, "masks", tuple(tuple(bool(v) for v in row) for row in arguments.masks))
         super().__post_init__()
+
+    def _arguments(self) -> mca.LayerArguments:
+        return mca.layer_arguments(
+            None, self.n, self.scale, seed=self.seed, masks=self.masks, channel_axis=self.channel_axis, mode=self.mode
+        )
 
     def _initial_masks(self, input_shape: Sequence[int]) -> jax.Array:
         """The (n, C) bool masks made at ``init``: the given ``masks``, or generated for the input's channels."""
         channels = None if self.masks is not None else input_channels(input_shape, self.channel_axis)
-        return jnp.asarray(mc.resolve_masks(channels, self.n, self.scale, seed=self.seed, masks=self.masks))
+        return jnp.asarray(self._arguments().masks_for(channels))
 
     @nn.compact
     def __call__(self, x: jax.Array, deterministic: bool | None = None, rng: jax.Array | None = None) -> jax.Array:

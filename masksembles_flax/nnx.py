@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from numpy.typing import ArrayLike
 
-import masksembles_core as mc
+import masksembles_core.adapter as mca
 
 from ._insertion import Masked as Masked
 from ._insertion import insert as insert
@@ -61,7 +62,7 @@ class Masksembles(nnx.Module):
         n: int,
         scale: float,
         *,
-        seed: int | None = None,
+        seed: int | np.random.Generator | None = None,
         masks: ArrayLike | None = None,
         channel_axis: int = -1,
         mode: str = "grouped",
@@ -69,11 +70,12 @@ class Masksembles(nnx.Module):
         rng_collection: str = "dropout",
         rngs: nnx.Rngs | nnx.RngStream | None = None,
     ) -> None:
-        self.channel_axis = mc.check_channel_axis(channel_axis)
-        self.mode = mc.check_mode(mode)
-        resolved = mc.resolve_masks(channels, n, scale, seed=seed, masks=masks)
+        arguments = mca.layer_arguments(
+            channels, n, scale, seed=seed, masks=masks, channel_axis=channel_axis, mode=mode
+        )
+        resolved = arguments.masks_for(channels)
         self.n, self.channels = resolved.shape
-        self.scale = mc.check_scale(scale)
+        self.scale, self.channel_axis, self.mode = arguments.scale, arguments.channel_axis, arguments.mode
         self.masks = Masks(jnp.asarray(resolved))
         self.deterministic = deterministic
         self.rng_collection = rng_collection
@@ -97,7 +99,7 @@ class Masksembles(nnx.Module):
         if self.mode == "random" and not self._resolve_deterministic(deterministic):
             mask_index = random_mask_index(self._random_key(rngs), x.shape[0], self.n)
             return apply_masks(x, masks, channel_axis=self.channel_axis, mask_index=mask_index)
-        axis = mc.check_input_shape(x.shape, channels=masks.shape[-1], channel_axis=self.channel_axis)
+        axis = mca.check_input_shape(x.shape, channels=masks.shape[-1], channel_axis=self.channel_axis)
         return grouped_masking(axis)(x, masks)  # a named jit: pack finds the layer by its name
 
     def _resolve_deterministic(self, deterministic: bool | None) -> bool:

@@ -2,18 +2,23 @@
 
 Layers are written in ``keras.ops`` only and registered for serialization under the package
 ``"masksembles"``, so a ``.keras`` file loads once this package is imported. The masks come from
-``masksembles_core`` and are saved with the model.
+``masksembles_core`` and are saved with the model. ``insert`` and ``convert_dropout`` put Masksembles
+layers into an existing Sequential or functional model.
 """
 
-from ._inference import convert_dropout, predict, tile, untile
+from ._inference import predict, tile, untile
 from ._layers import Masksembles, Masksembles1D, Masksembles2D, Masksembles3D
+from ._losses import GaussianNLL
+from ._surgery import convert_dropout, insert
 
 __all__ = [
+    "GaussianNLL",
     "Masksembles",
     "Masksembles1D",
     "Masksembles2D",
     "Masksembles3D",
     "convert_dropout",
+    "insert",
     "predict",
     "tile",
     "untile",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import keras
 import numpy as np
@@ -11,6 +11,7 @@ from keras import ops
 from numpy.typing import ArrayLike
 
 import masksembles_core as mc
+import masksembles_core.adapter as mca
 
 SERIALIZATION_PACKAGE = "masksembles"
 
@@ -47,7 +48,7 @@ def _apply_masks(x: Any, masks: Any, *, channel_axis: int, index: Any = None) ->
         batch = ops.shape(x)[0]
         index = ops.floor_divide(ops.arange(batch, dtype="int32") * n, batch)
     per_sample = ops.take(ops.cast(masks, x.dtype), index, axis=0)
-    return x * ops.reshape(per_sample, mc.mask_shape(len(x.shape), channel_axis, channels, -1))
+    return x * ops.reshape(per_sample, mca.mask_shape(len(x.shape), channel_axis, channels, -1))
 
 
 @keras.saving.register_keras_serializable(package=SERIALIZATION_PACKAGE)
@@ -64,7 +65,8 @@ class Masksembles(keras.layers.Layer):  # type: ignore[misc]  # keras is untyped
     Args:
         n: number of masks (may be None when ``masks`` is given).
         scale: overlap control, >= 1: 1 is a single model, large values disjoint masks.
-        seed: int for reproducible masks (and random-mode draws), or None (fresh entropy).
+        seed: int for reproducible masks (and random-mode draws), a ``numpy.random.Generator`` (an int is drawn
+            from it once, for the config), or None (fresh entropy).
         masks: optional (n, C) binary masks to use instead of generated ones.
         channel_axis: axis of the channels in the input (-1 for channels-last, 1 for
             channels-first).
@@ -96,24 +98,19 @@ class Masksembles(keras.layers.Layer):  # type: ignore[misc]  # keras is untyped
         n: int | None = None,
         scale: float | None = None,
         *,
-        seed: int | None = None,
+        seed: int | np.random.Generator | None = None,
         masks: ArrayLike | None = None,
         channel_axis: int = -1,
         mode: str = "grouped",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        self.seed = None if seed is None else mc.check_int("seed", seed, minimum=0)
-        if masks is None:
-            self.n = mc.check_n(n)
-            self.scale: float | None = mc.check_scale(scale)
-            self.given_masks: np.ndarray | None = None
-        else:
-            self.given_masks = mc.resolve_masks(None, n, scale, seed=None, masks=masks)
-            self.n = int(self.given_masks.shape[0])
-            self.scale = None if scale is None else mc.check_scale(scale)
-        self.channel_axis = mc.check_channel_axis(channel_axis)
-        self.mode = mc.check_mode(mode)
+        arguments = mca.layer_arguments(None, n, scale, seed=seed, masks=masks, channel_axis=channel_axis, mode=mode)
+        generator = arguments.seed
+        # the config holds an int: one drawn from a generator
+        self.seed = int(generator.integers(2**31 - 1)) if isinstance(generator, np.random.Generator) else generator
+        self.n, self.scale, self.given_masks = arguments.n, arguments.scale, arguments.masks
+        self.channel_axis, self.mode = arguments.channel_axis, arguments.mode
         self.channels: int | None = None
         self.supports_masking = True
         if self.mode == "random":
@@ -128,15 +125,15 @@ class Masksembles(keras.layers.Layer):  # type: ignore[misc]  # keras is untyped
             rank = len(shape)
             received = shape[self.channel_axis] if -rank <= self.channel_axis < rank else None
             channels = 1 if received is None else int(received)
-        return mc.check_input_shape(
+        return mca.check_input_shape(
             tuple(shape), channels=channels, channel_axis=self.channel_axis, ranks=self.ranks, layer=type(self).__name__
         )
 
     def build(self, input_shape: Sequence[int | None]) -> None:
         if self.given_masks is None:
             axis = self._check_shape(input_shape, None)
-            channels = mc.check_channels(input_shape[axis])
-            values = mc.generate_masks(channels, self.n, mc.check_scale(self.scale), seed=self.seed)
+            channels = mca.check_channels(input_shape[axis])
+            values = mc.generate_masks(channels, self.n, cast(float, self.scale), seed=self.seed)
         else:
             self._check_shape(input_shape, int(self.given_masks.shape[1]))
             values = self.given_masks

@@ -1,11 +1,14 @@
 """masksembles_torch: Masksembles layers and helpers for PyTorch, over masksembles_core."""
 
 from ._functional import masksembles
-from ._inference import convert_dropout, predict, tile, untile
+from ._inference import predict, tile, untile
 from ._layers import Masksembles, Masksembles1D, Masksembles2D, Masksembles3D
+from ._losses import gaussian_nll_loss
 from ._packing import PackedMasksembles, extract_member, pack
+from ._surgery import Masked, convert_dropout, insert
 
 __all__ = [
+    "Masked",
     "Masksembles",
     "Masksembles1D",
     "Masksembles2D",
@@ -13,6 +16,8 @@ __all__ = [
     "PackedMasksembles",
     "convert_dropout",
     "extract_member",
+    "gaussian_nll_loss",
+    "insert",
     "masksembles",
     "pack",
     "predict",

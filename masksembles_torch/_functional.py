@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-import masksembles_core as mc
+import masksembles_core.adapter as mca
 
 
 def _grouped_index(batch: int, n: int, device: torch.device) -> Tensor:
@@ -38,18 +38,19 @@ def masksembles(
         tensor of the shape, dtype and memory format of ``x``.
     """
     n, channels = masks.shape
-    axis = mc.check_input_shape(tuple(x.shape), channels=channels, channel_axis=channel_axis, ranks=ranks, layer=layer)
+    axis = mca.check_input_shape(tuple(x.shape), channels=channels, channel_axis=channel_axis, ranks=ranks, layer=layer)
     masks = masks.to(dtype=x.dtype)
     batch = x.shape[0]
-    if index is None and isinstance(batch, int) and batch % n == 0:
-        # Concrete batch that n divides: the batch viewed as (n, B/n, ...) times the masks viewed
-        # as (n, 1, ..., C, ...).
+    if index is None and isinstance(batch, int) and batch % n == 0 and not torch.compiler.is_compiling():
+        # Eager, with a batch that n divides: the batch viewed as (n, B/n, ...) times the masks
+        # viewed as (n, 1, ..., C, ...).
         grouped: Tensor = x.unflatten(0, (n, batch // n))  # type: ignore[no-untyped-call]
         shape = [1] * grouped.ndim
         shape[0], shape[axis + 1] = n, channels
         return (grouped * masks.view(shape)).flatten(0, 1)
-    # Any batch size, and a symbolic batch (torch.export / dynamic compile keep it dynamic instead
-    # of guarding on B % n): gather the per-sample masks, (B, C), then one broadcast multiply.
+    # Any batch size, and under torch.compile/torch.export (one graph for every batch size instead
+    # of a guard on B % n; Inductor also fails on the view of a batch with symbolic spatial sizes):
+    # gather the per-sample masks, (B, C), then one broadcast multiply.
     if index is None:
         index = _grouped_index(batch, n, x.device)
-    return x * masks.index_select(0, index).view(mc.mask_shape(x.ndim, axis, channels, batch))
+    return x * masks.index_select(0, index).view(mca.mask_shape(x.ndim, axis, channels, batch))

@@ -11,8 +11,12 @@ from numpy.typing import ArrayLike
 from torch import Tensor, nn
 
 import masksembles_core as mc
+import masksembles_core.adapter as mca
 
 from ._functional import masksembles
+
+# symbolic tracing records the functional call as one node (its shape checks need concrete shapes)
+torch.fx.wrap("masksembles")
 
 
 class Masksembles(nn.Module):
@@ -63,11 +67,12 @@ class Masksembles(nn.Module):
         super().__init__()
         if isinstance(masks, Tensor):
             masks = masks.detach().cpu().float().numpy()  # NumPy has no bfloat16; 0/1 stay exact
-        resolved = mc.resolve_masks(channels, n, scale, seed=seed, masks=masks)
+        arguments = mca.layer_arguments(
+            channels, n, scale, seed=seed, masks=masks, channel_axis=channel_axis, mode=mode
+        )
+        resolved = arguments.masks_for(channels)
         self.n, self.channels = resolved.shape
-        self.scale = None if scale is None else mc.check_scale(scale)
-        self.channel_axis = mc.check_channel_axis(channel_axis)
-        self.mode = mc.check_mode(mode)
+        self.scale, self.channel_axis, self.mode = arguments.scale, arguments.channel_axis, arguments.mode
         self.generator = generator
         factory_kwargs: dict[str, Any] = {"device": device, "dtype": dtype or torch.get_default_dtype()}
         if not factory_kwargs["dtype"].is_floating_point:

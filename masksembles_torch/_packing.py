@@ -30,6 +30,8 @@ import copy
 import inspect
 import math
 import operator
+import statistics
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -98,6 +100,7 @@ IN_PLACE_OPERATORS = {
     operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
     operator.itruediv: operator.truediv,
 }  # fmt: skip
+PER_SAMPLE_DROPOUTS = {"stochastic_depth", "drop_path"}  # functions of (x, p, ..., training): the identity in eval
 REDUCTIONS = {"mean", "sum", "amax", "amin", "var", "std"}
 MOVES = {"permute", "transpose", "flatten", "unsqueeze", "squeeze", "movedim", "swapaxes", "swapdims", "unflatten"}
 MOVE_FUNCTIONS = {
@@ -127,9 +130,12 @@ def _target_name(node: fx.Node) -> str:
 
 
 def _describe(node: fx.Node, root: nn.Module) -> str:
+    """A node as a user recognizes it: a module by its path and type, a call by its function and enclosing module."""
     if node.op == "call_module":
         return f"{node.target} ({type(root.get_submodule(str(node.target))).__name__})"
-    return f"{node.name} ({node.op} {_target_name(node)})"
+    stack = node.meta.get("nn_module_stack") or {}
+    where = f"{next(reversed(stack))}: " if stack else ""
+    return f"{where}{_target_name(node)} (node {node.name!r})"
 
 
 # ---------------------------------------------------------------------------------------------------- capture
@@ -414,7 +420,9 @@ class _Capture:
         )
 
     def fallback(self, node: fx.Node) -> _Op:
-        return _Op(node, "fallback", self.inputs(node), rule="none", batch_dependent=self.batch_args(node))
+        """``node`` as the dense model runs it; per member when it uses the batch size or is a Masksembles layer."""
+        masks = node.op == "call_module" and isinstance(self.gm.get_submodule(str(node.target)), Masksembles)
+        return _Op(node, "fallback", self.inputs(node), rule="none", batch_dependent=masks or self.batch_args(node))
 
     def _classify(self, node: fx.Node) -> _Op:
         tensors = self.inputs(node)
@@ -452,6 +460,8 @@ class _Capture:
             return (
                 None if self.argument(node, "training", 2, True) else _Op(node, "channelwise", tensors, how="identity")
             )
+        if name in PER_SAMPLE_DROPOUTS and _bound(node) is not None and self.argument(node, "training", 3) is False:
+            return _Op(node, "channelwise", tensors, how="identity")  # torchvision's stochastic_depth is fx.wrap'ed
         if target is F.batch_norm:
             if self.argument(node, "training", 5, False):
                 return None
@@ -945,7 +955,7 @@ class _Emitter:
         """The model's own module, copied once into the root (for the operations run as the model runs them)."""
         if target not in self.copies:
             module = copy.deepcopy(self.capture.gm.get_submodule(target))
-            module.eval()
+            module.eval().requires_grad_(False)
             if getattr(module, "inplace", False) is True:
                 module.inplace = False  # type: ignore[assignment]
             name = f"model_{target}".replace(".", "_")
@@ -1427,12 +1437,24 @@ class PackedMasksembles(fx.GraphModule):
         return cast(tuple[str, ...], self.meta["masksembles"]["fallbacks"])
 
     @property
+    def program(self) -> str:
+        """``"packed"`` (compacted where it can), or ``"dense"`` (the tiled model, measured faster by ``pack``)."""
+        return cast(str, self.meta["masksembles"]["program"])
+
+    @property
+    def seconds(self) -> dict[str, float]:
+        """What ``pack`` measured on the example input (median seconds per call of each program), or empty."""
+        return cast(dict[str, float], self.meta["masksembles"]["seconds"])
+
+    @property
     def macs(self) -> dict[str, int]:
         """Multiply-adds per sample of the Linear and convolution layers: ``dense`` (m dense models), ``packed``
         (as emitted) and ``fallback`` (the part of ``packed`` that runs at full width)."""
         return cast(dict[str, int], self.meta["masksembles"]["macs"])
 
     def extra_repr(self) -> str:
+        if self.program == "dense":
+            return f"members={list(self.members)}, program=dense (measured faster than packed: {self.seconds})"
         shown = ", ".join(self.fallbacks[:8]) + (", ..." if len(self.fallbacks) > 8 else "")
         return f"members={list(self.members)}, fallbacks={len(self.fallbacks)}" + (f": {shown}" if shown else "")
 
@@ -1449,19 +1471,23 @@ def _eval_mode(model: nn.Module) -> Iterator[None]:
             module.training = training
 
 
-def _build(model: nn.Module, example_input: Tensor, members: Sequence[int] | None, squeeze: bool) -> PackedMasksembles:
+def _build(
+    model: nn.Module, example_input: Tensor, members: Sequence[int] | None, squeeze: bool, *, dense: bool = False
+) -> PackedMasksembles:
     with _eval_mode(model):
-        return _build_eval(model, example_input, members, squeeze)
+        return _build_eval(model, example_input, members, squeeze, dense)
 
 
 def _build_eval(
-    model: nn.Module, example_input: Tensor, members: Sequence[int] | None, squeeze: bool
+    model: nn.Module, example_input: Tensor, members: Sequence[int] | None, squeeze: bool, dense: bool
 ) -> PackedMasksembles:
     capture = _Capture(model, example_input)
     chosen = list(range(capture.n)) if members is None else list(members)
     for k in chosen:
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < capture.n:
             raise ValueError(f"member must be an integer in [0, {capture.n}); received {k!r}")
+    if dense:  # the tiled dense model itself: every node as the model runs it, on the member-stacked batch
+        capture.ops = {node: capture.fallback(node) for node in capture.ops}
     axis = _solve_axes(capture)
     nodes, output = _graph_nodes(capture, axis)
     program = plan_program(nodes, output, chosen)
@@ -1470,20 +1496,61 @@ def _build_eval(
     fallbacks = tuple(
         _describe(capture.ops[emitter.by_name[name]].node, capture.gm) for name in program.fallbacks if name != OUTPUT
     )
-    packed.meta["masksembles"] = {"members": tuple(chosen), "fallbacks": fallbacks, "macs": dict(emitter.macs)}
+    packed.meta["masksembles"] = {
+        "members": tuple(chosen), "fallbacks": fallbacks, "macs": dict(emitter.macs),
+        "program": "dense" if dense else "packed", "seconds": {},
+    }  # fmt: skip
     return packed.eval()
 
 
-def pack(model: nn.Module, example_input: Tensor) -> PackedMasksembles:
+def _seconds(modules: dict[str, nn.Module], x: Tensor, rounds: int = 5) -> dict[str, float]:
+    """Median wall time of each module on ``x``, measured in interleaved rounds after one warm-up call."""
+    times: dict[str, list[float]] = {name: [] for name in modules}
+    with torch.no_grad():
+        for module in modules.values():
+            module(x)
+        for _ in range(rounds):
+            for name, module in modules.items():
+                if x.is_cuda:
+                    torch.cuda.synchronize(x.device)
+                start = time.perf_counter()
+                module(x)
+                if x.is_cuda:
+                    torch.cuda.synchronize(x.device)
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+PROGRAMS = ("auto", "packed", "dense")
+
+
+def pack(model: nn.Module, example_input: Tensor, *, program: str = "auto") -> PackedMasksembles:
     """All members of ``model`` in one call on compacted weights: (B, ...) -> (n, B, ...).
 
     Equals ``predict(model, x, n)`` (eval semantics) for finite activations, at about the cost the masks' overlap
-    allows instead of n dense forward passes. ``example_input`` (any batch size) is run through the traced model to
-    record shapes. Any model torch.fx can trace in eval mode packs: what this module cannot compact runs at full
-    width (listed in ``fallbacks``). Raises ValueError for a model that cannot be traced, has no Masksembles layer, or
-    holds Masksembles layers of different n.
+    allows instead of n dense forward passes. ``example_input`` is run through the traced model to record shapes; any
+    batch size works afterwards. Any model torch.fx can trace in eval mode packs: what this module cannot compact runs
+    at full width (listed in ``fallbacks``).
+
+    Args:
+        program: ``"packed"`` (compacted where it can), ``"dense"`` (the tiled dense model as one graph: every node
+            as the model runs it, on the member-stacked batch), or ``"auto"`` (the default: both are timed on
+            ``example_input`` and the faster is returned, so packing never loses to tiling; ``seconds`` holds the
+            medians; give an example of the batch size you will run).
+
+    Raises:
+        ValueError: the model cannot be traced, has no Masksembles layer, or holds Masksembles layers of different n.
     """
-    return _build(model, example_input, None, squeeze=False)
+    if program not in PROGRAMS:
+        raise ValueError(f"program must be one of {PROGRAMS}; received {program!r}")
+    if program != "auto":
+        return _build(model, example_input, None, squeeze=False, dense=program == "dense")
+    packed = _build(model, example_input, None, squeeze=False)
+    dense = _build(model, example_input, None, squeeze=False, dense=True)
+    seconds = _seconds({"packed": packed, "dense": dense}, example_input)
+    chosen = packed if seconds["packed"] <= seconds["dense"] else dense
+    chosen.meta["masksembles"]["seconds"] = seconds
+    return chosen
 
 
 def extract_member(model: nn.Module, k: int, example_input: Tensor) -> PackedMasksembles:

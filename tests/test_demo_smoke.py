@@ -16,9 +16,38 @@ from tests.backends import requested_backends
 
 DEMO = Path(__file__).resolve().parents[1] / "examples" / "demo.py"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-PLOTS = ("toy_transition", "masks", "theory", "corruptions", "reliability", "diversity")
-TABLES = ("toy_entropy", "digits_results", "digits_sweep", "digits_corruptions", "digits_shift")
-DIGITS_MODELS = ["Single", "MC-Dropout", "Masksembles", "Deep Ensemble"]
+PLOTS = (
+    "toy_transition",
+    "masks",
+    "theory",
+    "regression_toy",
+    "diabetes_calibration",
+    "corruptions",
+    "reliability",
+    "diversity",
+)
+TABLES = (
+    "toy_entropy",
+    "regression_toy",
+    "diabetes_results",
+    "digits_results",
+    "digits_sweep",
+    "digits_ood_scores",
+    "digits_corruptions",
+    "digits_shift",
+)
+DIGITS_MODELS = ["Single", "MC-Dropout", "Masksembles", "Masksembles 2.3×", "Deep Ensemble"]
+REGRESSION_MODELS = ["Single", "MC-Dropout", "Masksembles", "Deep Ensemble"]
+OOD_SCORES = [
+    "predictive entropy",
+    "mutual information",
+    "1 − max probability",
+    "− max logit",
+    "energy",
+    "variation ratio",
+    "probability variance",
+]
+ONE_MEMBER_SCORES = ["predictive entropy", "1 − max probability", "− max logit", "energy"]
 TOY_MODELS = [
     "Single",
     "Masksembles S=1.1",
@@ -80,20 +109,54 @@ def test_toy_table_has_every_model(output: Path) -> None:
 
 def test_digits_table_has_every_model_and_column(output: Path) -> None:
     rows = read_csv(output / "digits_results.csv")
-    assert [row["Model"] for row in rows] == DIGITS_MODELS
+    assert [row["Model"] for row in rows] == [name for model in DIGITS_MODELS for name in (model, f"{model} + TS")]
     by_model = {row["Model"]: row for row in rows}
-    for model in DIGITS_MODELS:
-        for column in ("Accuracy", "NLL", "ECE", "Brier", "OOD AUROC (entropy)", "OOD AUPR (entropy)"):
-            assert by_model[model][f"{column} mean"] != "", (model, column)
+    columns = ("Accuracy", "NLL", "ECE", "Brier", "OOD AUROC (entropy)", "OOD AUPR (entropy)", "OOD FPR95 (entropy)")
+    for model in by_model:
+        for column in columns:
+            assert 0.0 <= float(by_model[model][f"{column} mean"]) <= 10.0, (model, column)
+        assert 0.0 <= float(by_model[model]["AURC ×10³ mean"]) <= 1000.0, model
         assert int(by_model[model]["Parameters"]) > 0
         assert float(by_model[model]["Train time (s) mean"]) > 0.0
-    for model in DIGITS_MODELS[1:]:  # mutual information needs more than one member
-        assert by_model[model]["OOD AUROC (MI) mean"] != ""
-    assert by_model["Single"]["OOD AUROC (MI) mean"] == ""
-    assert by_model["Deep Ensemble"]["Parameters"] == str(4 * int(by_model["Single"]["Parameters"]))
-    assert by_model["Masksembles"]["Parameters"] == by_model["Single"]["Parameters"]  # fixed layer widths
+    for model in by_model:  # mutual information needs more than one member
+        assert (by_model[model]["OOD FPR95 (MI) mean"] == "") == model.startswith("Single"), model
+    single = int(by_model["Single"]["Parameters"])
+    assert by_model["Deep Ensemble"]["Parameters"] == str(4 * single)
+    assert by_model["Masksembles"]["Parameters"] == str(single)  # fixed layer widths
+    assert abs(int(by_model["Masksembles 2.3×"]["Parameters"]) / single - 2.3) < 0.02  # the paper's size
+    assert [by_model[m]["Size"] for m in DIGITS_MODELS] == ["1.00×", "1.00×", "1.00×", "2.30×", "4.00×"]
     assert by_model["MC-Dropout"]["Picked on validation"].startswith("p=")
     assert by_model["Masksembles"]["Picked on validation"].startswith("S=")
+    for model in DIGITS_MODELS:
+        assert by_model[f"{model} + TS"]["Picked on validation"].startswith("T = "), model
+        assert by_model[f"{model} + TS"]["Parameters"] == by_model[model]["Parameters"]
+
+
+def test_ood_scores_table_has_every_score_a_model_gives(output: Path) -> None:
+    rows = read_csv(output / "digits_ood_scores.csv")
+    expected = [
+        (model, score) for model in DIGITS_MODELS for score in (ONE_MEMBER_SCORES if model == "Single" else OOD_SCORES)
+    ]
+    assert [(row["Model"], row["Score"]) for row in rows] == expected
+    for row in rows:
+        assert 0.0 <= float(row["AUROC mean"]) <= 1.0 and 0.0 <= float(row["FPR95 mean"]) <= 1.0
+
+
+def test_regression_tables_have_every_model(output: Path) -> None:
+    toy = {row["Model"]: row for row in read_csv(output / "regression_toy.csv")}
+    assert list(toy) == REGRESSION_MODELS
+    for model, row in toy.items():
+        assert 0.0 <= float(row["Test 90% coverage mean"]) <= 1.0
+        assert float(row["Epistemic std on data mean"]) >= 0.0
+        assert (row["Gap ÷ data mean"] == "") == (model == "Single"), model  # one member: no epistemic spread
+    assert int(toy["Deep Ensemble"]["Parameters"]) == 4 * int(toy["Single"]["Parameters"])
+    diabetes = {row["Model"]: row for row in read_csv(output / "diabetes_results.csv")}
+    assert list(diabetes) == REGRESSION_MODELS
+    for row in diabetes.values():
+        for column in ("RMSE", "NLL", "NLL (exact mixture)", "90% coverage", "Calibration error"):
+            assert row[f"{column} mean"] != "", column
+    assert diabetes["MC-Dropout"]["Picked on validation"].startswith("p=")
+    assert diabetes["Masksembles"]["Picked on validation"].startswith("S=")
 
 
 def test_sweep_and_corruption_tables_cover_every_setting(output: Path) -> None:
@@ -117,8 +180,11 @@ def test_summary_holds_every_table(output: Path) -> None:
     summary = (output / "results.md").read_text()
     for title in (
         "Toy transition",
+        "Regression toy",
+        "Diabetes",
         "Digits: in-distribution",
         "Digits: the validation sweeps",
+        "Digits: OOD detection",
         "Digits under corruption",
     ):
         assert title in summary

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import masksembles_core as mc
+import masksembles_core.adapter as mca
 
 
 def assert_fixed_width_invariants(masks: np.ndarray, channels: int, n: int) -> None:
@@ -156,9 +157,11 @@ def test_generator_seed_is_used_and_advanced() -> None:
     assert np.array_equal(first, mc.generate_masks(64, 4, 2.0, seed=np.random.default_rng(5)))
 
 
-@pytest.mark.parametrize("seed", [-1, 1.5, "7", True])
-def test_bad_seed(seed: object) -> None:
-    with pytest.raises(TypeError, match="seed must be"):
+@pytest.mark.parametrize(
+    "seed,error", [(-1, ValueError), (1.5, TypeError), ("7", TypeError), (True, TypeError)], ids=str
+)
+def test_bad_seed(seed: object, error: type[Exception]) -> None:
+    with pytest.raises(error, match=r"seed must be None, an integer >= 0 or a numpy\.random\.Generator; received"):
         mc.generate_masks(8, 2, 2.0, seed=seed)  # type: ignore[arg-type]
 
 
@@ -229,17 +232,27 @@ def test_validate_masks_property(rows: list[list[bool]]) -> None:
             mc.validate_masks(array)
 
 
-def test_resolve_masks() -> None:
+def test_layer_arguments_given_or_generated_masks() -> None:
     given_masks = np.array([[1, 0, 1], [0, 1, 1]])
-    assert np.array_equal(mc.resolve_masks(3, 2, 2.0, seed=None, masks=given_masks), given_masks.astype(bool))
-    assert np.array_equal(mc.resolve_masks(None, None, None, seed=None, masks=given_masks), given_masks.astype(bool))
-    with pytest.raises(ValueError, match="n=3 does not match the 2 masks"):
-        mc.resolve_masks(3, 3, 2.0, seed=None, masks=given_masks)
+    arguments = mca.layer_arguments(3, 2, 2.0, masks=given_masks, channel_axis=1)
+    assert np.array_equal(arguments.masks_for(3), given_masks.astype(bool))
+    arguments = mca.layer_arguments(None, None, None, masks=given_masks, channel_axis=-1)
+    assert arguments.n == 2 and np.array_equal(arguments.masks_for(None), given_masks.astype(bool))
     with pytest.raises(ValueError, match="channels=4 does not match the masks' width 3"):
-        mc.resolve_masks(4, 2, 2.0, seed=None, masks=given_masks)
-    with pytest.raises(ValueError, match="required when masks is not given"):
-        mc.resolve_masks(None, 2, 2.0, seed=None, masks=None)
-    assert np.array_equal(mc.resolve_masks(16, 4, 2.0, seed=3, masks=None), mc.generate_masks(16, 4, 2.0, seed=3))
+        arguments.masks_for(4)
+    with pytest.raises(ValueError, match="n=3 does not match the 2 masks"):
+        mca.layer_arguments(3, 3, 2.0, masks=given_masks, channel_axis=1)
+    with pytest.raises(ValueError, match="channels=4 does not match the masks' width 3"):
+        mca.layer_arguments(4, 2, 2.0, masks=given_masks, channel_axis=1)
+    with pytest.raises(ValueError, match="n and scale are required when masks is not given"):
+        mca.layer_arguments(None, 2, None, channel_axis=1)
+    with pytest.raises(ValueError, match="channels is required when masks is not given"):
+        mca.layer_arguments(None, 4, 2.0, channel_axis=1).masks_for(None)
+    generated = mca.layer_arguments(16, 4, 2.0, seed=3, channel_axis=1).masks_for(16)
+    assert np.array_equal(generated, mc.generate_masks(16, 4, 2.0, seed=3))
+    rng = np.random.default_rng(5)
+    from_generator = mca.layer_arguments(16, 4, 2.0, seed=rng, channel_axis=1).masks_for(16)
+    assert np.array_equal(from_generator, mc.generate_masks(16, 4, 2.0, seed=np.random.default_rng(5)))
 
 
 def test_generation_grid_is_fast_enough_to_not_matter() -> None:

@@ -14,6 +14,7 @@ from sklearn.metrics import (  # type: ignore[import-not-found, import-untyped, 
     brier_score_loss,
     log_loss,
     roc_auc_score,
+    roc_curve,
 )
 
 from masksembles_core import metrics
@@ -78,7 +79,9 @@ def test_low_precision_probabilities_are_accepted(dtype: type[np.floating]) -> N
     members = random_members(3, 8, 4, seed=1).astype(dtype)
     result = metrics.predictive_mean(members)
     assert result.dtype == np.float64
-    np.testing.assert_allclose(result, members.astype(np.float64).mean(axis=0))
+    exact = members.astype(np.float64)
+    np.testing.assert_allclose(result, (exact / exact.sum(axis=-1, keepdims=True)).mean(axis=0), rtol=1e-12)
+    np.testing.assert_allclose(result.sum(axis=-1), 1.0, rtol=1e-12)
 
 
 @pytest.mark.parametrize("shape", [(4, 10), (3, 5, 2), (5, 2, 3, 4)], ids=["scalar", "vector", "image"])
@@ -186,6 +189,36 @@ def sklearn_ood(score: Callable[..., float], inside: np.ndarray, outside: np.nda
     return float(score(is_ood, np.r_[inside, outside]))
 
 
+def sklearn_aupr_in(inside: np.ndarray, outside: np.ndarray) -> float:
+    """Average precision with the in-distribution samples as positives, ranked by a low OOD score."""
+    is_in = np.r_[np.ones(len(inside)), np.zeros(len(outside))]
+    return float(average_precision_score(is_in, -np.r_[inside, outside]))
+
+
+def sklearn_fpr_at_tpr(inside: np.ndarray, outside: np.ndarray, tpr: float, positive: str) -> float:
+    """The smallest FPR on scikit-learn's ROC curve (every threshold kept) whose TPR reaches ``tpr``."""
+    scores = np.r_[inside, outside]
+    is_ood = np.r_[np.zeros(len(inside)), np.ones(len(outside))]
+    labels, ranking = (is_ood, scores) if positive == "ood" else (1 - is_ood, -scores)
+    fpr, true_positive_rate, _ = roc_curve(labels, ranking, drop_intermediate=False)
+    return float(fpr[true_positive_rate >= tpr].min())
+
+
+def assert_detection_matches_sklearn(inside: np.ndarray, outside: np.ndarray) -> None:
+    assert metrics.ood_auroc(inside, outside) == pytest.approx(sklearn_ood(roc_auc_score, inside, outside), abs=1e-12)
+    assert metrics.ood_aupr(inside, outside) == pytest.approx(
+        sklearn_ood(average_precision_score, inside, outside), abs=1e-12
+    )
+    assert metrics.ood_aupr(inside, outside, positive="in") == pytest.approx(
+        sklearn_aupr_in(inside, outside), abs=1e-12
+    )
+    for positive in ("in", "ood"):
+        for tpr in (0.01, 0.5, 0.95, 1.0):
+            assert metrics.fpr_at_tpr(inside, outside, tpr, positive=positive) == pytest.approx(
+                sklearn_fpr_at_tpr(inside, outside, tpr, positive), abs=1e-12
+            ), (positive, tpr)
+
+
 OOD_CASES = {
     "continuous": (np.random.default_rng(0).normal(0, 1, 80), np.random.default_rng(1).normal(1, 1, 50)),
     "ties": (np.random.default_rng(2).integers(0, 4, 60).astype(float), np.random.default_rng(3).integers(1, 5, 40)),
@@ -197,12 +230,9 @@ OOD_CASES = {
 
 
 @pytest.mark.parametrize("case", list(OOD_CASES))
-def test_ood_auroc_and_aupr_match_sklearn(case: str) -> None:
+def test_ood_detection_metrics_match_sklearn(case: str) -> None:
     inside, outside = OOD_CASES[case]
-    assert metrics.ood_auroc(inside, outside) == pytest.approx(sklearn_ood(roc_auc_score, inside, outside), abs=1e-12)
-    assert metrics.ood_aupr(inside, outside) == pytest.approx(
-        sklearn_ood(average_precision_score, inside, outside), abs=1e-12
-    )
+    assert_detection_matches_sklearn(inside, outside)
 
 
 @settings(max_examples=150, deadline=None)
@@ -212,13 +242,7 @@ def test_ood_auroc_and_aupr_match_sklearn(case: str) -> None:
     spread=st.sampled_from([1e-3, 1.0, 1e6]),
 )
 def test_ood_metrics_match_sklearn_property(inside: list[int], outside: list[int], spread: float) -> None:
-    inside_scores, outside_scores = np.array(inside) * spread, np.array(outside) * spread
-    assert metrics.ood_auroc(inside_scores, outside_scores) == pytest.approx(
-        sklearn_ood(roc_auc_score, inside_scores, outside_scores), abs=1e-12
-    )
-    assert metrics.ood_aupr(inside_scores, outside_scores) == pytest.approx(
-        sklearn_ood(average_precision_score, inside_scores, outside_scores), abs=1e-12
-    )
+    assert_detection_matches_sklearn(np.array(inside) * spread, np.array(outside) * spread)
 
 
 def test_ood_extremes() -> None:
@@ -226,6 +250,21 @@ def test_ood_extremes() -> None:
     assert metrics.ood_auroc([0.3, 0.4], [0.1, 0.2]) == 0.0
     assert metrics.ood_aupr([0.1, 0.2], [0.3, 0.4]) == 1.0
     assert metrics.ood_aupr(np.zeros(3), np.zeros(1)) == 0.25  # all tied: the OOD fraction
+    assert metrics.ood_aupr(np.zeros(3), np.zeros(1), positive="in") == 0.75  # the in-distribution fraction
+
+
+def test_fpr_at_tpr_hand_made() -> None:
+    inside = np.arange(20.0)  # in-distribution scores 0..19
+    outside = np.array([5.5, 17.5, 18.5, 30.0])
+    # in-distribution positive: accepting score <= 18 keeps 19/20 = 95 % of them, and OOD 5.5 and 17.5
+    assert metrics.fpr_at_tpr(inside, outside) == 0.5
+    assert metrics.fpr_at_tpr(inside, outside, 0.9) == 0.25  # score <= 17: 18/20 in, and OOD 5.5
+    assert metrics.fpr_at_tpr(inside, outside, 0.5) == 0.25  # score <= 9
+    # OOD positive: flagging score >= 17.5 catches 3 of 4 OOD (75 %) and in-distribution 18 and 19
+    assert metrics.fpr_at_tpr(inside, outside, 0.75, positive="ood") == 0.1
+    assert metrics.fpr_at_tpr(inside, outside, 1.0, positive="ood") == 14 / 20  # score >= 5.5
+    assert metrics.fpr_at_tpr([0.1, 0.2], [0.3, 0.4]) == 0.0
+    assert metrics.fpr_at_tpr([0.3, 0.4], [0.1, 0.2]) == 1.0
 
 
 # --- diversity ------------------------------------------------------------------------------
@@ -285,6 +324,13 @@ ERRORS: dict[str, tuple[Callable[[], object], str]] = {
     "ood-no-in": (lambda: metrics.ood_aupr([], [0.3]), r"received 0 in-distribution and 1 OOD"),
     "ood-nan": (lambda: metrics.ood_auroc([0.1, np.nan], [0.3]), r"in_scores must be finite"),
     "ood-2d": (lambda: metrics.ood_aupr([0.1], [[0.3]]), r"out_scores must be 1-D"),
+    "fpr-empty": (lambda: metrics.fpr_at_tpr([], [0.3]), r"received 0 in-distribution and 1 OOD"),
+    "fpr-tpr-zero": (lambda: metrics.fpr_at_tpr([0.1], [0.3], 0.0), r"tpr must lie in \(0, 1\]; received 0.0"),
+    "fpr-tpr-large": (lambda: metrics.fpr_at_tpr([0.1], [0.3], 95), r"tpr must lie in \(0, 1\]; received 95.0"),
+    "fpr-positive": (
+        lambda: metrics.fpr_at_tpr([0.1], [0.3], positive="id"),  # type: ignore[arg-type]
+        r"positive must be 'ood' or 'in'; received 'id'",
+    ),
     "diversity-perfect": (
         lambda: metrics.diversity(np.array([0, 1]), np.array([0, 1]), np.array([0, 1])),
         r"diversity is undefined when both models are always right",

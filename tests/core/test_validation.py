@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import masksembles_core as mc
+import masksembles_core.adapter as mca
 
 BAD_N = [
     (0, ValueError, "n must be an integer >= 1; received 0"),
@@ -64,37 +65,71 @@ def test_numpy_scalars_are_accepted() -> None:
 
 @pytest.mark.parametrize("mode", ["grouped", "random"])
 def test_modes(mode: str) -> None:
-    assert mc.check_mode(mode) == mode
+    assert mca.check_mode(mode) == mode
 
 
 @pytest.mark.parametrize("mode", ["Grouped", "", None, 1])
 def test_bad_mode(mode: object) -> None:
     with pytest.raises(ValueError, match=r"mode must be one of \('grouped', 'random'\); received"):
-        mc.check_mode(mode)
+        mca.check_mode(mode)
 
 
 def test_channel_axis() -> None:
-    assert mc.check_channel_axis(-1) == -1
+    assert mca.check_channel_axis(-1) == -1
     with pytest.raises(ValueError, match="axis 0 is the batch"):
-        mc.check_channel_axis(0)
+        mca.check_channel_axis(0)
     with pytest.raises(TypeError, match="channel_axis must be a non-zero integer"):
-        mc.check_channel_axis(1.0)
+        mca.check_channel_axis(1.0)
 
 
 def test_check_input_shape() -> None:
-    assert mc.check_input_shape((8, 16, 4, 4), channels=16, channel_axis=1) == 1
-    assert mc.check_input_shape((None, 4, 4, 16), channels=16, channel_axis=-1) == 3
+    assert mca.check_input_shape((8, 16, 4, 4), channels=16, channel_axis=1) == 1
+    assert mca.check_input_shape((None, 4, 4, 16), channels=16, channel_axis=-1) == 3
     with pytest.raises(
         ValueError, match=r"expects 16 channels on axis 1, layout \(B, C, D2, D3\); received shape \(8, 3, 4, 4\)"
     ):
-        mc.check_input_shape((8, 3, 4, 4), channels=16, channel_axis=1)
+        mca.check_input_shape((8, 3, 4, 4), channels=16, channel_axis=1)
     with pytest.raises(
         ValueError, match=r"Masksembles2D expects an input of rank 4; received shape \(8, 16\) \(rank 2\)"
     ):
-        mc.check_input_shape((8, 16), channels=16, channel_axis=1, ranks=(4,), layer="Masksembles2D")
+        mca.check_input_shape((8, 16), channels=16, channel_axis=1, ranks=(4,), layer="Masksembles2D")
     with pytest.raises(ValueError, match=r"rank >= 2"):
-        mc.check_input_shape((8,), channels=16, channel_axis=1)
+        mca.check_input_shape((8,), channels=16, channel_axis=1)
     with pytest.raises(ValueError, match="channel_axis=5 is not a non-batch axis"):
-        mc.check_input_shape((8, 16), channels=16, channel_axis=5)
+        mca.check_input_shape((8, 16), channels=16, channel_axis=5)
     with pytest.raises(ValueError, match="channel_axis=-2 is not a non-batch axis"):
-        mc.check_input_shape((8, 16), channels=16, channel_axis=-2)
+        mca.check_input_shape((8, 16), channels=16, channel_axis=-2)
+
+
+def test_gaussian_head_and_floor() -> None:
+    assert mca.check_gaussian_head("log_variance", 1e-6) == ("log_variance", 1e-6)
+    assert mca.check_gaussian_head("variance", 1) == ("variance", 1.0)
+    with pytest.raises(ValueError, match=r"head must be one of \('log_variance', 'variance'\); received 'std'"):
+        mca.check_gaussian_head("std", 1e-6)
+    for bad in (0.0, -1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match=r"min_variance must be a finite number > 0; received"):
+            mca.check_gaussian_head("variance", bad)
+    with pytest.raises(TypeError, match=r"min_variance must be a finite number > 0; received '1' \(str\)"):
+        mca.check_gaussian_head("variance", "1")
+
+
+@pytest.mark.parametrize(
+    "output,target,squeeze",
+    [((8, 2), (8,), False), ((8, 2), (8, 1), True), ((None, 2), (8,), False), ((4, 3, 2), (4, 3), False)],
+)
+def test_gaussian_target_shapes(output: tuple[int | None, ...], target: tuple[int, ...], squeeze: bool) -> None:
+    assert mca.check_gaussian_target(output, target) is squeeze
+
+
+@pytest.mark.parametrize(
+    "output,target,message",
+    [
+        ((8, 3), (8,), r"expects outputs of shape \(B, \.\.\., 2\) .*received shape \(8, 3\)"),
+        ((2,), (), r"expects outputs of shape \(B, \.\.\., 2\)"),
+        ((8, 2), (8, 2), r"target of a Gaussian NLL loss must have shape \(8,\) \(or \(8, 1\)\) .*received \(8, 2\)"),
+        ((8, 2), (4,), r"must have shape \(8,\) .*received \(4,\)"),
+    ],
+)
+def test_bad_gaussian_target_shapes(output: tuple[int, ...], target: tuple[int, ...], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        mca.check_gaussian_target(output, target)

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import masksembles_core as mc
+import masksembles_core.adapter as mca
 from masksembles_flax import linen, predict, tile, untile
 from masksembles_flax import nnx as masksembles_nnx
 from masksembles_flax._ops import apply_masks
@@ -30,9 +31,9 @@ def test_tile_and_untile_follow_the_core(n: int) -> None:
 
 
 def test_tile_and_untile_raise_the_core_errors() -> None:
-    with raises_like(lambda: mc.check_n(0)):
+    with raises_like(lambda: mca.check_n(0)):
         tile(jnp.ones((2, 3)), 0)
-    with raises_like(lambda: mc.check_tiled_batch(10, 4)):
+    with raises_like(lambda: mca.check_tiled_batch(10, 4)):
         untile(jnp.ones((10, 3)), 4)
 
 

@@ -225,16 +225,17 @@ def test_layers_in_lists_tuples_dicts_and_sequentials_are_replaced_in_place() ->
 
 def test_layer_choice_by_types_and_predicate() -> None:
     model = ResNet(nnx.Rngs(0))
-    only_linear = insert(model, 4, 2.0, seed=0, before=nnx.Linear, include_first=True).masksembles_report
+    only_linear = insert(model, 4, 2.0, seed=0, before=nnx.Linear).masksembles_report
     assert [row.path for row in only_linear.rows] == ["head"]
-    as_list = insert(model, 4, 2.0, seed=0, before=[nnx.Linear], include_first=True).masksembles_report
+    assert only_linear.rows[0].action == INSERTED, "the head does not read the raw input: not the first layer"
+    as_list = insert(model, 4, 2.0, seed=0, before=[nnx.Linear]).masksembles_report
     assert as_list.rows == only_linear.rows
 
     def second_block_convs(path: str, layer: nnx.Module) -> bool:
         return path.startswith("blocks.1.") and isinstance(layer, nnx.Conv)
 
     report = insert(model, 4, 2.0, before=second_block_convs).masksembles_report
-    assert actions(report) == {"blocks.1.conv1": LEFT, "blocks.1.conv2": INSERTED, "blocks.1.projection": INSERTED}
+    assert actions(report) == {"blocks.1.conv1": INSERTED, "blocks.1.conv2": INSERTED, "blocks.1.projection": INSERTED}
     no_channels = insert(model, 4, 2.0, before=(nnx.BatchNorm, nnx.Linear)).masksembles_report
     reasons = {row.path: row.reason for row in no_channels.unchanged}
     assert reasons["blocks.0.bn1"] == "no integer in_features: the channel count of its input is unknown"

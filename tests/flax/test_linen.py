@@ -13,6 +13,7 @@ import pytest
 from flax import errors, serialization
 
 import masksembles_core as mc
+import masksembles_core.adapter as mca
 from masksembles_flax.linen import MASKS_COLLECTION, Masksembles
 from tests.flax.common import (
     DTYPES,
@@ -59,16 +60,16 @@ def test_given_masks_are_stored_as_a_hashable_field() -> None:
 
 
 BAD_ARGUMENTS = {
-    "n-zero": ({"n": 0, "scale": 2.0}, lambda: mc.check_n(0)),
-    "n-float": ({"n": 4.0, "scale": 2.0}, lambda: mc.check_n(4.0)),
-    "scale-below-one": ({"n": 4, "scale": 0.5}, lambda: mc.check_scale(0.5)),
-    "scale-nan": ({"n": 4, "scale": float("nan")}, lambda: mc.check_scale(float("nan"))),
-    "channel-axis-batch": ({"n": 4, "scale": 2.0, "channel_axis": 0}, lambda: mc.check_channel_axis(0)),
-    "seed-negative": ({"n": 4, "scale": 2.0, "seed": -1}, lambda: mc.make_rng(-1)),
-    "mode": ({"n": 4, "scale": 2.0, "mode": "mixed"}, lambda: mc.check_mode("mixed")),
+    "n-zero": ({"n": 0, "scale": 2.0}, lambda: mca.check_n(0)),
+    "n-float": ({"n": 4.0, "scale": 2.0}, lambda: mca.check_n(4.0)),
+    "scale-below-one": ({"n": 4, "scale": 0.5}, lambda: mca.check_scale(0.5)),
+    "scale-nan": ({"n": 4, "scale": float("nan")}, lambda: mca.check_scale(float("nan"))),
+    "channel-axis-batch": ({"n": 4, "scale": 2.0, "channel_axis": 0}, lambda: mca.check_channel_axis(0)),
+    "seed-negative": ({"n": 4, "scale": 2.0, "seed": -1}, lambda: mca.check_seed(-1)),
+    "mode": ({"n": 4, "scale": 2.0, "mode": "mixed"}, lambda: mca.check_mode("mixed")),
     "masks-n-mismatch": (
         {"n": 3, "scale": 2.0, "masks": np.ones((4, 6))},
-        lambda: mc.resolve_masks(None, 3, 2.0, seed=None, masks=np.ones((4, 6))),
+        lambda: mca.layer_arguments(None, 3, 2.0, masks=np.ones((4, 6)), channel_axis=-1),
     ),
     "masks-not-binary": (
         {"n": 2, "scale": 2.0, "masks": np.full((2, 6), 0.5)},
@@ -85,15 +86,15 @@ def test_bad_arguments_raise_the_core_error(kwargs: dict[str, Any], core_call: A
 
 def test_wrong_input_raises_the_core_error() -> None:
     layer = Masksembles(n=4, scale=2.0, seed=0)
-    with raises_like(lambda: mc.check_input_shape((8,), channels=8, channel_axis=-1)):
+    with raises_like(lambda: mca.check_input_shape((8,), channels=8, channel_axis=-1)):
         layer.init(KEY, jnp.zeros((8,)))
-    with raises_like(lambda: mc.check_input_shape((8, 6), channels=1, channel_axis=3)):
+    with raises_like(lambda: mca.check_input_shape((8, 6), channels=1, channel_axis=3)):
         Masksembles(n=4, scale=2.0, channel_axis=3).init(KEY, jnp.zeros((8, 6)))
     variables = layer.init(KEY, jnp.zeros((8, 6)))
-    with raises_like(lambda: mc.check_input_shape((8, 5), channels=6, channel_axis=-1)):
+    with raises_like(lambda: mca.check_input_shape((8, 5), channels=6, channel_axis=-1)):
         layer.apply(variables, jnp.zeros((8, 5)))
     given = Masksembles(n=4, scale=2.0, masks=masks_of(variables))
-    with raises_like(lambda: mc.check_input_shape((8, 7), channels=6, channel_axis=-1)):
+    with raises_like(lambda: mca.check_input_shape((8, 7), channels=6, channel_axis=-1)):
         given.init(KEY, jnp.zeros((8, 7)))
 
 
@@ -263,7 +264,7 @@ def test_orbax_round_trip_keeps_the_masks(tmp_path: Path) -> None:
     assert_same_bits(model.apply(restored, x), np.asarray(model.apply(variables, x)))
 
 
-@pytest.mark.parametrize("mode", mc.MODES)
+@pytest.mark.parametrize("mode", mca.MODES)
 def test_optax_training_leaves_the_masks_unchanged(mode: str) -> None:
     model = LinenMLP(mode=mode)
     x = jax.random.normal(KEY, (64, 3))

@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 
 import masksembles_core as mc
+import masksembles_core.adapter as mca
 from masksembles_flax.nnx import Masks, Masksembles
 from tests.flax.common import DTYPES, NnxMLP, assert_same_bits, oracle, raises_like, special_values
 
@@ -48,17 +49,17 @@ def test_seed_none_draws_fresh_masks() -> None:
 
 
 BAD_ARGUMENTS = {
-    "channels-zero": ((0, 4, 2.0), {}, lambda: mc.check_channels(0)),
-    "n-zero": ((8, 0, 2.0), {}, lambda: mc.check_n(0)),
-    "n-float": ((8, 4.0, 2.0), {}, lambda: mc.check_n(4.0)),
-    "scale-below-one": ((8, 4, 0.5), {}, lambda: mc.check_scale(0.5)),
-    "seed-negative": ((8, 4, 2.0), {"seed": -1}, lambda: mc.make_rng(-1)),
-    "channel-axis-batch": ((8, 4, 2.0), {"channel_axis": 0}, lambda: mc.check_channel_axis(0)),
-    "mode": ((8, 4, 2.0), {"mode": "mixed"}, lambda: mc.check_mode("mixed")),
+    "channels-zero": ((0, 4, 2.0), {}, lambda: mca.check_channels(0)),
+    "n-zero": ((8, 0, 2.0), {}, lambda: mca.check_n(0)),
+    "n-float": ((8, 4.0, 2.0), {}, lambda: mca.check_n(4.0)),
+    "scale-below-one": ((8, 4, 0.5), {}, lambda: mca.check_scale(0.5)),
+    "seed-negative": ((8, 4, 2.0), {"seed": -1}, lambda: mca.check_seed(-1)),
+    "channel-axis-batch": ((8, 4, 2.0), {"channel_axis": 0}, lambda: mca.check_channel_axis(0)),
+    "mode": ((8, 4, 2.0), {"mode": "mixed"}, lambda: mca.check_mode("mixed")),
     "masks-channels-mismatch": (
         (5, 4, 2.0),
         {"masks": np.ones((4, 6))},
-        lambda: mc.resolve_masks(5, 4, 2.0, seed=None, masks=np.ones((4, 6))),
+        lambda: mca.layer_arguments(5, 4, 2.0, masks=np.ones((4, 6)), channel_axis=-1),
     ),
     "masks-all-zero-row": (
         (6, 2, 2.0),
@@ -81,11 +82,11 @@ def test_rngs_of_the_wrong_type_are_rejected() -> None:
 
 def test_wrong_input_raises_the_core_error() -> None:
     layer = Masksembles(6, 4, 2.0, seed=0)
-    with raises_like(lambda: mc.check_input_shape((8,), channels=6, channel_axis=-1)):
+    with raises_like(lambda: mca.check_input_shape((8,), channels=6, channel_axis=-1)):
         layer(jnp.zeros((8,)))
-    with raises_like(lambda: mc.check_input_shape((8, 5), channels=6, channel_axis=-1)):
+    with raises_like(lambda: mca.check_input_shape((8, 5), channels=6, channel_axis=-1)):
         layer(jnp.zeros((8, 5)))
-    with raises_like(lambda: mc.check_input_shape((8, 6, 3), channels=6, channel_axis=-1)):
+    with raises_like(lambda: mca.check_input_shape((8, 6, 3), channels=6, channel_axis=-1)):
         jit_call(layer, jnp.zeros((8, 6, 3)))
 
 
@@ -133,7 +134,7 @@ def test_nnx_grad_and_optimizer_skip_the_masks() -> None:
     assert len(jax.tree.leaves(nnx.state(model, Masks))) == 1
 
 
-@pytest.mark.parametrize("mode", mc.MODES)
+@pytest.mark.parametrize("mode", mca.MODES)
 def test_optax_training_leaves_the_masks_unchanged(mode: str) -> None:
     model = NnxMLP(mode=mode, rngs=nnx.Rngs(params=0, dropout=1))
     masks_before = masks_of(model.ensemble)

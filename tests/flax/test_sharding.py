@@ -18,7 +18,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import masksembles_core as mc
+import masksembles_core.adapter as mca
 from masksembles_flax import linen as masksembles_linen
 from masksembles_flax import nnx as masksembles_nnx
 from tests.flax.common import LinenMLP, NnxMLP, assert_same_bits, train_linen_mlp
@@ -58,7 +58,7 @@ def nnx_forward(n: int, mode: str) -> tuple[Any, Forward]:
     return state, lambda state, x, key: nnx.merge(graphdef, state)(x, deterministic=False, rngs=key)
 
 
-@pytest.mark.parametrize("mode", mc.MODES)
+@pytest.mark.parametrize("mode", mca.MODES)
 @pytest.mark.parametrize("n", [4, 3], ids=["n4-divides", "n3-gather"])
 @pytest.mark.parametrize("api", [linen_forward, nnx_forward], ids=["linen", "nnx"])
 def test_sharded_forward_equals_unsharded(mesh: Mesh, api: ForwardFactory, n: int, mode: str) -> None:
@@ -111,7 +111,7 @@ def train_nnx(mesh: Mesh | None, mode: str) -> tuple[list[float], Any]:
     return losses, nnx.state(model, nnx.Param, masksembles_nnx.Masks)
 
 
-@pytest.mark.parametrize("mode", mc.MODES)
+@pytest.mark.parametrize("mode", mca.MODES)
 @pytest.mark.parametrize("train", [train_linen, train_nnx], ids=["linen", "nnx"])
 def test_sharded_optax_training_equals_unsharded(
     mesh: Mesh, train: Callable[[Mesh | None, str], tuple[list[float], Any]], mode: str

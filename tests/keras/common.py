@@ -19,6 +19,8 @@ __all__ = [
     "assert_same_bits",
     "core_error",
     "dtype_scope",
+    "layer_at",
+    "layer_paths",
     "masks_of",
     "oracle",
     "special_values",
@@ -63,3 +65,19 @@ def to_numpy(x: Any) -> np.ndarray:
 def masks_of(layer: keras.layers.Layer) -> np.ndarray:
     """The masks a Masksembles layer holds, as a bool array (n, C)."""
     return np.asarray(to_numpy(layer.masks) != 0)
+
+
+def layer_paths(model: keras.Model, prefix: str = "") -> Iterator[tuple[str, keras.layers.Layer]]:
+    """(path, layer) for the layers of ``model`` and of its nested models (``"block/dense"``), depth first."""
+    for layer in model.layers:
+        yield prefix + layer.name, layer
+        if isinstance(layer, keras.Model):
+            yield from layer_paths(layer, f"{prefix}{layer.name}/")
+
+
+def layer_at(model: keras.Model, path: str) -> keras.layers.Layer:
+    """The layer at ``path`` (``"block/dense"``: layer ``dense`` of the nested model ``block``)."""
+    layer = model
+    for name in path.split("/"):
+        layer = layer.get_layer(name)
+    return layer

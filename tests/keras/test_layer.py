@@ -10,6 +10,7 @@ import pytest
 from keras import ops
 
 import masksembles_core as mc
+import masksembles_core.adapter as mca
 import masksembles_keras as mk
 from tests.keras.common import (
     BACKEND,
@@ -49,7 +50,7 @@ def test_given_masks_are_used_and_checked_against_the_input() -> None:
     layer = mk.Masksembles(masks=masks.astype(np.float32))
     layer.build((None, 5))
     assert np.array_equal(masks_of(layer), masks) and layer.n == 3
-    expected = core_error(lambda: mc.check_input_shape((None, 4), channels=5, channel_axis=-1))
+    expected = core_error(lambda: mca.check_input_shape((None, 4), channels=5, channel_axis=-1))
     with pytest.raises(expected[0], match=expected[1]):
         mk.Masksembles(masks=masks).build((None, 4))
 
@@ -140,19 +141,23 @@ def test_tensorflow_graph_with_unknown_batch(jit_compile: bool) -> None:
             mk.Masksembles2D,
             (None, 4, 6),
             -1,
-            lambda: mc.check_input_shape((None, 4, 6), channels=6, channel_axis=-1, ranks=(4,), layer="Masksembles2D"),
+            lambda: mca.check_input_shape((None, 4, 6), channels=6, channel_axis=-1, ranks=(4,), layer="Masksembles2D"),
             id="2d-wrong-rank",
         ),
         pytest.param(
             mk.Masksembles,
             (None, 5),
             2,
-            lambda: mc.check_input_shape((None, 5), channels=5, channel_axis=2),
+            lambda: mca.check_input_shape((None, 5), channels=5, channel_axis=2),
             id="axis-out-of-range",
         ),
-        pytest.param(mk.Masksembles, (None, 3, None), -1, lambda: mc.check_channels(None), id="unknown-channels"),
+        pytest.param(mk.Masksembles, (None, 3, None), -1, lambda: mca.check_channels(None), id="unknown-channels"),
         pytest.param(
-            mk.Masksembles, (None,), -1, lambda: mc.check_input_shape((None,), channels=1, channel_axis=-1), id="rank-1"
+            mk.Masksembles,
+            (None,),
+            -1,
+            lambda: mca.check_input_shape((None,), channels=1, channel_axis=-1),
+            id="rank-1",
         ),
     ],
 )
@@ -168,7 +173,7 @@ def test_a_built_layer_rejects_other_channel_counts_with_the_cores_error() -> No
     layer = mk.Masksembles2D(4, 2.0, seed=0)
     layer(np.zeros((2, 3, 3, 8), np.float32))
     error, message = core_error(
-        lambda: mc.check_input_shape((2, 3, 3, 5), channels=8, channel_axis=-1, ranks=(4,), layer="Masksembles2D")
+        lambda: mca.check_input_shape((2, 3, 3, 5), channels=8, channel_axis=-1, ranks=(4,), layer="Masksembles2D")
     )
     with pytest.raises(error, match=message):
         layer(np.zeros((2, 3, 3, 5), np.float32))
@@ -180,18 +185,22 @@ def test_a_built_layer_rejects_other_channel_counts_with_the_cores_error() -> No
 @pytest.mark.parametrize(
     ("kwargs", "check"),
     [
-        pytest.param({"n": 0, "scale": 2.0}, lambda: mc.check_n(0), id="n-zero"),
-        pytest.param({"n": 2.0, "scale": 2.0}, lambda: mc.check_n(2.0), id="n-float"),
-        pytest.param({"n": None, "scale": 2.0}, lambda: mc.check_n(None), id="n-missing"),
-        pytest.param({"n": 4, "scale": 0.5}, lambda: mc.check_scale(0.5), id="scale-below-1"),
-        pytest.param({"n": 4, "scale": float("nan")}, lambda: mc.check_scale(float("nan")), id="scale-nan"),
-        pytest.param({"n": 4, "scale": 2.0, "mode": "mc"}, lambda: mc.check_mode("mc"), id="mode"),
-        pytest.param({"n": 4, "scale": 2.0, "channel_axis": 0}, lambda: mc.check_channel_axis(0), id="axis-0"),
-        pytest.param({"n": 4, "scale": 2.0, "seed": -1}, lambda: mc.check_int("seed", -1, minimum=0), id="seed"),
+        pytest.param({"n": 0, "scale": 2.0}, lambda: mca.check_n(0), id="n-zero"),
+        pytest.param({"n": 2.0, "scale": 2.0}, lambda: mca.check_n(2.0), id="n-float"),
+        pytest.param(
+            {"n": None, "scale": 2.0},
+            lambda: mca.layer_arguments(None, None, 2.0, channel_axis=-1),
+            id="n-missing",
+        ),
+        pytest.param({"n": 4, "scale": 0.5}, lambda: mca.check_scale(0.5), id="scale-below-1"),
+        pytest.param({"n": 4, "scale": float("nan")}, lambda: mca.check_scale(float("nan")), id="scale-nan"),
+        pytest.param({"n": 4, "scale": 2.0, "mode": "mc"}, lambda: mca.check_mode("mc"), id="mode"),
+        pytest.param({"n": 4, "scale": 2.0, "channel_axis": 0}, lambda: mca.check_channel_axis(0), id="axis-0"),
+        pytest.param({"n": 4, "scale": 2.0, "seed": -1}, lambda: mca.check_seed(-1), id="seed"),
         pytest.param({"masks": [[0, 0], [1, 1]]}, lambda: mc.validate_masks([[0, 0], [1, 1]]), id="empty-mask"),
         pytest.param(
             {"n": 3, "masks": [[1, 0], [0, 1]]},
-            lambda: mc.resolve_masks(None, 3, None, seed=None, masks=[[1, 0], [0, 1]]),
+            lambda: mca.layer_arguments(None, 3, None, masks=[[1, 0], [0, 1]], channel_axis=-1),
             id="n-disagrees-with-masks",
         ),
     ],

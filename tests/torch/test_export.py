@@ -33,6 +33,17 @@ def test_compile_fullgraph_matches_eager(batch: int) -> None:
     torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-6)
 
 
+def test_compile_dynamic_after_a_strided_convolution() -> None:
+    # Compiled, the batch is never viewed as (n, B/n, ...): with symbolic spatial sizes (a strided
+    # convolution under dynamic=True) Inductor cannot order the strides of that view.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, stride=2), mt.Masksembles2D(8, 4, 2.0, seed=0), nn.Conv2d(8, 4, 3))
+    compiled = torch.compile(model.eval(), fullgraph=True, dynamic=True)
+    for batch in (8, 6):
+        x = torch.randn(batch, 3, 15, 15)
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_compile_layer_is_bit_identical_with_gradients(dynamic: bool) -> None:
     layer = mt.Masksembles2D(8, 4, 2.0, seed=0)

@@ -142,7 +142,7 @@ def test_pack_and_extract_equal_the_dense_model(name: str, seed: int, scale: flo
     model, shape = build(name, scale, seed)
     x = torch.randn(5, *shape, generator=torch.Generator().manual_seed(seed + 10))
     expected = mt.predict(model, x, N)
-    packed = mt.pack(model, x)
+    packed = mt.pack(model, x, program="packed")
     assert relative_error(packed(x), expected) <= 1e-5
     other_batch = torch.randn(3, *shape)
     assert relative_error(packed(other_batch), mt.predict(model, other_batch, N)) <= 1e-5
@@ -220,7 +220,7 @@ def test_randomly_built_models(seed: int) -> None:
     model, shape = random_model(seed)
     x = torch.randn(4, *shape, generator=torch.Generator().manual_seed(seed))
     expected = mt.predict(model, x, N)
-    assert relative_error(mt.pack(model, x)(x), expected) <= 1e-5
+    assert relative_error(mt.pack(model, x, program="packed")(x), expected) <= 1e-5
     for k in range(N):
         assert relative_error(mt.extract_member(model, k, x)(x), expected[k]) <= 1e-5
 
@@ -232,7 +232,7 @@ def test_pack_in_other_dtypes(dtype: torch.dtype, tolerance: float) -> None:
     model, shape = build("resnet", 2.0, 0)
     model = model.to(dtype)
     x = torch.randn(5, *shape, dtype=dtype)
-    packed = mt.pack(model, x)(x)
+    packed = mt.pack(model, x, program="packed")(x)
     assert packed.dtype == dtype
     assert relative_error(packed.double(), mt.predict(model, x, N).double()) <= tolerance
 
@@ -262,7 +262,7 @@ def test_extracted_member_is_physically_smaller() -> None:
 def test_packed_module_compiles() -> None:
     model, shape = build("resnet", 2.0, 0)
     x = torch.randn(4, *shape)
-    packed = mt.pack(model, x)
+    packed = mt.pack(model, x, program="packed")
     compiled = torch.compile(packed, fullgraph=True)
     assert relative_error(compiled(x), mt.predict(model, x, N)) <= 1e-5
 
@@ -277,7 +277,7 @@ def test_packed_forward_leaves_its_input_alone_and_repeats() -> None:
     ):
         x = torch.randn(6, *shape)
         before = x.clone()
-        packed = mt.pack(model.eval(), x)
+        packed = mt.pack(model.eval(), x, program="packed")
         first = packed(x).clone()
         assert torch.equal(x, before)
         assert torch.equal(packed(x), first)
@@ -288,7 +288,7 @@ def test_packing_a_model_in_training_mode_gives_eval_semantics() -> None:
     model, shape = build("mlp", 2.0, 0)
     model.train()
     x = torch.randn(6, *shape)
-    packed = mt.pack(model, x)
+    packed = mt.pack(model, x, program="packed")
     assert torch.equal(packed(x), packed(x)), "Dropout must be off in the packed model"
     assert relative_error(packed(x), mt.predict(model, x, N)) <= 1e-5
 

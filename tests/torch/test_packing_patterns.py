@@ -182,6 +182,64 @@ class TwoOutputs(nn.Module):
         return self.out(h), h.sum(-1)
 
 
+class SequenceFirst(nn.Module):
+    """nn.MultiheadAttention with the batch on axis 1 ((L, B, E)), between masked Linear layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.masks1 = nn.Linear(6, 16), masks(16, 11, -1)
+        self.attention = nn.MultiheadAttention(16, 2)
+        self.masks2, self.out = masks(16, 12, -1), nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.masks1(F.gelu(self.embed(x))).transpose(0, 1)
+        y = self.attention(h, h, h, need_weights=False)[0].transpose(0, 1)
+        return self.out(self.masks2(y)).mean(1)
+
+
+class Tokens(nn.Module):
+    """Token ids -> embedding -> masks -> a GLU (chunk on the channels) -> pooled head; returns a dict."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.masks1 = nn.Embedding(20, 16), masks(16, 13, -1)
+        self.up, self.masks2, self.out = nn.Linear(16, 32), masks(16, 14, -1), nn.Linear(16, 3)
+
+    def forward(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = F.glu(self.up(self.masks1(self.embed(ids))), dim=-1)
+        a, b = self.up(h.new_zeros(1, 16)).chunk(2, dim=-1)
+        logits = self.out(self.masks2(h + a * b).mean(1))
+        return {"logits": logits, "probs": logits.softmax(-1)}
+
+
+class Upsampled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.masks1 = nn.Conv2d(3, 8, 3, padding=1), masks(8, 15)
+        self.up, self.conv2 = nn.Upsample(scale_factor=2, mode="nearest"), nn.Conv2d(8, 4, 3, padding=1)
+        self.masks2 = masks(4, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv2(F.interpolate(self.up(self.masks1(F.relu(self.conv(x)))), scale_factor=0.5))
+        z = torch.where(y > 0, y, 0.1 * y)
+        b, c = z.shape[:2]
+        return self.masks2(z).view(b, c, -1).mean(-1)
+
+
+class Sequence1d(nn.Module):
+    """Conv1d features (B, C, L) with Masksembles on axis 1, max-pooled, then a masked Linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.masks1 = nn.Conv1d(4, 12, 3), masks(12, 17)
+        self.pool, self.conv2 = nn.MaxPool1d(2), nn.Conv1d(12, 8, 1)
+        self.masks2, self.fc = masks(8, 18, -1), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv2(self.pool(self.masks1(F.relu(self.conv(x)))))
+        return self.fc(self.masks2(y.amax(-1)))
+
+
 def image(pattern: Callable[[torch.Tensor], torch.Tensor], modules: nn.Module | None = None) -> nn.Module:
     return Block(pattern, modules)
 
@@ -222,6 +280,9 @@ PATTERNS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
     "vit-attention-explicit": (lambda: TokenModel(Attention(16, 4, fused=False)), (3, 4, 4)),
     "multihead-attention": (lambda: TokenModel(MultiheadBlock()), (3, 4, 4)),
     "two-outputs": (TwoOutputs, (4,)),
+    "sequence-first-attention": (SequenceFirst, (5, 6)),
+    "sequence-conv1d": (Sequence1d, (4, 9)),
+    "upsample-where-view": (Upsampled, (3, 6, 6)),
 }
 
 
@@ -251,9 +312,11 @@ def test_pattern_packs_equal_to_the_dense_model(name: str, batch: int) -> None:
     x = torch.randn(batch, *shape, generator=torch.Generator().manual_seed(1))
     tiled = model(mt.tile(x, N))
     expected = tuple(mt.untile(y, N) for y in outputs(tiled))
-    packed = mt.pack(model, x[:3])
-    for actual, wanted in zip(outputs(packed(x)), expected, strict=True):
-        assert relative_error(actual, wanted) <= 1e-5
+    for program in ("packed", "dense"):
+        packed = mt.pack(model, x[:3], program=program)
+        assert packed.program == program
+        for actual, wanted in zip(outputs(packed(x)), expected, strict=True):
+            assert relative_error(actual, wanted) <= 1e-5
     for k in range(N):
         member = mt.extract_member(model, k, x)
         for actual, wanted in zip(outputs(member(x)), expected, strict=True):
@@ -276,11 +339,11 @@ def test_zero_preservation_is_evaluated_with_the_arguments() -> None:
 def test_fallbacks_are_reported() -> None:
     torch.manual_seed(0)
     model = randomized(TokenModel(MultiheadBlock()))
-    packed = mt.pack(model, torch.randn(2, 3, 4, 4))
+    packed = mt.pack(model, torch.randn(2, 3, 4, 4), program="packed")
     assert any("MultiheadAttention" in name for name in packed.fallbacks)
     assert "fallbacks=" in repr(packed)
     assert 0 < packed.macs["fallback"] < packed.macs["packed"] <= packed.macs["dense"]
-    plain = mt.pack(randomized(MeanPool()), torch.randn(2, 3, 5, 5))
+    plain = mt.pack(randomized(MeanPool()), torch.randn(2, 3, 5, 5), program="packed")
     assert plain.fallbacks == () and plain.macs["fallback"] == 0
 
 
@@ -288,7 +351,7 @@ def test_the_packed_module_is_an_fx_graph_module() -> None:
     torch.manual_seed(0)
     model = randomized(with_modules(SqueezeExcite(12)))
     x = torch.randn(4, 3, 6, 6)
-    packed = mt.pack(model, x)
+    packed = mt.pack(model, x, program="packed")
     assert isinstance(packed, torch.fx.GraphModule) and "def forward" in packed.code
     expected = mt.predict(model, x, N)
     exported = torch.export.export(packed, (x,), dynamic_shapes=({0: torch.export.Dim("batch", min=2)},))
@@ -324,3 +387,28 @@ def test_in_place_on_a_view_read_later_is_refused() -> None:
 
     with pytest.raises(ValueError, match=r"works in place on 'getitem', which shares memory with"):
         mt.pack(ViewInPlace(), torch.randn(2, 4))
+
+
+def test_auto_keeps_the_faster_program() -> None:
+    torch.manual_seed(0)
+    model = randomized(with_modules(SqueezeExcite(12)))
+    x = torch.randn(4, 3, 6, 6)
+    packed = mt.pack(model, x)
+    assert set(packed.seconds) == {"packed", "dense"} and all(t > 0 for t in packed.seconds.values())
+    faster = min(packed.seconds, key=lambda name: packed.seconds[name])
+    assert packed.program == faster
+    assert relative_error(packed(x), mt.predict(model, x, N)) <= 1e-5
+    with pytest.raises(ValueError, match=r"program must be one of \('auto', 'packed', 'dense'\); received 'fast'"):
+        mt.pack(model, x, program="fast")
+
+
+def test_token_ids_and_a_dict_output() -> None:
+    torch.manual_seed(0)
+    model = randomized(Tokens())
+    ids = torch.randint(0, 20, (6, 7), generator=torch.Generator().manual_seed(0))
+    tiled = model(mt.tile(ids, N))
+    for program in ("packed", "dense"):
+        packed = mt.pack(model, ids[:2], program=program)(ids)
+        assert set(packed) == {"logits", "probs"}
+        for key in packed:
+            assert relative_error(packed[key], mt.untile(tiled[key], N)) <= 1e-5

@@ -1,0 +1,44 @@
+"""What framework adapters build on (not needed to use the package): argument checks and layout helpers.
+
+Every adapter (``masksembles_torch``, ``masksembles_keras``, ``masksembles_flax``) validates a layer's arguments with
+``layer_arguments``, checks inputs with ``check_input_shape`` and the Gaussian losses' arguments with
+``check_gaussian_head``/``check_gaussian_target``, so a bad call raises the same exception with the same
+message in every framework. Messages name the parameter, the allowed values and the value received.
+"""
+
+from ._generation import LayerArguments, check_seed, layer_arguments, make_rng
+from ._grouping import check_tiled_batch
+from ._reference import mask_shape
+from ._validation import (
+    GAUSSIAN_HEADS,
+    MODES,
+    check_channel_axis,
+    check_channels,
+    check_gaussian_head,
+    check_gaussian_target,
+    check_input_shape,
+    check_int,
+    check_mode,
+    check_n,
+    check_scale,
+)
+
+__all__ = [
+    "GAUSSIAN_HEADS",
+    "MODES",
+    "LayerArguments",
+    "check_channel_axis",
+    "check_channels",
+    "check_gaussian_head",
+    "check_gaussian_target",
+    "check_input_shape",
+    "check_int",
+    "check_mode",
+    "check_n",
+    "check_scale",
+    "check_seed",
+    "check_tiled_batch",
+    "layer_arguments",
+    "make_rng",
+    "mask_shape",
+]

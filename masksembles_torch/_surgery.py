@@ -1,0 +1,720 @@
+"""Model surgery: Masksembles on the input of chosen layers (``insert``) or in place of dropouts (``convert_dropout``).
+
+Both keep every trained weight and every layer's width, return the changed model (a deep copy unless ``inplace``) and
+attach a ``masksembles_core.insertion.LayerReport`` to it as ``masksembles_report``: one row per layer looked at, what
+was done and why; ``print(model.masksembles_report)`` shows it as a Markdown table.
+
+``insert`` decides with the rule every framework's ``insert`` shares (``masksembles_core.insertion``) and replaces
+each chosen layer by ``Masked(masksembles, layer)``. ``convert_dropout`` reads the model with torch.fx: a dropout's
+channel axis comes from the layer that produced its input, ``F.dropout`` calls are found, and dropouts of attention
+weights are recognized. Dropout modules are replaced in place, so the model keeps its classes and methods; only a
+module whose own ``forward`` calls ``F.dropout`` is replaced by a ``torch.fx.GraphModule`` of that ``forward``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import inspect
+import operator
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, fx, nn
+from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
+
+import masksembles_core as mc
+import masksembles_core.adapter as mca
+from masksembles_core.insertion import (
+    CONVERTED,
+    LEFT,
+    Candidate,
+    LayerChange,
+    LayerReport,
+    check_insert_arguments,
+    plan_insertion,
+)
+
+from ._layers import Masksembles
+
+DEFAULT_BEFORE: tuple[type[nn.Module], ...] = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
+DEPTHWISE = "depthwise convolution: each output channel reads one input channel (before=... includes it)"
+INPUT_LAYERS = (nn.modules.conv._ConvNd, nn.Linear, nn.Embedding, nn.EmbeddingBag)  # what reads a network's input
+REPORT = "masksembles_report"
+CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+
+class Masked(nn.Module):
+    """A layer whose input gets Masksembles masks: ``layer(masksembles(x), *args, **kwargs)``. Made by ``insert``.
+
+    Args:
+        masksembles: the Masksembles layer applied to the first input.
+        layer: the wrapped layer (a Conv2d, a Linear, ...), called on the masked input.
+
+    Shape:
+        input: what ``layer`` takes, with ``masksembles.channels`` channels on ``masksembles.channel_axis``;
+        output: what ``layer`` returns.
+
+    Attributes are not forwarded to the layer: read ``masked.layer.weight``, ``masked.layer.in_features``. Code that
+    takes a wrapped layer's weights to compute without calling it would silently skip the masks; it gets an
+    AttributeError that says so instead. ``state_dict`` keys: ``<path>.layer.<name>`` for the layer's parameters
+    and buffers, ``<path>.masksembles.masks`` for the masks.
+    """
+
+    def __init__(self, masksembles: Masksembles, layer: nn.Module) -> None:
+        super().__init__()
+        self.masksembles = masksembles
+        self.layer = layer
+
+    def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Any:
+        """``layer`` on the masked ``x``: (B, ...) -> ``layer``'s output."""
+        return self.layer(self.masksembles(x), *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError as error:
+            layer = self.__dict__.get("_modules", {}).get("layer")
+            if layer is None or not hasattr(layer, name):
+                raise
+            raise AttributeError(
+                f"{error}; Masked does not forward attributes to its {type(layer).__name__}: read .layer.{name} "
+                "(code that uses a wrapped layer's weights without calling it would skip the masks)"
+            ) from None
+
+
+# --- shared by insert and convert_dropout ---------------------------------------------------------------------------
+
+
+def _factory(module: nn.Module) -> dict[str, Any]:
+    """Device and dtype of ``module``'s first floating parameter (the defaults when it has none)."""
+    parameter = next((p for p in module.parameters() if p.is_floating_point()), None)
+    return {} if parameter is None else {"device": parameter.device, "dtype": parameter.dtype}
+
+
+def _masksembles(row: LayerChange, n: int, scale: float, like: nn.Module, training: bool) -> Masksembles:
+    """The Masksembles layer a report row describes, stored like ``like``'s weights."""
+    assert row.channels is not None and row.channel_axis is not None, f"row {row.path!r} places no masks"
+    layer = Masksembles(row.channels, n, scale, seed=row.seed, channel_axis=row.channel_axis, **_factory(like))
+    return layer.train(training)
+
+
+def _paths(model: nn.Module) -> dict[int, list[str]]:
+    """Every path each module instance is registered at (``id`` -> paths, in ``named_modules`` order)."""
+    paths: dict[int, list[str]] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        paths.setdefault(id(module), []).append(path)
+    return paths
+
+
+def _replace(model: nn.Module, paths: Sequence[str], module: nn.Module) -> None:
+    """Register ``module`` at each of ``paths`` (not the root) in place of what is there."""
+    for path in paths:
+        parent, _, name = path.rpartition(".")
+        setattr(model.get_submodule(parent), name, module)
+
+
+def _attach(model: nn.Module, report: LayerReport) -> nn.Module:
+    setattr(model, REPORT, report)  # a plain attribute: deepcopy and pickling keep it, state_dict does not
+    return model
+
+
+# --- insert ----------------------------------------------------------------------------------------------------------
+
+
+def _selector(before: object) -> Callable[[str, nn.Module], object]:
+    if isinstance(before, type):
+        before = (before,)
+    if isinstance(before, tuple | list):
+        types = tuple(before)
+        if not types or not all(isinstance(t, type) and issubclass(t, nn.Module) for t in types):
+            raise TypeError(f"before must be module types or a predicate (path, module) -> bool; received {before!r}")
+        return lambda _path, module: isinstance(module, types)
+    if callable(before):
+        return cast(Callable[[str, nn.Module], object], before)
+    raise TypeError(f"before must be module types or a predicate (path, module) -> bool; received {before!r}")
+
+
+def _candidate(model: nn.Module, path: str, module: nn.Module, paths: list[str], default: bool) -> Candidate:
+    """``module`` as a candidate for masks on its input, with the reason to leave it alone if there is one."""
+    kind = type(module).__name__
+    parent = model.get_submodule(path.rpartition(".")[0])
+    if isinstance(parent, Masked):
+        return Candidate(path, kind, 0, 1, reason="already masked: the layer of a Masked wrapper")
+    if len(paths) > 1:
+        return Candidate(path, kind, 0, 1, reason=f"one module registered at {len(paths)} paths ({', '.join(paths)})")
+    if type(parent).__module__.startswith("torch.nn") and not isinstance(parent, CONTAINERS):
+        reason = f"part of {type(parent).__name__}, which may use its weights without calling it"
+        return Candidate(path, kind, 0, 1, reason=reason)
+    if isinstance(module, nn.modules.lazy.LazyModuleMixin) and module.has_uninitialized_params():
+        return Candidate(path, kind, 0, 1, reason="lazy module not initialized: run one forward pass first")
+    if isinstance(module, nn.modules.conv._ConvNd):
+        depthwise = default and module.groups > 1 and module.groups == module.in_channels
+        return Candidate(path, kind, module.in_channels, 1, reason=DEPTHWISE if depthwise else "")
+    channels = getattr(module, "in_features", None)
+    if isinstance(channels, int):
+        return Candidate(path, kind, channels, -1)
+    return Candidate(path, kind, 0, 1, reason="no in_channels or in_features to read its input channels from")
+
+
+def insert(
+    model: nn.Module,
+    n: int,
+    scale: float,
+    *,
+    seed: int | None = None,
+    before: Sequence[type[nn.Module]] | type[nn.Module] | Callable[[str, nn.Module], object] = DEFAULT_BEFORE,
+    start: str | None = None,
+    include_first: bool = False,
+    inplace: bool = False,
+) -> nn.Module:
+    """Put a Masksembles layer on the input of every matching layer, as in the paper's experiments.
+
+    Every trained weight and every layer's width is kept. Each chosen layer at path ``p`` is replaced by
+    ``Masked(masksembles, layer)``; its masks cover the layer's ``in_channels`` (channels on axis 1, convolutions of
+    any ``groups``) or ``in_features`` (last axis) and are stored on the device and in the dtype of its weights.
+    Layers are looked at in ``named_modules`` order and decided by ``masksembles_core.insertion.plan_insertion``:
+    the network's first layer (its first convolution, linear or embedding layer, or an earlier one ``before``
+    selects) reads the raw input and is skipped unless ``include_first``; with ``start`` (a module path such as
+    ``"layer3"``, the paper's ImageNet recipe) those before it are skipped; the ``i``-th inserted layer gets masks
+    from ``masksembles_core.derive_seed(seed, i)``. Also left alone, with the reason in the report: depthwise
+    convolutions when ``before`` is the default, a module registered at several paths, the layers inside a torch.nn
+    module such as ``nn.MultiheadAttention`` (it may use their weights without calling them), lazy modules not yet
+    initialized, and layers with a single input channel.
+
+    Args:
+        model: the network; not modified unless ``inplace``.
+        n: number of masks (ensemble members).
+        scale: overlap control, >= 1.
+        seed: seed of the per-layer seeds (None: fresh entropy; the report lists the seeds used).
+        before: module types, or a predicate ``(path, module) -> bool`` that chooses the layers by name or type.
+        start: path of the module from which insertion begins (None: the whole model).
+        include_first: also mask the input of the network's first layer (the raw input).
+        inplace: change ``model`` itself instead of a deep copy.
+
+    Returns:
+        the model with Masked layers and a ``masksembles_report`` attribute (a ``LayerReport``).
+
+    Raises:
+        ValueError: invalid ``n``/``scale``/``seed``, a ``start`` that names no module, or no layer to mask.
+        TypeError: ``before`` is neither module types nor a callable.
+    """
+    n, scale, seed = check_insert_arguments(n, scale, seed, start)
+    select = _selector(before)
+    default = isinstance(before, tuple | list) and set(before) == set(DEFAULT_BEFORE)
+    if not inplace:
+        model = copy.deepcopy(model)
+    paths = _paths(model)
+    order = [path for path, _ in model.named_modules(remove_duplicate=False) if path]
+    selected = [(path, module) for path, module in model.named_modules() if path and select(path, module)]
+    candidates = [
+        _candidate(model, path, module, paths[id(module)], default)
+        for path, module in selected
+        if not isinstance(module, Masked | Masksembles)
+    ]
+    chosen = {path for path, _ in selected}
+    layers = (path for path, module in model.named_modules() if isinstance(module, INPUT_LAYERS) or path in chosen)
+    first = next((path for path in layers if path), None)  # the network's first layer: it reads the raw input
+    report = plan_insertion(
+        candidates, order, n, scale, seed=seed, start=start, include_first=include_first, first_layer=first
+    )
+    for row in report.changed:
+        layer = model.get_submodule(row.path)
+        _replace(model, [row.path], Masked(_masksembles(row, n, scale, layer, layer.training), layer))
+    return _attach(model, report)
+
+
+# --- convert_dropout: reading the model with torch.fx -----------------------------------------------------------------
+
+DROPOUT_TYPES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
+# functional dropouts -> (name in the report, channels on axis 1 by definition)
+DROPOUT_FUNCTIONS: dict[Callable[..., Any], tuple[str, bool]] = {
+    F.dropout: ("F.dropout", False),
+    F.dropout1d: ("F.dropout1d", True),
+    F.dropout2d: ("F.dropout2d", True),
+    F.dropout3d: ("F.dropout3d", True),
+    torch.dropout: ("torch.dropout", False),
+}
+PER_SAMPLE = "per-sample dropout (stochastic depth): it drops whole samples, not channels"
+ATTENTION_NAMES = frozenset({"attn_drop", "attn_dropout", "attention_drop", "attention_dropout"})
+SOFTMAX = "softmax"
+# What produced a tensor -> the axis of its channels (1: channels first, -1: channels last).
+CHANNELS_FIRST_MODULES = (
+    nn.modules.conv._ConvNd,
+    nn.modules.batchnorm._BatchNorm,
+    nn.modules.instancenorm._InstanceNorm,
+    nn.GroupNorm,
+    nn.LocalResponseNorm,
+    nn.modules.pooling._MaxPoolNd,
+    nn.modules.pooling._AvgPoolNd,
+    nn.modules.pooling._AdaptiveAvgPoolNd,
+    nn.modules.pooling._AdaptiveMaxPoolNd,
+    nn.modules.pooling._LPPoolNd,
+    nn.Upsample,
+    nn.Dropout1d,
+    nn.Dropout2d,
+    nn.Dropout3d,
+)
+CHANNELS_LAST_MODULES = (
+    nn.Linear,
+    nn.Bilinear,
+    nn.Embedding,
+    nn.EmbeddingBag,
+    nn.LayerNorm,
+    nn.RMSNorm,
+    nn.MultiheadAttention,
+    nn.RNNBase,
+    nn.Transformer,
+    nn.TransformerEncoder,
+    nn.TransformerDecoder,
+    nn.TransformerEncoderLayer,
+    nn.TransformerDecoderLayer,
+)
+CHANNELS_FIRST_FUNCTIONS = frozenset(
+    {
+        F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d,
+        F.batch_norm, F.instance_norm, F.group_norm, F.interpolate,
+        F.max_pool1d, F.max_pool2d, F.max_pool3d, F.avg_pool1d, F.avg_pool2d, F.avg_pool3d,
+        F.adaptive_avg_pool1d, F.adaptive_avg_pool2d, F.adaptive_avg_pool3d,
+        F.adaptive_max_pool1d, F.adaptive_max_pool2d, F.adaptive_max_pool3d,
+        F.dropout1d, F.dropout2d, F.dropout3d,
+    }
+)  # fmt: skip
+CHANNELS_LAST_FUNCTIONS = frozenset(
+    {F.linear, F.bilinear, F.embedding, F.layer_norm, F.rms_norm, F.scaled_dot_product_attention,
+     torch.matmul, torch.bmm, operator.matmul}
+)  # fmt: skip
+CHANNELS_LAST_METHODS = frozenset({"matmul", "bmm"})
+SOFTMAX_FUNCTIONS = frozenset({F.softmax, torch.softmax})
+# Ops that may keep a shape but move the channels: the search for the producer stops there.
+PERMUTING = frozenset({"permute", "transpose", "t", "movedim", "moveaxis", "swapaxes", "swapdims"})
+
+
+def _per_sample(module: nn.Module) -> bool:
+    """Stochastic depth (torchvision ``StochasticDepth``, timm ``DropPath``, look-alikes), recognized by class name."""
+    name = type(module).__name__.lower().replace("_", "")
+    return "droppath" in name or "stochasticdepth" in name
+
+
+class _Tracer(fx.Tracer):
+    """Keeps dropouts, Masksembles and per-sample dropouts as calls; records how traced-through modules are called."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: dict[str, list[tuple[tuple[Any, ...], dict[str, Any]]]] = {}
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        special = isinstance(m, (*DROPOUT_TYPES, Masksembles)) or _per_sample(m)
+        return special or super().is_leaf_module(m, module_qualified_name)
+
+    def call_module(
+        self, m: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        path = self.path_of_module(m)
+        if not self.is_leaf_module(m, path):
+            self.calls.setdefault(path, []).append((args, kwargs))
+        return super().call_module(m, forward, args, kwargs)
+
+
+class _OwnTracer(fx.Tracer):
+    """Traces a module's own ``forward`` only: every submodule stays a call."""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return True
+
+
+@dataclass
+class _Traced:
+    """The model as torch.fx sees it, with shapes from the example input (``graph`` None when it failed)."""
+
+    graph: fx.Graph | None
+    modules: dict[str, nn.Module]
+    calls: dict[str, list[tuple[tuple[Any, ...], dict[str, Any]]]] = field(default_factory=dict)
+    failure: str = ""
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def _trace(model: nn.Module, inputs: tuple[Tensor, ...]) -> _Traced:
+    modules = dict(model.named_modules())
+    tracer = _Tracer()
+    try:
+        graph = tracer.trace(model)
+        ShapeProp(fx.GraphModule(model, graph)).propagate(*inputs)
+    except Exception as error:  # anything torch.fx cannot follow: the rank rule takes over
+        return _Traced(None, modules, failure=f"torch.fx could not trace the model ({_first_line(error)})")
+    return _Traced(graph, modules, tracer.calls)
+
+
+def _shape(node: object) -> tuple[int, ...] | None:
+    meta = node.meta.get("tensor_meta") if isinstance(node, fx.Node) else None
+    return tuple(meta.shape) if isinstance(meta, TensorMetadata) else None
+
+
+def _kind(node: fx.Node, modules: dict[str, nn.Module]) -> int | str | None:
+    """What ``node`` says about the channel axis of its output: 1, -1, ``SOFTMAX``, ``"through"`` (the same shape
+    as an input, with channels where they were: look further back) or None (unknown)."""
+    if node.op == "call_module":
+        module = modules[cast(str, node.target)]
+        if isinstance(module, CHANNELS_FIRST_MODULES):
+            return 1
+        if isinstance(module, CHANNELS_LAST_MODULES):
+            return -1
+        return SOFTMAX if isinstance(module, nn.Softmax) else "through"
+    if node.op == "call_function":
+        target = node.target
+        if target is operator.getitem and isinstance(node.args[0], fx.Node) and _shape(node.args[0]) is None:
+            source = _kind(node.args[0], modules)  # an item of a tuple output (nn.MultiheadAttention, LSTM)
+            return None if source == "through" else source
+        if target in CHANNELS_FIRST_FUNCTIONS:
+            return 1
+        if target in CHANNELS_LAST_FUNCTIONS:
+            return -1
+        if target in SOFTMAX_FUNCTIONS:
+            return SOFTMAX
+        return None if getattr(target, "__name__", "") in PERMUTING else "through"
+    if node.op == "call_method":
+        if node.target in CHANNELS_LAST_METHODS:
+            return -1
+        if node.target == SOFTMAX:
+            return SOFTMAX
+        return None if node.target in PERMUTING else "through"
+    return None
+
+
+def _producers(node: object, modules: dict[str, nn.Module]) -> set[int | str]:
+    """Channel axes (and ``SOFTMAX``) found walking back from ``node`` through shape-preserving elementwise ops."""
+    found: set[int | str] = set()
+    stack = [node] if isinstance(node, fx.Node) else []
+    seen: set[fx.Node] = set()
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        kind = _kind(current, modules)
+        if kind == "through":
+            shape = _shape(current)
+            stack += [arg for arg in current.all_input_nodes if shape is not None and _shape(arg) == shape]
+        elif kind is not None:
+            found.add(kind)
+    return found
+
+
+@contextlib.contextmanager
+def _evaluating(model: nn.Module) -> Iterator[None]:
+    """Eval mode without gradients; every module's own mode is restored afterwards."""
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        for module, mode in modes:
+            module.training = mode
+
+
+def _input_shapes(model: nn.Module, inputs: tuple[Tensor, ...], modules: Sequence[nn.Module]) -> dict[int, list[Any]]:
+    """Input shape of every call of each of ``modules`` on ``inputs`` (one forward pass)."""
+    seen: dict[int, list[Any]] = {id(module): [] for module in modules}
+
+    def record(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        x = args[0] if args else next(iter(kwargs.values()))
+        seen[id(module)].append(tuple(x.shape))
+
+    hooks = [module.register_forward_pre_hook(record, with_kwargs=True) for module in modules]
+    try:
+        model(*inputs)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return seen
+
+
+# --- convert_dropout: deciding and replacing ------------------------------------------------------------------------
+
+
+@dataclass
+class _Site:
+    """A dropout: a module (all its calls) or a functional call of one module's ``forward`` (its call in each call
+    of that module)."""
+
+    path: str
+    layer: str
+    p: float
+    channels_first: bool  # Dropout1d/2d/3d: channels on axis 1 by definition
+    nodes: list[fx.Node]  # its calls in the traced graph (empty when torch.fx did not see them)
+    shapes: list[Any]  # its input shapes, one per call (empty when the example input does not reach it)
+    failure: str = ""  # why it cannot be replaced
+
+
+def _module_site(path: str, module: nn.Module, traced: _Traced, shapes: list[Any]) -> _Site:
+    """A dropout module as a site: its calls in the traced graph, its input shapes from there or else from the run."""
+    graph_nodes = traced.graph.nodes if traced.graph is not None else ()
+    nodes = [node for node in graph_nodes if node.op == "call_module" and node.target == path]
+    return _Site(
+        path,
+        type(module).__name__,
+        cast(float, module.p),
+        isinstance(module, nn.Dropout1d | nn.Dropout2d | nn.Dropout3d),
+        nodes,
+        [_shape(node.args[0]) for node in nodes] if nodes else shapes,
+    )
+
+
+def _decide(site: _Site, traced: _Traced, channel_axis: int | None) -> LayerChange:
+    """Convert ``site`` or leave it, with the reason (module docstring of ``convert_dropout``); no seed yet."""
+
+    def left(reason: str) -> LayerChange:
+        return LayerChange(site.path, site.layer, LEFT, reason=reason)
+
+    name = site.path.rpartition(".")[2]
+    if site.p == 0:
+        return left("p=0: it does nothing")
+    if name.lower() in ATTENTION_NAMES:
+        return left(f"attention-weight dropout (named {name!r}): its input is attention weights, not channels")
+    if site.failure:
+        return left(site.failure)
+    if not site.shapes:
+        return left("not reached by the example input")
+    producers = [_producers(node.args[0], traced.modules) for node in site.nodes]
+    if any(SOFTMAX in found for found in producers):
+        return left("attention-weight dropout: its input is a softmax output, not channels")
+    if any(not node.users for node in site.nodes):
+        return left("its result is not used (an in-place call): masks would change nothing")
+    why = traced.failure or "torch.fx did not see this call (inside a module it does not trace into)"
+    choices: set[tuple[int, int]] = set()
+    notes: set[str] = set()
+    for index, shape in enumerate(site.shapes):
+        rank = len(shape)
+        if rank < 2:
+            return left(f"a {rank}-D input has no channel axis")
+        axes = producers[index] - {SOFTMAX} if site.nodes else set()
+        if channel_axis is not None:
+            axis = channel_axis
+        elif site.channels_first:
+            axis = 1
+        elif len(axes) == 1:
+            axis = cast(int, axes.pop())
+        else:
+            axis = 1 if rank in (4, 5) else -1
+            if rank > 2:
+                source = "the producer of its input is not recognized" if site.nodes else why
+                notes.add(f"axis {axis} from the input's rank ({rank}-D): {source}")
+        if not (-rank <= axis < rank) or axis % rank == 0:
+            return left(f"channel_axis={axis} is not a channel axis of its {rank}-D input")
+        choices.add((shape[axis], axis))
+    if len(choices) > 1:
+        return left(f"called on inputs with different channels: {sorted(set(site.shapes))}")
+    ((channels, axis),) = choices
+    return LayerChange(site.path, site.layer, CONVERTED, channels, axis, reason="; ".join(sorted(notes)))
+
+
+def _argument(node: fx.Node, name: str, position: int, default: object) -> object:
+    return node.kwargs.get(name, node.args[position] if len(node.args) > position else default)
+
+
+def _is_dropout_call(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target in DROPOUT_FUNCTIONS
+
+
+def _owner(node: fx.Node) -> tuple[str, str]:
+    """(path of the module whose own ``forward`` made this call, key of that module call)."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return "", ""
+    key, (path, _) = next(reversed(stack.items()))
+    return cast(str, path), cast(str, key)
+
+
+def _concrete_arguments(module: nn.Module, calls: list[tuple[tuple[Any, ...], dict[str, Any]]]) -> dict[str, Any]:
+    """The non-tensor arguments ``module`` was called with (defaults included), the same in every call."""
+
+    def has_proxy(value: object) -> bool:
+        if isinstance(value, tuple | list):
+            return any(has_proxy(item) for item in value)
+        if isinstance(value, dict):
+            return any(has_proxy(item) for item in value.values())
+        return isinstance(value, fx.Proxy)
+
+    signature = inspect.signature(module.forward)
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    found: list[dict[str, Any]] = []
+    for args, kwargs in calls:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        found.append(
+            {
+                name: value
+                for name, value in bound.arguments.items()
+                if signature.parameters[name].kind in kinds and not has_proxy(value)
+            }
+        )
+    if any(arguments != found[0] for arguments in found[1:]):
+        raise ValueError(f"it is called with different arguments: {found}")
+    return found[0] if found else {}
+
+
+@dataclass
+class _Owner:
+    """A module whose own ``forward`` calls a functional dropout, traced on its own."""
+
+    path: str
+    module: nn.Module
+    graph: fx.Graph
+    calls: list[fx.Node]  # its functional dropout calls, in order
+    names: list[str]  # the attribute each call's Masksembles layer gets (the call's name, unless taken)
+    layers: dict[int, Masksembles] = field(default_factory=dict)  # index in calls -> its layer
+
+
+def _functional_sites(model: nn.Module, traced: _Traced) -> list[tuple[_Site, _Owner | None, int]]:
+    """Every functional dropout call of the traced model as (site, its owner traced alone, its index there)."""
+    by_owner: dict[str, dict[str, list[fx.Node]]] = {}
+    for node in traced.graph.nodes if traced.graph is not None else ():
+        if _is_dropout_call(node):
+            path, key = _owner(node)
+            by_owner.setdefault(path, {}).setdefault(key, []).append(node)
+    sites: list[tuple[_Site, _Owner | None, int]] = []
+    for path, per_call in by_owner.items():
+        module = model.get_submodule(path)
+        owner, failure = None, ""
+        counts = {len(nodes) for nodes in per_call.values()}
+        try:
+            with _evaluating(model):
+                concrete = _concrete_arguments(module, traced.calls[path]) if path else {}
+                graph = _OwnTracer().trace(module, concrete_args=concrete or None)
+            calls = [node for node in graph.nodes if _is_dropout_call(node)]
+            if {len(calls)} != counts:
+                raise ValueError(f"its trace has {len(calls)} dropout calls, not {counts}")
+            names: list[str] = []
+            for call in calls:
+                names.append(call.name)
+                while hasattr(module, names[-1]) or names[-1] in names[:-1]:
+                    names[-1] += "_masks"
+            owner = _Owner(path, module, graph, calls, names)
+        except Exception as error:  # the calls stay, reported with the reason
+            failure = f"torch.fx could not trace {path or 'the model'!r} on its own ({_first_line(error)})"
+        for index in range(max(counts)):
+            nodes = [call[index] for call in per_call.values() if index < len(call)]
+            label, channels_first = DROPOUT_FUNCTIONS[cast(Callable[..., Any], nodes[0].target)]
+            local = owner.names[index] if owner is not None else nodes[0].name
+            p = _argument(nodes[0], "p", 1, 0.5)
+            site = _Site(
+                f"{path}.{local}" if path else local,
+                label,
+                float(p) if isinstance(p, int | float) else float("nan"),
+                channels_first,
+                nodes,
+                [_shape(node.args[0]) for node in nodes],
+                failure,
+            )
+            sites.append((site, owner, index))
+    return sites
+
+
+def _rewrite(owner: _Owner) -> fx.GraphModule:
+    """``owner``'s traced ``forward`` with each converted dropout call replaced by its Masksembles submodule."""
+    rewritten = fx.GraphModule(owner.module, owner.graph, class_name=type(owner.module).__name__)
+    for index, layer in owner.layers.items():
+        node, name = owner.calls[index], owner.names[index]
+        rewritten.add_submodule(name, layer)
+        with rewritten.graph.inserting_after(node):
+            call = rewritten.graph.call_module(name, (node.args[0],))
+        node.replace_all_uses_with(call)
+        rewritten.graph.erase_node(node)
+    rewritten.recompile()
+    return rewritten.train(owner.module.training)
+
+
+def convert_dropout(
+    model: nn.Module,
+    example_input: Tensor | tuple[Tensor, ...],
+    n: int,
+    scale: float,
+    *,
+    seed: int | None = None,
+    channel_axis: int | None = None,
+    inplace: bool = False,
+) -> nn.Module:
+    """Replace the channel dropouts of ``model`` by Masksembles layers: the paper's drop-in for MC-Dropout.
+
+    Converted: ``nn.Dropout``/``Dropout1d/2d/3d`` modules and ``F.dropout``/``F.dropout1d/2d/3d``/``torch.dropout``
+    calls. The channel count and axis come from the input each one receives on ``example_input`` (in eval mode,
+    without gradients): axis 1 for ``Dropout1d/2d/3d``; for ``nn.Dropout`` and ``F.dropout`` the axis of the layer
+    that produced the tensor, found with torch.fx through elementwise ops (Conv1d/2d/3d, BatchNorm, pooling: 1, so a
+    Conv1d's (B, C, L) gets masks over C; Linear, LayerNorm, attention, RNNs: -1), unless ``channel_axis`` is given.
+    Where torch.fx cannot tell (an untraceable model, an unrecognized producer) the input's rank decides, 1 for 4-D
+    and 5-D inputs and -1 otherwise, and the report says so. Left as is, each with its reason in the report:
+    ``p=0`` dropouts (they do nothing), attention-weight dropouts (input from a softmax, or named ``attn_drop``,
+    ``attention_dropout``, ...), dropouts the example input does not reach, calls whose result is unused, and
+    per-sample dropouts (modules named like ``DropPath`` or ``StochasticDepth``, which are not channel dropout).
+
+    Dropout modules are replaced in place (at every path they are registered at); the other modules, their classes
+    and every trained weight are kept. A module whose own ``forward`` calls a functional dropout (timm's heads call
+    ``F.dropout``) is replaced by a ``torch.fx.GraphModule`` of that ``forward`` traced in eval mode (its submodules
+    kept, the converted call now a Masksembles submodule): the model itself when the call is in its ``forward``. The
+    ``i``-th converted dropout (modules in ``named_modules`` order, then calls) gets masks from
+    ``masksembles_core.derive_seed(seed, i)``.
+
+    Returns:
+        the converted model, with a ``masksembles_report`` attribute (a ``LayerReport``): a deep copy unless
+        ``inplace``, and a GraphModule when the model's own ``forward`` calls a converted functional dropout.
+
+    Raises:
+        ValueError: invalid ``n``/``scale``/``seed``/``channel_axis``, or no dropout converted (the message holds the
+            report).
+    """
+    n, scale, seed = check_insert_arguments(n, scale, seed, None)
+    if channel_axis is not None:
+        mca.check_channel_axis(channel_axis)
+    if not inplace:
+        model = copy.deepcopy(model)
+    inputs = example_input if isinstance(example_input, tuple) else (example_input,)
+    dropouts = [(path, module) for path, module in model.named_modules() if isinstance(module, DROPOUT_TYPES)]
+    with _evaluating(model):
+        shapes = _input_shapes(model, inputs, [module for _, module in dropouts])
+        traced = _trace(model, inputs)
+    if traced.failure:
+        axes = "channel axes follow the input's rank and " if channel_axis is None else ""
+        warnings.warn(f"convert_dropout: {traced.failure}; {axes}F.dropout calls are not converted", stacklevel=2)
+    paths = _paths(model)
+    rows: list[LayerChange] = []
+
+    def add(row: LayerChange) -> LayerChange:
+        if row.action == CONVERTED:
+            row = dataclasses.replace(row, seed=mc.derive_seed(seed, sum(r.action == CONVERTED for r in rows)))
+        rows.append(row)
+        return row
+
+    for path, module in model.named_modules():
+        if _per_sample(module):
+            add(LayerChange(path, type(module).__name__, LEFT, reason=PER_SAMPLE))
+        elif isinstance(module, DROPOUT_TYPES):
+            row = add(_decide(_module_site(path, module, traced, shapes[id(module)]), traced, channel_axis))
+            if row.action == CONVERTED:
+                _replace(model, paths[id(module)], _masksembles(row, n, scale, model, module.training))
+    owners: dict[str, _Owner] = {}
+    for site, owner, index in _functional_sites(model, traced):
+        row = add(_decide(site, traced, channel_axis))
+        if row.action == CONVERTED and owner is not None:
+            owner.layers[index] = _masksembles(row, n, scale, model, owner.module.training)
+            owners[owner.path] = owner
+    for path in sorted(owners, key=lambda p: -1 if not p else p.count("."), reverse=True):
+        rewritten = _rewrite(owners[path])
+        if path:
+            _replace(model, paths[id(owners[path].module)], rewritten)
+        else:
+            model = rewritten
+    report = LayerReport("convert_dropout", n, scale, tuple(rows))
+    if not report.changed:
+        kinds = "nn.Dropout/Dropout1d/Dropout2d/Dropout3d modules or F.dropout calls"
+        raise ValueError(f"convert_dropout converted no dropout ({len(rows)} looked at; it converts {kinds})\n{report}")
+    return _attach(model, report)

@@ -1,0 +1,368 @@
+"""insert: masks on the input of every Conv/Dense layer of small MobileNetV3-, EfficientNet-, ResNet-like graphs."""
+
+from __future__ import annotations
+
+import collections
+from pathlib import Path
+from typing import Any
+
+import keras
+import numpy as np
+import pytest
+
+import masksembles_core as mc
+import masksembles_core.adapter as mca
+import masksembles_keras as mk
+from masksembles_core.insertion import INSERTED, LEFT
+from tests.keras.architectures import BUILDERS, CLASSES, mobilenet_v3_like, resnet_like
+from tests.keras.common import core_error, layer_at, layer_paths, masks_of, to_numpy
+
+# architecture -> (its first layer, left alone by default; {path: (channels, channel axis)} of the inserted masks)
+EXPECTED: dict[str, tuple[str, dict[str, tuple[int, int]]]] = {
+    "mobilenet_v3": (
+        "conv",
+        {
+            "expanded_conv_expand": (8, -1),
+            "expanded_conv_squeeze_excite_conv": (16, -1),
+            "expanded_conv_squeeze_excite_conv_1": (4, -1),
+            "expanded_conv_project": (16, -1),
+            "conv_1": (8, -1),
+            "logits": (24, -1),
+        },
+    ),
+    "efficientnet": (
+        "stem_conv",
+        {
+            **{f"{block}_expand_conv": (8, -1) for block in ("block2a", "block2b")},
+            **{f"{block}_se_reduce": (16, -1) for block in ("block2a", "block2b")},
+            **{f"{block}_se_expand": (2, -1) for block in ("block2a", "block2b")},
+            **{f"{block}_project_conv": (16, -1) for block in ("block2a", "block2b")},
+            "top_conv": (8, -1),
+            "predictions": (32, -1),
+        },
+    ),
+    "resnet": (
+        "conv1_conv",
+        {
+            "conv2_block1_1_conv": (8, -1),
+            "conv2_block1_2_conv": (8, -1),
+            "conv3_block1_1_conv": (8, -1),
+            "conv3_block1_2_conv": (16, -1),
+            "conv3_block1_0_conv": (8, -1),
+            "predictions": (16, -1),
+        },
+    ),
+    "raw_ops": ("embed", {"head": (8, -1)}),
+    "nested": ("stem", {"block/inner": (8, -1), "block/inner_out": (12, -1), "head": (8, -1)}),
+    "channels_first": ("conv_a", {"conv_b": (4, 1), "head": (6, -1)}),
+}
+
+
+def data(model: keras.Model, batch: int = 5, seed: int = 0) -> np.ndarray:
+    shape = (batch, *model.inputs[0].shape[1:])
+    return np.random.default_rng(seed).normal(size=shape).astype(np.float32)
+
+
+def masks_path(path: str) -> str:
+    return f"{path}_masksembles"
+
+
+def run(model: keras.Model, x: np.ndarray) -> Any:
+    """The outputs of ``model`` on ``x`` in inference mode (a direct call: no predict function to compile)."""
+    return keras.tree.map_structure(to_numpy, model(x, training=False))
+
+
+def masksembles_layers(model: keras.Model) -> dict[str, mk.Masksembles]:
+    return {path: layer for path, layer in layer_paths(model) if isinstance(layer, mk.Masksembles)}
+
+
+@pytest.mark.parametrize("name", list(BUILDERS))
+def test_insert_puts_masks_on_the_input_of_every_conv_and_dense_layer(name: str) -> None:
+    model = BUILDERS[name]()
+    first, expected = EXPECTED[name]
+    result = mk.insert(model, 4, 2.0, seed=0)
+    report = result.masksembles_report
+    assert (report.operation, report.n, report.scale) == ("insert", 4, 2.0)
+    assert {row.path: (row.channels, row.channel_axis) for row in report.changed} == expected
+    assert [(row.path, row.action) for row in report.unchanged] == [(first, LEFT)]
+    assert "first layer" in report.unchanged[0].reason
+    assert set(masksembles_layers(result)) == {masks_path(path) for path in expected}
+    for row in report.changed:
+        masks = layer_at(result, masks_path(row.path))
+        assert (masks.channels, masks.channel_axis, masks.seed) == (row.channels, row.channel_axis, row.seed)
+        assert masks.dtype_policy.name == layer_at(model, row.path).dtype_policy.name
+        assert layer_at(result, row.path).input is masks.output, "the layer reads the masks' output"
+    assert not masksembles_layers(model), "the input model is left alone"
+    x = data(model)
+    members = mk.predict(result, x, 4)
+    assert members.shape == (4, 5, CLASSES)
+    assert not np.allclose(members[0], members[1])
+
+
+@pytest.mark.parametrize("name", list(BUILDERS))
+def test_all_ones_masks_keep_every_weight_output_and_masked_tensor(name: str) -> None:
+    """scale=1 gives all-ones masks: the copy must compute exactly what the model computes, tensor for tensor."""
+    model = BUILDERS[name]()
+    result = mk.insert(model, 2, 1.0, include_first=True)
+    for path, layer in layer_paths(model):
+        copy = layer_at(result, path)
+        assert type(copy) is type(layer) and copy is not layer
+        if isinstance(layer, keras.Model):
+            continue  # its weights now include masks; its layers are compared one by one
+        for before, after in zip(layer.get_weights(), copy.get_weights(), strict=True):
+            assert np.array_equal(before, after), path
+    x = data(model)
+    np.testing.assert_array_equal(run(result, x), run(model, x))
+    by_model = collections.defaultdict(list)  # the masked layers of each (nested) model
+    for row in result.masksembles_report.changed:
+        by_model[row.path.rpartition("/")[0]].append(row.path)
+    for holder, paths in by_model.items():
+        new, old = (layer_at(result, holder), layer_at(model, holder)) if holder else (result, model)
+        read_now = keras.Model(new.inputs, [layer_at(result, masks_path(path)).input for path in paths])
+        read_before = keras.Model(old.inputs, [layer_at(model, path).input for path in paths])
+        x = data(old)
+        for path, now, before in zip(paths, run(read_now, x), run(read_before, x), strict=True):
+            np.testing.assert_array_equal(now, before, err_msg=f"what the masks before {path} read")
+
+
+def test_masks_follow_the_seed() -> None:
+    model = BUILDERS["efficientnet"]()
+    first, again = mk.insert(model, 4, 2.0, seed=5), mk.insert(model, 4, 2.0, seed=5)
+    rows = first.masksembles_report.changed
+    assert [row.seed for row in rows] == [mc.derive_seed(5, index) for index in range(len(rows))]
+    for row in rows:
+        masks = masks_of(layer_at(first, masks_path(row.path)))
+        assert np.array_equal(masks, mc.generate_masks(row.channels, 4, 2.0, seed=row.seed))
+        assert np.array_equal(masks, masks_of(layer_at(again, masks_path(row.path))))
+    fresh = [mk.insert(model, 4, 2.0).masksembles_report.changed for _ in range(2)]
+    assert [row.seed for row in fresh[0]] != [row.seed for row in fresh[1]]
+
+
+@pytest.mark.parametrize("name", ["mobilenet_v3", "nested", "channels_first"])
+def test_keras_file_round_trip_keeps_the_inserted_masks(name: str, tmp_path: Path) -> None:
+    result = mk.insert(BUILDERS[name](), 4, 2.0)
+    path = tmp_path / "inserted.keras"
+    result.save(path)
+    loaded = keras.saving.load_model(path)
+    saved = masksembles_layers(result)
+    assert set(masksembles_layers(loaded)) == set(saved)
+    for key, layer in masksembles_layers(loaded).items():
+        assert type(layer) is type(saved[key]) and np.array_equal(masks_of(layer), masks_of(saved[key])), key
+    x = data(result)
+    assert np.array_equal(mk.predict(loaded, x, 4), mk.predict(result, x, 4))
+
+
+def test_inserted_model_trains_and_the_original_keeps_its_weights() -> None:
+    model = mobilenet_v3_like()
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    before = [weights.copy() for weights in model.get_weights()]
+    result = mk.insert(model, 4, 2.0, seed=0)
+    assert result.compiled, "compiled like the original"
+    x, y = data(model, batch=10), np.arange(10) % CLASSES
+    history = result.fit(x, y, batch_size=6, epochs=1, verbose=0)  # 6 and a partial batch of 4, n=4
+    assert np.isfinite(history.history["loss"][-1])
+    assert not np.array_equal(result.get_layer("logits").get_weights()[0], model.get_layer("logits").get_weights()[0])
+    assert all(np.array_equal(a, b) for a, b in zip(model.get_weights(), before, strict=True))
+
+
+def test_start_skips_the_layers_before_it_in_model_layers_order() -> None:
+    """The paper's ImageNet recipe: masks before every convolution from a chosen stage on."""
+    result = mk.insert(resnet_like(), 4, 2.0, seed=0, start="conv3_block1_1_conv")
+    report = result.masksembles_report
+    stage3 = ["conv3_block1_1_conv", "conv3_block1_2_conv", "conv3_block1_0_conv", "predictions"]
+    assert {row.path for row in report.changed} == set(stage3)
+    assert {row.path: row.reason for row in report.unchanged} == {
+        "conv1_conv": report.unchanged[0].reason,
+        "conv2_block1_1_conv": "before start='conv3_block1_1_conv'",
+        "conv2_block1_2_conv": "before start='conv3_block1_1_conv'",
+    }
+    nested = mk.insert(BUILDERS["nested"](), 4, 2.0, start="block/inner_out").masksembles_report
+    assert [row.path for row in nested.changed] == ["block/inner_out", "head"]
+    with pytest.raises(ValueError, match="start='conv9' names no layer of the model"):
+        mk.insert(resnet_like(), 4, 2.0, start="conv9")
+
+
+def test_before_takes_layer_types_or_a_predicate_on_path_and_layer() -> None:
+    model = mobilenet_v3_like()
+    convolutions = mk.insert(model, 4, 2.0, before=[keras.layers.Conv2D], include_first=True).masksembles_report
+    assert len(convolutions.changed) == 7 and not convolutions.unchanged
+    by_name = mk.insert(model, 4, 2.0, before=lambda path, layer: "squeeze_excite_conv" in path).masksembles_report
+    assert [(row.path, row.action) for row in by_name.rows] == [  # neither is the network's first layer
+        ("expanded_conv_squeeze_excite_conv", INSERTED),
+        ("expanded_conv_squeeze_excite_conv_1", INSERTED),
+    ]
+    asked = mk.insert(model, 4, 2.0, before=keras.layers.DepthwiseConv2D).masksembles_report
+    assert [(row.path, row.action, row.channels) for row in asked.rows] == [("expanded_conv_depthwise", INSERTED, 16)]
+    with pytest.raises(TypeError, match="before must be a layer type, a non-empty tuple or list of layer types"):
+        mk.insert(model, 4, 2.0, before=("Conv2D",))
+
+
+def test_the_first_layer_is_the_networks_whatever_before_selects() -> None:
+    dense_only = mk.insert(resnet_like(), 4, 2.0, before=keras.layers.Dense).masksembles_report
+    assert [(row.path, row.action) for row in dense_only.rows] == [("predictions", INSERTED)]
+    stem = keras.layers.Rescaling(1 / 255, name="rescale")
+    preprocessed = mk.insert(
+        keras.Sequential([keras.Input((4, 4, 3)), stem, keras.layers.Conv2D(4, 1, name="conv")]),
+        4,
+        2.0,
+        before=lambda path, layer: True,
+    ).masksembles_report
+    assert [(row.path, row.action) for row in preprocessed.rows] == [("rescale", LEFT), ("conv", INSERTED)]
+
+
+def test_depthwise_convolutions_are_left_alone_by_the_default_before() -> None:
+    model = keras.Sequential(
+        [
+            keras.Input((6, 6, 3)),
+            keras.layers.Conv2D(4, 1, name="pointwise"),
+            keras.layers.Conv2D(4, 3, groups=4, name="depthwise"),
+            keras.layers.Conv2D(8, 1, groups=2, name="grouped"),
+        ]
+    )
+    report = mk.insert(model, 2, 2.0).masksembles_report
+    assert [(row.path, row.action, row.reason) for row in report.rows] == [
+        ("pointwise", LEFT, report.rows[0].reason),
+        (
+            "depthwise",
+            LEFT,
+            "depthwise convolution: each output channel reads one input channel (before=... includes it)",
+        ),
+        ("grouped", INSERTED, ""),
+    ]
+
+
+def test_sequential_models_stay_sequential() -> None:
+    model = keras.Sequential(
+        [
+            keras.Input((6, 6, 3)),
+            keras.layers.Conv2D(4, 3, name="conv"),
+            keras.layers.Conv2D(5, 1, name="pointwise"),
+            keras.layers.Flatten(name="flatten"),
+            keras.layers.Dense(2, name="head"),
+        ],
+        name="plain",
+    )
+    result = mk.insert(model, 2, 2.0, seed=0)
+    assert isinstance(result, keras.Sequential) and result.name == "plain"
+    assert [layer.name for layer in result.layers] == [
+        "conv",
+        "pointwise_masksembles",
+        "pointwise",
+        "flatten",
+        "head_masksembles",
+        "head",
+    ]
+    assert [type(layer) for layer in result.layers if isinstance(layer, mk.Masksembles)] == [
+        mk.Masksembles2D,
+        mk.Masksembles1D,
+    ]
+    assert mk.predict(result, np.ones((3, 6, 6, 3), np.float32), 2).shape == (2, 3, 2)
+
+
+def test_a_shared_layer_gets_one_masks_layer_called_at_each_place() -> None:
+    left, right = keras.Input((4,)), keras.Input((4,))
+    stem, shared = keras.layers.Dense(6, name="stem"), keras.layers.Dense(3, name="shared")
+    outputs = keras.layers.Concatenate()([shared(stem(left)), shared(stem(right))])
+    result = mk.insert(keras.Model([left, right], outputs), 2, 2.0, seed=0)
+    assert [row.path for row in result.masksembles_report.changed] == ["shared"]
+    masks = result.get_layer("shared_masksembles")
+    x = [np.ones((2, 4), np.float32), np.full((2, 4), 2.0, np.float32)]
+    members = mk.predict(result, x, 2)
+    assert members.shape == (2, 2, 6)
+    stem_kernel, stem_bias = result.get_layer("stem").get_weights()
+    kernel, bias = result.get_layer("shared").get_weights()
+    for k in range(2):
+        expected = [((side @ stem_kernel + stem_bias) * masks_of(masks)[k]) @ kernel + bias for side in x]
+        np.testing.assert_allclose(members[k], np.concatenate(expected, axis=1), rtol=1e-5, atol=1e-5)
+
+
+def test_a_frozen_functional_backbone_stays_frozen() -> None:
+    features = keras.Input((6,))
+    hidden = keras.layers.BatchNormalization(name="norm")(keras.layers.Dense(8, name="dense")(features))
+    backbone = keras.Model(features, keras.layers.Dense(8, name="out")(hidden), name="backbone")
+    backbone.trainable = False
+    inputs = keras.Input((6,))
+    model = keras.Model(inputs, keras.layers.Dense(2, name="head")(backbone(inputs, training=False)))
+    result = mk.insert(model, 2, 2.0, seed=0, include_first=True)
+    assert [row.path for row in result.masksembles_report.changed] == ["backbone/dense", "backbone/out", "head"]
+    assert not result.get_layer("backbone").trainable
+    assert [weight.path for weight in result.trainable_weights] == ["head/kernel", "head/bias"]
+
+
+def test_layers_that_read_several_tensors_or_different_widths_are_left_alone() -> None:
+    inputs = keras.Input((4,))
+    wide, narrow = keras.layers.Dense(6, name="wide")(inputs), keras.layers.Dense(3, name="narrow")(inputs)
+    activation = keras.layers.Activation("relu", name="relu")
+    joined = keras.layers.Concatenate(name="join")([activation(wide), activation(narrow)])
+    model = keras.Model(inputs, keras.layers.Dense(2, name="head")(joined))
+    chosen = ("relu", "join", "head")
+    report = mk.insert(model, 2, 2.0, before=lambda path, layer: path in chosen, include_first=True).masksembles_report
+    assert [(row.path, row.action, row.reason) for row in report.rows] == [
+        ("relu", LEFT, "called on inputs with different channel counts (3, 6)"),
+        ("join", LEFT, "its input is not a single tensor"),
+        ("head", INSERTED, ""),
+    ]
+
+
+def test_masks_compute_in_the_float_policy_of_their_layer() -> None:
+    inputs = keras.Input((6,))
+    x = keras.layers.Dense(8, name="stem")(inputs)
+    x = keras.layers.Dense(8, name="half", dtype="mixed_float16")(x)
+    model = keras.Model(inputs, keras.layers.Dense(3, name="quantized")(x))
+    model.get_layer("quantized").quantize("int8")
+    result = mk.insert(model, 2, 1.0, seed=0)
+    policies = {name: result.get_layer(f"{name}_masksembles").dtype_policy.name for name in ("half", "quantized")}
+    assert policies == {"half": "mixed_float16", "quantized": "float32"}
+    x = data(model)
+    assert np.array_equal(run(result, x), run(model, x))
+
+
+class Block(keras.layers.Layer):  # type: ignore[misc]
+    """A custom layer holding its own Dense and Dropout: its call() cannot be rebuilt."""
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(6, name="block_dense")
+        self.dropout = keras.layers.Dropout(0.2, name="block_dropout")
+
+    def call(self, x: object, training: bool | None = None) -> object:
+        return self.dropout(self.dense(x), training=training)
+
+
+def test_layers_inside_custom_layers_are_reported_and_the_custom_layer_is_copied() -> None:
+    inputs = keras.Input((4,))
+    x = Block(name="custom")(keras.layers.Dense(5, name="stem")(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(2, name="head")(x))
+    result = mk.insert(model, 2, 2.0, seed=0)
+    report = result.masksembles_report
+    assert [(row.path, row.action) for row in report.rows] == [
+        ("stem", LEFT),
+        ("custom/block_dense", LEFT),
+        ("head", INSERTED),
+    ]
+    assert report.rows[1].reason == ("inside Block 'custom': only a Sequential/functional graph can be rebuilt")
+    for name in ("stem", "custom", "head"):
+        weights = zip(model.get_layer(name).get_weights(), result.get_layer(name).get_weights(), strict=True)
+        assert all(np.array_equal(before, after) for before, after in weights), name
+
+
+def test_insert_errors() -> None:
+    class Subclassed(keras.Model):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.dense = keras.layers.Dense(2)
+
+        def call(self, x: object) -> object:
+            return self.dense(x)
+
+    subclassed = Subclassed()
+    subclassed(np.ones((1, 3), np.float32))
+    with pytest.raises(TypeError, match=r"Subclassed is a subclassed keras\.Model, whose call"):
+        mk.insert(subclassed, 4, 2.0)
+    with pytest.raises(ValueError, match="needs a built model"):
+        mk.insert(keras.Sequential([keras.layers.Dense(2), keras.layers.Dense(2)]), 4, 2.0)
+    with pytest.raises(ValueError, match=r"(?s)insert found no layer to put masks before \(1 candidates\).*first"):
+        mk.insert(keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)]), 4, 2.0)
+    error, message = core_error(lambda: mca.check_scale(0.5))
+    with pytest.raises(error, match=message):
+        mk.insert(resnet_like(), 4, 0.5)

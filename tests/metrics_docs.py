@@ -1,0 +1,25 @@
+"""The Python snippets of docs/metrics.md, by the framework they import, for the tests to run."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
+FRAMEWORK_IMPORTS = {"torch": "import torch", "keras": "import keras", "flax": "from flax import"}
+
+
+def snippets(framework: str | None) -> list[str]:
+    """The ```python blocks of docs/metrics.md that import ``framework``; None: those importing no framework."""
+    blocks = re.findall(r"^```python\n(.*?)^```$", DOC.read_text(), flags=re.MULTILINE | re.DOTALL)
+    imported = [{name for name, line in FRAMEWORK_IMPORTS.items() if line in block} for block in blocks]
+    wanted = set() if framework is None else {framework}
+    return [block for block, names in zip(blocks, imported, strict=True) if names == wanted]
+
+
+def run(blocks: list[str]) -> dict[str, object]:
+    """Execute ``blocks`` in order in one namespace (as a reader pastes them); returns the namespace."""
+    namespace: dict[str, object] = {"__name__": "docs_metrics"}
+    for block in blocks:
+        exec(compile(block, str(DOC), "exec"), namespace)
+    return namespace

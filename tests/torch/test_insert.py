@@ -1,0 +1,245 @@
+"""insert: Masksembles on the input of chosen layers of torchvision/timm-style models, every weight kept."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from torch import fx, nn
+
+import masksembles_core as mc
+import masksembles_torch as mt
+from masksembles_core.insertion import INSERTED
+from tests.torch import zoo
+
+N = 4
+DEPTHWISE = "depthwise convolution: each output channel reads one input channel (before=... includes it)"
+INSIDE_ATTENTION = "part of MultiheadAttention, which may use its weights without calling it"
+FIRST = "the network's first layer: it reads the raw input (include_first=True masks it)"
+# Layers each model keeps unmasked with the default arguments (the network's first layer aside).
+LEFT_ALONE = {
+    "mobilenet_v3": {f"features.{i}.block.{j}.0": DEPTHWISE for i, j in ((1, 0), (2, 1), (3, 1), (4, 1))},
+    "efficientnet": {f"features.{i}.block.{j}.0": DEPTHWISE for i, j in ((1, 0), (2, 1), (3, 1))},
+    "efficientnet_drop_path": {f"features.{i}.block.{j}.0": DEPTHWISE for i, j in ((1, 0), (2, 1), (3, 1))},
+    "convnext": {f"stages.{i}.conv_dw": DEPTHWISE for i in ("0.0", "1.1")},
+    "vit_torch": {f"blocks.{i}.self_attention.out_proj": INSIDE_ATTENTION for i in (0, 1)},
+}
+FIRST_LAYER = {
+    "mobilenet_v3": "features.0.0",
+    "efficientnet": "features.0.0",
+    "efficientnet_drop_path": "features.0.0",
+    "convnext": "stem.0",
+    "vit": "patch_embed",
+    "vit_fused": "patch_embed",
+    "vit_torch": "patch_embed",
+}
+
+
+def masked_layers(model: nn.Module) -> dict[str, mt.Masked]:
+    return {path: module for path, module in model.named_modules() if isinstance(module, mt.Masked)}
+
+
+@pytest.mark.parametrize("name", list(zoo.BUILDERS))
+def test_masks_go_before_every_conv_and_linear_layer_but_the_reported_ones(name: str) -> None:
+    model = zoo.build(name)
+    inserted = mt.insert(model, N, 2.0, seed=3)
+    report = inserted.masksembles_report
+    assert report.operation == "insert" and (report.n, report.scale) == (N, 2.0)
+    layers = [path for path, m in model.named_modules() if isinstance(m, nn.Conv2d | nn.Linear)]
+    assert [row.path for row in report.rows] == layers, "one row per conv/linear layer, in named_modules order"
+    expected_left = {FIRST_LAYER.get(name, "conv1"): FIRST, **LEFT_ALONE.get(name, {})}
+    assert {row.path: row.reason for row in report.unchanged} == expected_left
+    assert set(masked_layers(inserted)) == {row.path for row in report.changed}
+    assert not masked_layers(model), "the input model is not modified"
+    for index, row in enumerate(report.changed):
+        wrapper = inserted.get_submodule(row.path)
+        original = model.get_submodule(row.path)
+        conv = isinstance(original, nn.Conv2d)
+        expected_row = (INSERTED, original.in_channels if conv else original.in_features, 1 if conv else -1)
+        assert (row.action, row.channels, row.channel_axis) == expected_row
+        assert row.seed == mc.derive_seed(3, index)
+        expected = torch.as_tensor(mc.generate_masks(row.channels, N, 2.0, seed=row.seed), dtype=torch.float32)
+        assert torch.equal(wrapper.masksembles.masks, expected)
+        assert wrapper.masksembles.channel_axis == row.channel_axis
+        assert type(wrapper.layer) is type(original)
+
+
+@pytest.mark.parametrize("name", list(zoo.BUILDERS))
+def test_weights_are_kept_and_scale_1_gives_the_original_outputs(name: str) -> None:
+    model = zoo.build(name)
+    x = zoo.images(6)
+    single = mt.insert(model, N, 1.0, seed=0)  # all-ones masks: exactly the original network
+    assert torch.equal(single(x), model(x))
+    original = model.state_dict()
+    for key, value in single.state_dict().items():
+        if not key.endswith(".masksembles.masks"):
+            assert torch.equal(value, original[key.replace(".layer.", ".")]), key
+    inserted = mt.insert(model, N, 2.0, seed=0)
+    members = mt.predict(inserted, x, N)
+    assert members.shape == (N, 6, zoo.CLASSES)
+    assert not torch.allclose(members[0], members[1]), "members differ"
+    assert inserted(x).shape == (6, zoo.CLASSES)
+
+
+@pytest.mark.parametrize("name", list(zoo.BUILDERS))
+def test_fx_symbolic_trace(name: str) -> None:
+    inserted = mt.insert(zoo.build(name), N, 2.0, seed=0)
+    traced = fx.symbolic_trace(inserted)
+    for batch in (8, 6):
+        x = zoo.images(batch, seed=batch)
+        torch.testing.assert_close(traced(x), inserted(x), rtol=0, atol=0)
+    assert any(node.target is mt._layers.masksembles for node in traced.graph.nodes), "one node per Masksembles"
+
+
+def test_start_include_first_and_resnext_grouped_convolutions() -> None:
+    model = zoo.build("resnext")
+    report = mt.insert(model, N, 2.0, seed=0, start="layer3").masksembles_report
+    assert [row.path for row in report.changed] == [
+        "layer3.0.conv1", "layer3.0.conv2", "layer3.0.conv3", "layer3.0.downsample.0",
+        "layer4.0.conv1", "layer4.0.conv2", "layer4.0.conv3", "layer4.0.downsample.0", "fc",
+    ]  # fmt: skip
+    assert {row.reason for row in report.unchanged if row.path != "conv1"} == {"before start='layer3'"}
+    grouped = report.changed[1]
+    assert model.get_submodule(grouped.path).groups == 2
+    assert grouped.channels == model.get_submodule(grouped.path).in_channels, "masks over all input channels"
+    report = mt.insert(model, N, 2.0, seed=0, include_first=True).masksembles_report
+    assert (report.rows[0].path, report.rows[0].action, report.rows[0].channels) == ("conv1", INSERTED, 3)
+    with pytest.raises(ValueError, match="start='layer9' names no layer of the model; its top-level layers are"):
+        mt.insert(model, N, 2.0, start="layer9")
+
+
+def test_before_chooses_by_type_or_by_predicate() -> None:
+    vit = zoo.build("vit")
+    report = mt.insert(vit, N, 2.0, seed=0, before=(nn.Linear,)).masksembles_report
+    assert all(row.layer == "Linear" and row.action == INSERTED for row in report.rows), "patch_embed is no Linear"
+    assert len(report.rows) == 9
+    mobilenet = zoo.build("mobilenet_v3")
+    report = mt.insert(mobilenet, N, 2.0, seed=0, before=nn.Conv2d).masksembles_report
+    assert [row.path for row in report.unchanged] == ["features.0.0"], "explicit types include depthwise convs"
+    depthwise = mobilenet.get_submodule("features.2.block.1.0")
+    assert {row.path: row.channels for row in report.changed}["features.2.block.1.0"] == depthwise.in_channels
+    resnet = zoo.build("resnet_basic")
+    in_layer4 = lambda path, m: path.startswith("layer4") and hasattr(m, "in_channels")  # noqa: E731
+    inserted = mt.insert(resnet, N, 2.0, seed=0, before=in_layer4)
+    assert set(masked_layers(inserted)) == {"layer4.0.conv1", "layer4.0.conv2", "layer4.0.downsample.0"}
+    only_head = mt.insert(resnet, N, 2.0, seed=0, before=lambda path, m: path == "fc")
+    assert [row.path for row in only_head.masksembles_report.changed] == ["fc"], "the head reads no raw input"
+    language = nn.Sequential(nn.Embedding(50, 8), nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 50))
+    report = mt.insert(language, N, 2.0, seed=0).masksembles_report
+    assert [row.path for row in report.changed] == ["1", "3"], "the embedding reads the raw input, not the Linear"
+    containers = mt.insert(resnet, N, 2.0, seed=0, before=lambda path, m: path in ("layer1", "fc"))
+    assert containers.masksembles_report.unchanged[0].reason == (
+        "no in_channels or in_features to read its input channels from"
+    )
+    with pytest.raises(TypeError, match="before must be module types or a predicate"):
+        mt.insert(resnet, N, 2.0, before=("Conv2d",))
+
+
+def test_seeds_are_reproducible() -> None:
+    model = zoo.build("resnet_basic")
+    a, b = mt.insert(model, N, 2.0, seed=5), mt.insert(model, N, 2.0, seed=5)
+    c = mt.insert(model, N, 2.0, seed=6)
+    for path, layer in masked_layers(a).items():
+        assert torch.equal(layer.masksembles.masks, b.get_submodule(path).masksembles.masks)
+    assert any(
+        not torch.equal(layer.masksembles.masks, c.get_submodule(path).masksembles.masks)
+        for path, layer in masked_layers(a).items()
+    )
+    fresh = mt.insert(model, N, 2.0)  # seed=None: the report records the seeds drawn
+    for row in fresh.masksembles_report.changed:
+        expected = mc.generate_masks(row.channels, N, 2.0, seed=row.seed)
+        assert torch.equal(fresh.get_submodule(row.path).masksembles.masks, torch.as_tensor(expected).float())
+
+
+def test_state_dict_round_trip_and_checkpoint_keys() -> None:
+    model = zoo.build("resnet_bottleneck")
+    inserted = mt.insert(model, N, 2.0, seed=0, start="layer3")
+    state = inserted.state_dict()
+    assert {"layer3.0.conv1.masksembles.masks", "layer3.0.conv1.layer.weight", "fc.layer.bias"} <= set(state)
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    rebuilt = mt.insert(zoo.build("resnet_bottleneck", seed=1), N, 2.0, seed=99, start="layer3")
+    rebuilt.load_state_dict(torch.load(buffer, weights_only=True))
+    x = zoo.images(8)
+    assert torch.equal(mt.predict(rebuilt, x, N), mt.predict(inserted, x, N)), "masks are loaded, not regenerated"
+
+
+def test_the_wrapper() -> None:
+    inserted = mt.insert(zoo.build("resnet_basic"), N, 2.0, seed=0)
+    fc = inserted.fc
+    assert isinstance(fc, mt.Masked) and fc.layer.in_features == 64
+    with pytest.raises(
+        AttributeError, match=r"'Masked' object has no attribute 'in_features'; .* read \.layer\.in_features"
+    ):
+        fc.in_features  # noqa: B018
+    with pytest.raises(AttributeError, match=r"^'Masked' object has no attribute 'nothing'$"):
+        fc.nothing  # noqa: B018
+    assert not hasattr(fc, "weight")
+    assert "(masksembles): Masksembles(64, n=4, scale=2.0, mode='grouped', channel_axis=-1)" in repr(fc)
+    assert "(layer): Linear(in_features=64, out_features=10, bias=True)" in repr(fc)
+    assert "insert: Masksembles n=4, scale=2 on 14 of 15 layers" in str(inserted.masksembles_report)
+    # further arguments go to the layer
+    transposed = mt.Masked(mt.Masksembles(4, 2, 2.0, seed=0), nn.ConvTranspose2d(4, 3, 3, stride=2))
+    assert transposed(torch.randn(2, 4, 5, 5), output_size=(12, 12)).shape == (2, 3, 12, 12)
+
+
+def test_left_alone_with_reasons() -> None:
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stem = nn.Linear(6, 8)
+            self.shared = nn.Linear(8, 8)
+            self.again = self.shared
+            self.lazy = nn.LazyLinear(5)
+            self.narrow = nn.Linear(1, 4)
+            self.head = nn.Linear(8, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.again(self.shared(self.stem(x)))
+            return self.head(h) + self.lazy(h).sum() + self.narrow(h[:, :1]).sum()
+
+    report = mt.insert(Net(), N, 2.0, seed=0).masksembles_report
+    assert {row.path: row.reason for row in report.unchanged} == {
+        "stem": FIRST,
+        "shared": "one module registered at 2 paths (shared, again)",
+        "lazy": "lazy module not initialized: run one forward pass first",
+        "narrow": "a single input channel: every mask would keep it",
+    }
+    assert [row.path for row in report.changed] == ["head"]
+    twice = mt.insert(mt.insert(zoo.build("resnet_basic"), N, 2.0, seed=0), N, 2.0, include_first=True)
+    assert [row.path for row in twice.masksembles_report.changed] == ["conv1"]
+    assert {row.reason for row in twice.masksembles_report.unchanged} == {
+        "already masked: the layer of a Masked wrapper"
+    }
+    with pytest.raises(ValueError, match=r"(?s)insert found no layer to put masks before.*first layer"):
+        mt.insert(nn.Sequential(nn.Linear(3, 4)), N, 2.0)
+    with pytest.raises(ValueError, match=r"scale must be a finite real number >= 1; received 0\.5"):
+        mt.insert(Net(), N, 0.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_masks_follow_the_layer_dtype_and_inplace(dtype: torch.dtype) -> None:
+    model = zoo.build("vit").to(dtype)
+    result = mt.insert(model, N, 2.0, seed=0, inplace=True)
+    assert result is model and masked_layers(model)
+    assert {layer.masksembles.masks.dtype for layer in masked_layers(model).values()} == {dtype}
+    assert model(zoo.images(4).to(dtype)).dtype == dtype
+
+
+def test_torch_compile_fullgraph() -> None:
+    inserted = mt.insert(zoo.build("resnet_basic"), N, 2.0, seed=0)
+    compiled = torch.compile(inserted, fullgraph=True, dynamic=True)
+    for batch in (8, 6):
+        x = zoo.images(batch)
+        torch.testing.assert_close(compiled(x), inserted(x), rtol=1e-5, atol=1e-5)
+
+
+def test_torch_export_with_dynamic_batch() -> None:
+    inserted = mt.insert(zoo.build("mobilenet_v3"), N, 2.0, seed=0)
+    batch = torch.export.Dim("batch", min=1, max=1024)
+    program = torch.export.export(inserted, (zoo.images(8),), dynamic_shapes=({0: batch},)).module()
+    for size in (8, 6, 3):
+        x = zoo.images(size, seed=size)
+        torch.testing.assert_close(program(x), inserted(x), rtol=1e-5, atol=1e-5)

@@ -1,0 +1,37 @@
+"""pack/extract_member on the model zoo (faithful re-implementations of torchvision/timm blocks, tests/torch/zoo.py)
+with masks placed by insert: equal to predict, member by member, on batches that do and do not divide by n."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import masksembles_torch as mt
+from tests.torch import zoo
+
+N = 4
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual - expected).norm() / expected.norm().clamp_min(1e-12)).item()
+
+
+def middle_layer(model: nn.Module) -> str:
+    """The path of the middle Conv/Linear layer: insertion from there on, as the paper's ImageNet recipe."""
+    paths = [path for path, module in model.named_modules() if isinstance(module, (nn.Conv2d, nn.Linear))]
+    return paths[len(paths) // 2]
+
+
+@pytest.mark.parametrize("half", [False, True], ids=["everywhere", "second-half"])
+@pytest.mark.parametrize("name", list(zoo.BUILDERS))
+def test_inserted_zoo_model_packs_equal_to_predict(name: str, half: bool) -> None:
+    model = zoo.build(name)
+    masked = mt.insert(model, N, 2.0, seed=0, start=middle_layer(model) if half else None).eval()
+    x = zoo.images(6)
+    expected = mt.predict(masked, x, N)
+    packed = mt.pack(masked, x[:2], program="packed")
+    assert relative_error(packed(x), expected) <= 1e-5
+    assert relative_error(packed(x[:3]), expected[:, :3]) <= 1e-5
+    for k in (0, N - 1):
+        assert relative_error(mt.extract_member(masked, k, x[:2])(x), expected[k]) <= 1e-5
