@@ -137,15 +137,18 @@ class Eqn:
     def describe(self) -> str:
         """The primitive and where the model calls it, e.g. ``reduce_sum at normalization.py:57 (_compute_stats)``."""
         summary = re.sub(r"^[^ ]*/", "", source_info_util.summarize(self.source))
-        return f"{self.name} at {summary}"
+        return f"{self.name} at {summary}" if summary else self.name
 
 
 def _same(a: Any, b: Any) -> bool:
+    """Whether a parameter or literal has the same value at two probes (programs compare as text, NaN equals NaN)."""
     if isinstance(a, jex.ClosedJaxpr | jex.Jaxpr) or isinstance(b, jex.ClosedJaxpr | jex.Jaxpr):
         return str(a) == str(b)
+    if isinstance(a, float | np.floating | np.ndarray) and isinstance(b, float | np.floating | np.ndarray):
+        return np.shape(a) == np.shape(b) and bool(np.array_equal(a, b, equal_nan=True))
     try:
         return bool(a == b)
-    except Exception:  # arrays and other values without a bool comparison
+    except Exception:  # values without a bool comparison
         return a is b
 
 

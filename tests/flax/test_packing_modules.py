@@ -443,6 +443,23 @@ def test_every_output_leaf_is_per_member() -> None:
     assert_packs(TwoOutputs(), random_input((5, 4), 0))
 
 
+class Tokens(nnx.Module):
+    """Token ids through an embedding (a gather: it runs at full width), a token-wise MLP, the ids passed through."""
+
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.embed, self.fc1, self.fc2 = nnx.Embed(20, 8, rngs=rngs), linear(8, 16, rngs), linear(16, 3, rngs)
+
+    def __call__(self, ids: jax.Array) -> dict[str, jax.Array]:
+        h = nnx.relu(self.fc1(self.embed(ids))).mean(axis=1)
+        return {"logits": self.fc2(h), "ids": ids}
+
+
+def test_token_ids_and_an_input_passed_through() -> None:
+    model = insert(Tokens(nnx.Rngs(0)), N, 2.0, seed=0, include_first=True)
+    assert_packs(model, jnp.asarray(np.random.default_rng(0).integers(0, 20, size=(5, 7))))
+    assert [where.split(" ")[0] for where in pack(model, jnp.zeros((2, 7), jnp.int32)).fallbacks] == ["gather"]
+
+
 # --- what is compacted, and what is reported ----------------------------------------------------------------------
 
 
