@@ -16,6 +16,8 @@ Kinds (what output channel ``c`` reads; ``channels`` is the size of the node's c
 - ``"combine"``: channel ``c`` of every input, all of ``channels`` channels (a sum, a product, a concatenation
   along another axis); ``zero_rule``: ``"all"`` (zero when every input is zero: sums, concatenations), ``"any"``
   (zero when one input is zero: products of finite values) or ``"never"``; ``"add"`` is a combine with rule "all";
+  ``zero_inputs``: the positions of the inputs the rule reads (default: all of them), e.g. the two values of a
+  ``select(predicate, a, b)``, which is zero where both are, whatever the predicate;
 - ``"concat"``: the inputs' channels one after the other (``parts``: channels of each input);
 - ``"norm"``: every input channel, zeros counted (LayerNorm, GroupNorm over the channels): after it every channel is
   live again;
@@ -82,6 +84,7 @@ class GraphNode:
     zero_rule: str = "all"
     parts: tuple[int, ...] = ()
     batch_dependent: bool = False
+    zero_inputs: tuple[int, ...] = ()
 
     def zero_map(self) -> BoolArray:
         """``zero_preserving`` as one bool per channel."""
@@ -213,6 +216,12 @@ def _check(nodes: Sequence[GraphNode], output: str) -> dict[str, GraphNode]:
             raise ValueError(f"{node.kind} node {node.name!r} has {node.channels} channels; its inputs must too")
         if node.kind == "combine" and node.zero_rule not in ZERO_RULES:
             raise ValueError(f"node {node.name!r}: zero_rule must be one of {ZERO_RULES}; received {node.zero_rule!r}")
+        if node.zero_inputs and (
+            node.kind != "combine" or not all(0 <= i < len(node.inputs) for i in node.zero_inputs)
+        ):
+            raise ValueError(
+                f"node {node.name!r}: zero_inputs {node.zero_inputs} must be positions of a combine's inputs"
+            )
         if node.kind == "concat" and (
             sum(node.parts) != node.channels or [s.channels for s in sources] != list(node.parts)
         ):
@@ -240,7 +249,8 @@ def _zeros(nodes: Sequence[GraphNode], member: int) -> dict[str, BoolArray]:
             if rule == "never":
                 zero[node.name] = np.zeros(node.channels, dtype=bool)
             else:
-                zero[node.name] = (np.logical_and if rule == "all" else np.logical_or).reduce(sources)
+                deciding = [sources[i] for i in node.zero_inputs] if node.zero_inputs else sources
+                zero[node.name] = (np.logical_and if rule == "all" else np.logical_or).reduce(deciding)
         elif node.kind == "concat":
             zero[node.name] = np.concatenate(sources)
         elif node.kind == "flatten":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
@@ -51,6 +52,25 @@ def apply_masks(x: jax.Array, masks: jax.Array, *, channel_axis: int, mask_index
     if mask_index is None:
         mask_index = (jnp.arange(batch) * n) // batch
     return x * factors[mask_index].reshape(mca.mask_shape(x.ndim, axis, channels, batch))
+
+
+GROUPED_MASKING = "masksembles_grouped_channel_axis_"
+
+
+@functools.cache
+def grouped_masking(channel_axis: int) -> Callable[[jax.Array, jax.Array], jax.Array]:
+    """``apply_masks`` by the grouping rule on the non-negative ``channel_axis``, as a jitted function.
+
+    Its name, ``GROUPED_MASKING`` followed by the axis, marks the NNX layer in a traced program: ``pack`` finds every
+    Masksembles layer of a model as one ``jit`` equation of that name, with the input and the (n, C) masks as its
+    operands. Under an outer ``jit`` XLA inlines it; called eagerly it runs as one compiled function.
+    """
+
+    def masking(x: jax.Array, masks: jax.Array) -> jax.Array:
+        return apply_masks(x, masks, channel_axis=channel_axis)
+
+    masking.__name__ = masking.__qualname__ = f"{GROUPED_MASKING}{channel_axis}"
+    return jax.jit(masking)
 
 
 def random_mask_index(key: jax.Array, batch_size: int, n: int) -> jax.Array:

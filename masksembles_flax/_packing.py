@@ -1,61 +1,47 @@
 """Packed inference for Flax NNX: every member at about the cost of one model, from the structure of the masks.
 
 Member ``k`` of a Masksembles model only ever uses its live channels, so the layers next to a Masksembles layer can
-be shrunk physically. ``extract_member`` builds member ``k`` as a standalone dense model of shrunk NNX layers.
-``pack`` runs all members in one call: the shared prefix before the first Masksembles layer runs once on the batch
-(on the union of the channels the members use); after it, every member runs on its own compacted weights, padded to
-the widest member: the members' Linear layers as one batched matmul (``jax.vmap`` over their stacked kernels), their
-convolutions and per-channel layers one per member (XLA:CPU runs the grouped convolution that ``jax.vmap`` makes of
-a convolution several times slower than the separate ones). Both have eval semantics: BatchNorm uses its running
-statistics, Dropout is off, Masksembles is grouped.
+be shrunk physically. ``pack`` runs all members in one call on compacted weights; ``extract_member`` builds member
+``k`` alone, as a smaller model. Both have eval semantics (BatchNorm running statistics, Dropout off, grouped
+masks) and return a ``PackedMasksembles``, an NNX module that ``nnx.jit`` (or ``nnx.split`` + ``jax.jit``) compiles.
 
-Supported models: ``nnx.Sequential`` (nested ones included) of ``nnx.Linear``, ``nnx.Conv`` (feature_group_count=1,
-no kernel mask), ``nnx.BatchNorm`` on the last axis, ``nnx.Dropout``, elementwise activation functions (``nnx.relu``,
-``jax.nn.gelu``, ``jnp.tanh``, ... or a ``functools.partial`` of one with keyword arguments), pooling given as a
-``functools.partial`` of ``nnx.max_pool``/``avg_pool``/``min_pool`` over the spatial axes, ``Flatten``, ``Residual``
-and Masksembles layers on the last axis with the same n. Anything else raises a ValueError that names the layer by
-its path in the model (``model.layers[2]``). Which channels each member computes is decided across the graph,
-residual additions included, by ``masksembles_core.packing`` (its module docstring states the rules): a residual
-addition keeps what either side needs, and a channel is skipped only where it is known to be zero. Channels that
-Masksembles zeroes are left out instead of multiplied by 0, so results equal the dense model's for finite
-activations (a masked inf or NaN gives NaN in the dense model and is absent here).
+Any ``nnx.Module`` that JAX can trace packs: ``_capture`` traces the model into a flat program of JAX primitives and
+maps each one that reads the input to a ``masksembles_core.packing`` kind (its module docstring lists them);
+``masksembles_core.packing.plan_program`` decides which channels each member computes and where tensors move; this
+module emits the program. What the capture cannot compact runs exactly as the dense model runs it, at full width on
+the member-stacked batch (``PackedMasksembles.fallbacks`` names those operations), so the result is the dense one.
+
+Kernels: tensors a member computes are held one array per member, a shared one (before the first Masksembles layer)
+once. The members' Linear layers (``dot_general`` with a weight) run as one batched matmul over their stacked
+compacted weights; their convolutions one per member (XLA:CPU runs the grouped convolution that batching them makes
+several times slower than the separate ones); elementwise operations, moves and reductions run on each member's
+compacted array with their constant operands laid out like it. A channel move on a channels-last feature map is one
+product with a one-hot matrix (XLA:CPU fuses it with the convolutions around it, where a gather splits the program
+into kernels run one by one: the packed ResNet of ``benchmarks/`` ran 10-20% slower with gathers); elsewhere a
+gather. Operations that run at full width bind the model's primitive with the parameters it has at the
+member-stacked batch size.
+
+Exactness: results equal the dense model's for finite activations, up to float rounding. Channels that Masksembles
+zeroes are left out instead of multiplied by 0 (a masked inf or NaN gives NaN in the dense model and is absent here),
+and a non-finite activation moved by a one-hot product spreads NaN to the channels moved at its position.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import masksembles_core.adapter as mca
-from masksembles_core.packing import (
-    GraphNode,
-    Placement,
-    block_indices,
-    channel_indices,
-    gather_plan,
-    norm_affine,
-    plan_members,
-)
+from masksembles_core.packing import Move, Placement, Program, Step, block_indices, channel_indices, plan_program
 
-from . import nnx as masksembles_nnx
-
-# elementwise activation functions -> whether they map 0 to 0
-ACTIVATIONS: dict[Callable[..., Any], bool] = {
-    jax.nn.relu: True, jax.nn.relu6: True, jax.nn.gelu: True, jax.nn.silu: True, jnp.tanh: True, jax.nn.elu: True,
-    jax.nn.celu: True, jax.nn.selu: True, jax.nn.leaky_relu: True, jax.nn.hard_tanh: True, jax.nn.hard_silu: True,
-    jax.nn.soft_sign: True, jax.nn.mish: True, jax.nn.identity: True,
-    jax.nn.sigmoid: False, jax.nn.softplus: False, jax.nn.hard_sigmoid: False, jax.nn.log_sigmoid: False,
-}  # fmt: skip
-POOLS = (nnx.max_pool, nnx.avg_pool, nnx.min_pool)
-MIXING = ("linear", "conv")
-CHANNELWISE = ("norm", "dropout", "function")
+from . import _capture as capture_module
+from ._capture import OUTPUT, PREFIX, SHAPE_PARAMS, Capture, Eqn, Literal, NotAffine, Op, node_name
+from ._ops import apply_masks, untile
 
 
 class Flatten(nnx.Module):
@@ -77,386 +63,573 @@ class Residual(nnx.Module):
         return y
 
 
-@dataclass
-class _Node:
-    """A node of the model graph: what it computes, its output shape and, for Masksembles, its masks."""
-
-    name: str  # the layer's path in the model, or "input"
-    kind: str  # input, linear, conv, norm, dropout, function, masks, add, flatten
-    inputs: tuple[str, ...]
-    output: jax.ShapeDtypeStruct
-    layer: Any = None
-    zero_preserving: bool = True
-    spatial: int = 1  # flatten: positions per input channel
-    masks: np.ndarray | None = None  # masks: (n, C) bool
-
-    def graph_node(self) -> GraphNode:
-        kind = "mixing" if self.kind in MIXING else "channelwise" if self.kind in CHANNELWISE else self.kind
-        return GraphNode(
-            self.name, kind, self.inputs, self.output.shape[-1], self.zero_preserving,
-            self.spatial, self.masks, channels_last=True,
-        )  # fmt: skip
+class Constant(nnx.Variable[jax.Array]):
+    """An array of a packed program that is not a weight: a per-channel operand laid out like the compacted
+    channels, a one-hot move matrix, the masks of a Masksembles layer run at full width."""
 
 
-def _describe(layer: Any) -> str:
-    if isinstance(layer, functools.partial):
-        return f"functools.partial of {_describe(layer.func)}"
-    if isinstance(layer, nnx.Module):
-        return type(layer).__name__
-    return f"function {getattr(layer, '__name__', repr(layer))!r}"
+Values = tuple[jax.Array, ...]  # one array per member, one for a shared tensor or one on the member-stacked batch
+Arrays = dict[str, list[np.ndarray]]  # a packed module's arrays: one per copy
 
 
-def _is_activation(layer: Any) -> bool:
-    if isinstance(layer, functools.partial):
-        return not layer.args and _is_activation(layer.func)
-    try:
-        return layer in ACTIVATIONS
-    except TypeError:  # unhashable callable
-        return False
+# ------------------------------------------------------------------------------------------------ the static program
 
 
-def _zero_preserving(layer: Any) -> bool:
-    return _zero_preserving(layer.func) if isinstance(layer, functools.partial) else ACTIVATIONS[layer]
+@dataclass(frozen=True, eq=False)
+class _Select:
+    """Gather each target copy's channels from its source copy (``index``), then scale them (0/1: the masks, or a
+    known zero written); or multiply by a one-hot ``matrix`` (a constant) that does both."""
+
+    index: tuple[np.ndarray, ...]
+    scale: tuple[np.ndarray | None, ...]
+    source: tuple[int, ...]
+    axis: int
+    matrix: str = ""
 
 
-def _output_struct(layer: Any, source: jax.ShapeDtypeStruct, where: str) -> jax.ShapeDtypeStruct:
-    """Shape and dtype of ``layer``'s output on ``source``, evaluated abstractly on a copy (the model is untouched)."""
-    try:
-        if isinstance(layer, nnx.Module):
-            graphdef, state = nnx.split(layer)
-            result = jax.eval_shape(lambda s, x: nnx.merge(graphdef, s)(x), state, source)
-        else:
-            result = jax.eval_shape(layer, source)
-    except Exception as error:
-        raise ValueError(f"pack/extract_member: {where} fails on an input of shape {source.shape}: {error}") from error
-    if not isinstance(result, jax.ShapeDtypeStruct):
-        raise ValueError(f"pack/extract_member: {where} must return one array")
-    return result
+@dataclass(frozen=True, eq=False)
+class _Frame:
+    """``to_batch`` (member arrays -> one on the member-stacked batch), ``to_channels`` (the reverse) or ``tile``
+    (a shared array repeated for every member; ``axis`` -1: no batch axis, the same for all)."""
+
+    kind: str
+    axis: int
+    members: int
 
 
-def _classify(layer: Any, path: str, source: _Node) -> _Node:
-    """The graph node of one layer reading ``source``; raises for anything outside the supported set."""
-    where = f"{path} ({_describe(layer)})"
-    shape = source.output.shape
-    kind, zero, masks = "", True, None
-    if type(layer) is nnx.Linear:
-        kind, zero = "linear", False
-    elif type(layer) is nnx.Conv:
-        if layer.feature_group_count != 1:
-            raise ValueError(
-                f"pack/extract_member: {where} has feature_group_count={layer.feature_group_count}; only 1 is supported"
-            )
-        if layer.mask is not None:
-            raise ValueError(f"pack/extract_member: {where} has a kernel mask; only unmasked kernels are supported")
-        kind, zero = "conv", False
-    elif type(layer) is nnx.BatchNorm:
-        axes = layer.axis if isinstance(layer.axis, tuple) else (layer.axis,)
-        if tuple(a % len(shape) for a in axes) != (len(shape) - 1,):
-            raise ValueError(f"pack/extract_member: {where} normalizes axis {layer.axis}; only the last is supported")
-        kind, zero = "norm", False
-    elif type(layer) is nnx.Dropout:
-        kind = "dropout"
-    elif isinstance(layer, masksembles_nnx.Masksembles):
-        mca.check_input_shape(shape, channels=layer.channels, channel_axis=layer.channel_axis)
-        if layer.channel_axis % len(shape) != len(shape) - 1:
-            raise ValueError(
-                f"pack/extract_member: {where} has channel_axis={layer.channel_axis} on a rank-{len(shape)} input; "
-                "only the last axis is supported (NNX layers are channels-last)"
-            )
-        kind, masks = "masks", np.asarray(layer.masks[...]).astype(bool)
-    elif type(layer) is Flatten:
-        kind = "flatten"
-    elif _is_activation(layer):
-        kind, zero = "function", _zero_preserving(layer)
-    elif isinstance(layer, functools.partial) and layer.func in POOLS:
-        window = layer.keywords.get("window_shape", layer.args[0] if layer.args else None)
-        if not isinstance(window, Sequence) or len(window) != len(shape) - 2:
-            raise ValueError(
-                f"pack/extract_member: {where} has window_shape={window} on a rank-{len(shape)} input; a pool must "
-                "cover exactly the spatial axes (all but the first and the last)"
-            )
-        kind = "function"
-    else:
-        raise ValueError(f"pack/extract_member: unsupported layer {where}")
-    output = source.output if kind in ("norm", "dropout", "masks") else _output_struct(layer, source.output, where)
-    node = _Node(path, kind, (source.name,), output, layer, zero, masks=masks)
-    if kind == "flatten":
-        node.spatial = int(np.prod(shape[1:-1], dtype=np.int64))
-    return node
+@dataclass(frozen=True, eq=False)
+class _Operand:
+    """One operand of an equation: ``edge`` (the i-th run-time input, moved), ``constant`` (a key of the
+    constants, its shape rebuilt per call by ``shape``) or ``literal`` (a value, or a template of the batch)."""
+
+    kind: str
+    index: int = 0
+    key: str = ""
+    value: Any = None
+    shape: Any = None
 
 
-def _walk(layer: Any, path: str, source: _Node, nodes: list[_Node]) -> _Node:
-    """Append the graph nodes of ``layer`` (reading ``source``) to ``nodes``; return its output node."""
-    if type(layer) is nnx.Sequential:
-        for i, sub in enumerate(layer.layers):
-            source = _walk(sub, f"{path}.layers[{i}]", source, nodes)
-        return source
-    if type(layer) is Residual:
-        branch = _walk(layer.branch, f"{path}.branch", source, nodes)
-        if branch.output.shape != source.output.shape:
-            raise ValueError(
-                f"pack/extract_member: {path} (Residual) maps shape {source.output.shape} to {branch.output.shape} "
-                "in its branch; it must keep the shape"
-            )
-        node = _Node(path, "add", (source.name, branch.name), source.output)
-    else:
-        node = _classify(layer, path, source)
-    nodes.append(node)
-    return node
+@dataclass(frozen=True, eq=False)
+class _Step:
+    """One node of the program, run ``copies`` times (once shared, once per member) on its moved ``edges``. ``how``:
 
-
-def _trace(model: Any, example_input: jax.Array | jax.ShapeDtypeStruct) -> tuple[list[_Node], str]:
-    """The graph nodes of ``model`` on ``example_input``'s shape and dtype, and the output node's name."""
-    example = jax.ShapeDtypeStruct(tuple(example_input.shape), example_input.dtype)  # type: ignore[no-untyped-call]
-    if len(example.shape) < 2:
-        raise ValueError(
-            f"pack/extract_member need an example input of shape (B, ..., C); received shape {example.shape}"
-        )
-    nodes = [_Node("input", "input", (), example)]
-    output = _walk(model, "model", nodes[0], nodes).name
-    counts = sorted({node.masks.shape[0] for node in nodes if node.masks is not None})
-    if not counts:
-        raise ValueError("pack/extract_member: the model has no Masksembles layer")
-    if len(counts) != 1:
-        raise ValueError(f"pack/extract_member: every Masksembles layer needs the same n; found {counts}")
-    return nodes, output
-
-
-class _Select(nnx.Module):
-    """Move the channels (last axis) of one copy's input into its layout (``index``, (P,)), then scale them.
-
-    On feature maps (``matmul``) the move is one product with a (C, P) one-hot matrix that carries the scale: XLA:CPU
-    then fuses it with the convolutions around it, while a gather splits the program into kernels run one by one
-    (the packed ResNet of benchmarks/ ran 10-20% slower with gathers). The product is exact for finite values; a
-    non-finite activation spreads NaN to every channel moved at its position. On vectors, where that product would
-    cost as much as the Linear layer it feeds, it stays a gather.
+    - ``input``; ``identity`` (a Masksembles layer: the move into it applied the masks);
+    - ``dot``/``conv``: the model's ``eqn`` with its ``params`` on the compacted weight ``key`` (``side``: the input's
+      operand position);
+    - ``bind``: an elementwise operation, reduction or move on compacted arrays, with ``operands``; its output
+      (``out_shape`` at the first probe batch size) has the batch on ``batch_axis`` and the channels on ``axis``, its
+      input on ``in_axes``;
+    - ``concat`` (on ``axis``), ``flatten``;
+    - ``dense``: output ``output`` of ``eqn`` at full width, ``params`` and ``operands`` templates of the batch size,
+      on the member-stacked batch when ``member_frame``; ``masks``: a Masksembles layer at full width (masks ``key``);
+    - ``output``: every output leaf on the member-stacked batch.
     """
 
-    def __init__(self, index: np.ndarray, scale: np.ndarray, *, gather: bool, channels: int, matmul: bool) -> None:
-        self.gather, self.multiply = gather, not bool((scale == 1).all())
-        self.matmul = gather and matmul
-        if self.matmul:  # only the arrays the call uses: they are the module's state
-            selection = np.zeros((channels, len(index)), dtype=np.float32)
-            selection[np.clip(index, 0, channels - 1), np.arange(len(index))] = scale
-            self.selection = jnp.asarray(selection)
-            return
-        if self.gather:
-            self.index = jnp.asarray(index, dtype=jnp.int32)
-        if self.multiply:
-            self.scale = jnp.asarray(scale, dtype=jnp.float32)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        if self.matmul:
-            moved: jax.Array = jnp.dot(x, self.selection.astype(x.dtype), precision=jax.lax.Precision.HIGHEST)
-            return moved
-        if self.gather:
-            x = jnp.take(x, self.index, axis=-1, mode="clip")
-        return x * self.scale.astype(x.dtype) if self.multiply else x
+    name: str
+    how: str
+    edges: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    copies: int = 1
+    eqn: Eqn | None = None
+    output: int = 0
+    operands: tuple[_Operand, ...] = ()
+    params: Any = None
+    key: str = ""
+    side: int = 0
+    axis: int = -1
+    batch_axis: int = -1
+    out_shape: tuple[int, ...] = ()
+    in_axes: tuple[int, int] = (-1, -1)  # a compacted move's input batch and channel axes
+    member_frame: bool = False
 
 
-def _selects(
-    source: Placement, target: Placement, copies: int, scales: Sequence[np.ndarray] | None, *, feature_map: bool
-) -> list[_Select | None]:
-    """For each of the target's copies, the module that moves its source copy into its layout (None: nothing moves).
+@dataclass(frozen=True, eq=False)
+class _Plan:
+    """Everything static about a packed model: its steps and moves, its output, the members it computes."""
 
-    ``copies``: 1 for a shared node or an extracted member, else the member count; a source with one copy feeds
-    them all. ``feature_map``: the arrays have spatial axes (the move is then a one-hot product, see ``_Select``).
-    """
-    plan = gather_plan(source, target, scales)
-    if plan is None:
-        return [None] * copies
-    width, blocks = target.width, len(target.layouts)  # one block for a shared target, else one per member
-    index, scale = plan[0].reshape(blocks, width), plan[1].reshape(blocks, width)
-    if not source.shared:  # gather_plan addresses the members' blocks side by side
-        index = index - (np.arange(blocks) * source.width)[:, None]
-    selects: list[_Select | None] = []
-    for k in range(copies):
-        gather = source.width != width or not (index[k] == np.arange(width)).all()
-        moves = gather or not (scale[k] == 1).all()
-        select = _Select(index[k], scale[k], gather=gather, channels=source.width, matmul=feature_map)
-        selects.append(select if moves else None)
-    return selects
+    steps: tuple[_Step, ...]
+    moves: tuple[_Select | _Frame, ...]
+    output: tuple[_Operand, ...]
+    out_tree: Any
+    members: tuple[int, ...]
+    fallbacks: tuple[str, ...]
+    squeeze: bool
 
 
-def _blocks(kernel: np.ndarray, rows: Sequence[np.ndarray], cols: Sequence[np.ndarray]) -> np.ndarray:
-    """Member blocks of a (*kernel_size, C_in, C_out) kernel: (L, *kernel_size, P_in, P_out), zero at padding."""
-    r, c, valid = block_indices(rows, cols)  # (L, P_out, P_in)
-    picked = np.where(valid, kernel[..., c, r], np.zeros((), kernel.dtype))  # (*kernel_size, L, P_out, P_in)
-    spatial = kernel.ndim - 2
-    return np.transpose(picked, (spatial, *range(spatial), spatial + 2, spatial + 1))
-
-
-def _per_channel(vector: np.ndarray, layout: np.ndarray, padding: float) -> np.ndarray:
-    """A per-channel vector laid out like ``layout``, ``padding`` at padded positions."""
-    index, valid = channel_indices([layout])
-    result: np.ndarray = np.where(valid, vector[index], np.asarray(padding, vector.dtype))
-    return result
-
-
-def _shrink_mixing(layer: nnx.Linear | nnx.Conv, rows: Sequence[np.ndarray], cols: Sequence[np.ndarray]) -> Any:
-    """A copy of a Linear/Conv cut to output channels ``rows[k]`` and input channels ``cols[k]`` (-1: zero padding).
-
-    One layout pair gives a plain shrunk layer; several give kernels stacked on a leading member axis (``jax.vmap``).
-    """
-    kernel = _blocks(np.asarray(layer.kernel[...]), rows, cols)
-    shrunk = nnx.clone(layer)
-    shrunk.kernel = nnx.Param(jnp.asarray(kernel if len(rows) > 1 else kernel[0]))
-    if layer.bias is not None:
-        bias = np.stack([_per_channel(np.asarray(layer.bias[...]), row, 0.0) for row in rows])
-        shrunk.bias = nnx.Param(jnp.asarray(bias if len(rows) > 1 else bias[0]))
-    shrunk.in_features, shrunk.out_features = kernel.shape[-2:]
-    if isinstance(shrunk, nnx.Conv):
-        shrunk.kernel_shape = kernel.shape[1:]
-    return shrunk
-
-
-class _Affine(nnx.Module):
-    """BatchNorm with running statistics as its per-channel map ``x * scale + shift`` on the last axis."""
-
-    def __init__(self, scale: np.ndarray, shift: np.ndarray, dtype: Any) -> None:
-        self.scale, self.shift, self.dtype = jnp.asarray(scale), jnp.asarray(shift), dtype
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        dtype = self.dtype or jnp.result_type(x.dtype, self.scale.dtype)  # as BatchNorm promotes
-        y: jax.Array = x.astype(dtype) * self.scale.astype(dtype) + self.shift.astype(dtype)
-        return y
-
-
-def _shrink_norm(layer: nnx.BatchNorm, layout: np.ndarray) -> _Affine:
-    """A BatchNorm in eval mode as its affine map, laid out like ``layout`` (computed once, in float64)."""
-    mean, var = np.asarray(layer.mean[...]), np.asarray(layer.var[...])
-    weight = None if layer.scale is None else np.asarray(layer.scale[...])
-    bias = None if layer.bias is None else np.asarray(layer.bias[...])
-    scale, shift = norm_affine(mean, var, weight, bias, layer.epsilon)
-    dtype = np.result_type(mean.dtype, var.dtype)
-    return _Affine(
-        _per_channel(scale, layout, 1.0).astype(dtype), _per_channel(shift, layout, 0.0).astype(dtype), layer.dtype
-    )
-
-
-class _Copy(nnx.Module):
-    """One copy of a node (shared, or one member's): the selects of its inputs and its compacted operation."""
-
-    def __init__(self, selects: Sequence[_Select | None], operation: Any) -> None:
-        self.selects = nnx.List(selects)
-        self.operation = operation
-
-
-class _Step(nnx.Module):
-    """One node, as one copy (shared, or an extracted member) or one per member; ``how``: apply, add, flatten, identity.
-
-    Values are tuples of arrays, one per copy; a one-copy input feeds every copy.
-    """
-
-    def __init__(self, name: str, inputs: tuple[str, ...], how: str, copies: Sequence[_Copy]) -> None:
-        self.name, self.inputs, self.how = name, inputs, how
-        self.copies = nnx.List(copies)
-
-    def __call__(self, *sources: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
-        outputs = []
-        for k, copy in enumerate(self.copies):
-            args = [source[k] if len(source) > 1 else source[0] for source in sources]
-            args = [x if select is None else select(x) for x, select in zip(args, copy.selects, strict=True)]
-            if self.how == "add":
-                outputs.append(args[0] + args[1])
-            elif self.how == "flatten":
-                outputs.append(args[0].reshape((args[0].shape[0], -1)))
-            else:
-                outputs.append(args[0] if self.how == "identity" else copy.operation(args[0]))
-        return tuple(outputs)
-
-
-class _BatchedLinear(nnx.Module):
-    """A Linear node for every member at once: one batched matmul over the members' stacked compacted kernels."""
-
-    def __init__(self, name: str, inputs: tuple[str, ...], layer: nnx.Linear) -> None:
-        self.name, self.inputs, self.layer = name, inputs, layer
-
-    def __call__(self, source: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
-        graphdef, state = nnx.split(self.layer)
-        outputs = jax.vmap(lambda member, x: nnx.merge(graphdef, member)(x))(state, jnp.stack(source))
-        return tuple(outputs)
+# ------------------------------------------------------------------------------------------------ the module
 
 
 class PackedMasksembles(nnx.Module):
     """Members of a Masksembles model on compacted weights, made by ``pack`` or ``extract_member``.
 
-    ``__call__``: (B, ...) -> (m, B, ...) for the m members it was built for, or (B, ...) for an extracted member.
-    Inference only (eval semantics). Jit it like any NNX module (``nnx.jit``, or ``nnx.split`` + ``jax.jit``).
+    ``__call__``: (B, ...) -> (m, B, ...) for the m members it was built for (each output leaf of the model), or
+    (B, ...) for an extracted member. Inference only (eval semantics). Jit it like any NNX module (``nnx.jit``, or
+    ``nnx.split`` + ``jax.jit``). ``weights`` holds the compacted kernels (``nnx.Param``), ``constants`` the other
+    arrays; each entry is a list with one array per copy (one for a shared layer or an extracted member, one per
+    member otherwise; the members' Linear kernels stacked in one array).
     """
 
-    def __init__(
-        self,
-        model: Any,
-        example_input: jax.Array | jax.ShapeDtypeStruct,
-        members: Sequence[int] | None,
-        *,
-        squeeze: bool,
-    ) -> None:
-        nodes, output = _trace(model, example_input)
-        masks = {node.name: node.masks for node in nodes if node.masks is not None}
-        n = next(iter(masks.values())).shape[0]
-        chosen = list(range(n)) if members is None else list(members)
-        for k in chosen:
-            if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < n:
-                raise ValueError(f"member must be an integer in [0, {n}); received {k!r}")
-        placements = plan_members([node.graph_node() for node in nodes], output, chosen)
-        steps: list[_Step | _BatchedLinear] = []
-        for node in nodes[1:]:
-            target = placements[node.name]
-            copies = 1 if squeeze or target.shared else len(chosen)
-            if node.kind in MIXING:
-                rows, cols = target.layouts, placements[node.inputs[0]].member_layouts(len(target.layouts))
-                if node.kind == "linear" and copies > 1:
-                    steps.append(_BatchedLinear(node.name, node.inputs, _shrink_mixing(node.layer, rows, cols)))
+    def __init__(self, plan: _Plan, weights: Arrays, constants: Arrays) -> None:
+        self.plan = plan
+        self.weights = nnx.Dict({k: nnx.List([nnx.Param(jnp.asarray(a)) for a in v]) for k, v in weights.items()})
+        self.constants = nnx.Dict({k: nnx.List([Constant(jnp.asarray(a)) for a in v]) for k, v in constants.items()})
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        """The members it computes (indices into the masks)."""
+        return self.plan.members
+
+    @property
+    def fallbacks(self) -> tuple[str, ...]:
+        """The model's operations that run at full width on the member-stacked batch (nothing here compacts them),
+        as ``primitive at file:line (function)``."""
+        return self.plan.fallbacks
+
+    def __call__(self, x: jax.Array) -> Any:
+        """(B, ...) -> every output leaf as (m, B, ...), or (B, ...) for an extracted member."""
+        run = _Run(self, x.shape[0])
+        for step in self.plan.steps:
+            run.values[step.name] = run.step(step, x)
+        return run.result()
+
+
+class _Run:
+    """One call of a packed module: the values computed so far, the moves already made."""
+
+    def __init__(self, module: PackedMasksembles, batch: int) -> None:
+        self.module, self.plan, self.batch = module, module.plan, batch
+        self.m = len(module.plan.members)
+        self.values: dict[str, Values] = {}
+        self.moved: dict[tuple[str, tuple[int, ...]], Values] = {}
+        self.results: dict[int, list[jax.Array]] = {}  # full-width equations: all their outputs, once
+
+    def constant(self, key: str, copy: int = 0) -> jax.Array:
+        """A constant's array for one copy (the first, if the constant is the same for every copy)."""
+        copies = self.module.constants[key]
+        value: jax.Array = copies[copy if len(copies) > 1 else 0][...]
+        return value
+
+    def weight(self, key: str, copy: int = 0) -> jax.Array:
+        value: jax.Array = self.module.weights[key][copy][...]
+        return value
+
+    def edge(self, edge: tuple[str, tuple[int, ...]]) -> Values:
+        source, moves = edge
+        value = self.values[source]
+        for i in range(len(moves)):
+            key = (source, moves[: i + 1])
+            if key not in self.moved:
+                self.moved[key] = self.move(self.plan.moves[moves[i]], value)
+            value = self.moved[key]
+        return value
+
+    def move(self, move: _Select | _Frame, value: Values) -> Values:
+        if isinstance(move, _Frame):
+            if move.kind == "to_batch":
+                return (jnp.concatenate(value, axis=move.axis),)
+            if move.kind == "to_channels":
+                return tuple(jnp.split(value[0], move.members, axis=move.axis))
+            return value if move.axis < 0 else (jnp.concatenate([value[0]] * move.members, axis=move.axis),)
+        outputs = []
+        for k, (index, scale) in enumerate(zip(move.index, move.scale, strict=True)):
+            x = value[move.source[k]]
+            if move.matrix:
+                matrix = self.constant(move.matrix, k).astype(x.dtype)
+                outputs.append(jnp.dot(x, matrix, precision=jax.lax.Precision.HIGHEST))
+                continue
+            if len(index) != x.shape[move.axis] or not np.array_equal(index, np.arange(len(index))):
+                x = jnp.take(x, index, axis=move.axis, mode="clip")
+            if scale is not None:
+                shape = [1] * x.ndim
+                shape[move.axis] = len(scale)
+                factor = jnp.asarray(scale.reshape(shape))
+                x = x & factor.astype(bool) if x.dtype == jnp.bool_ else x * factor.astype(x.dtype)
+            outputs.append(x)
+        return tuple(outputs)
+
+    def step(self, step: _Step, x: jax.Array) -> Values:
+        if step.how == "input":
+            return (x,)
+        inputs = [self.edge(edge) for edge in step.edges]
+        if step.how == "identity":
+            return inputs[0]
+        if step.how == "dot":
+            return self.dot(step, inputs[0])
+        if step.how == "conv":
+            eqn = cast(Eqn, step.eqn)
+            params = cast(dict[str, Any], step.params)
+            return tuple(
+                capture_module.bind(eqn, [xk, self.weight(step.key, k)], params)[0] for k, xk in enumerate(inputs[0])
+            )
+        if step.how == "bind":
+            return tuple(self.bind(step, [value[k] for value in inputs], k) for k in range(step.copies))
+        if step.how == "concat":
+            parts = [value for value in inputs if value[0].shape[step.axis] > 0]
+            return tuple(jnp.concatenate([part[k] for part in parts], axis=step.axis) for k in range(step.copies))
+        if step.how == "flatten":
+            return tuple(v.reshape((v.shape[0], -1)) for v in inputs[0])
+        if step.how == "masks":
+            return (apply_masks(inputs[0][0], self.constant(step.key), channel_axis=step.axis),)
+        if step.how == "dense":
+            return (self.dense(step, [value[0] for value in inputs]),)
+        return tuple(value[0] for value in inputs)  # output: every leaf on the member-stacked batch
+
+    def dot(self, step: _Step, value: Values) -> Values:
+        """The members' Linear layers as one batched matmul: (m, ..., P_in) x (m, weight) -> (m, ...)."""
+        weight = self.weight(step.key)
+        eqn, params = cast(Eqn, step.eqn), dict(cast(dict[str, Any], step.params))
+        if step.copies == 1:
+            operands = [value[0], weight] if step.side == 0 else [weight, value[0]]
+            return (capture_module.bind(eqn, operands, params)[0],)
+        (contracting, _) = params["dimension_numbers"]
+        params["dimension_numbers"] = (tuple(tuple(int(d) + 1 for d in dims) for dims in contracting), ((0,), (0,)))
+        stacked = jnp.stack(value)
+        operands = [stacked, weight] if step.side == 0 else [weight, stacked]
+        (result,) = capture_module.bind(eqn, operands, params)
+        return tuple(result[k] for k in range(step.copies))
+
+    def bind(self, step: _Step, tensors: list[jax.Array], copy: int) -> jax.Array:
+        """A compacted elementwise operation or move on one copy: constants laid out, shapes for this batch."""
+        eqn = cast(Eqn, step.eqn)
+        params = dict(cast(dict[str, Any], step.params))
+        batch_in, channel_in = step.in_axes
+        width = tensors[0].shape[channel_in] if channel_in >= 0 else 0
+        shape = list(step.out_shape)
+        shape[step.batch_axis] = tensors[0].shape[batch_in]
+        if step.axis >= 0:
+            shape[step.axis] = width
+        for key in SHAPE_PARAMS.get(eqn.name, ()):
+            if key == "limit_indices":
+                limits = list(params[key])
+                for a in (batch_in, channel_in):
+                    limits[a] = tensors[0].shape[a]
+                params[key] = tuple(limits)
+            else:
+                params[key] = tuple(shape)
+        args = []
+        for operand in step.operands:
+            if operand.kind == "edge":
+                args.append(tensors[operand.index])
+            elif operand.kind == "literal":
+                args.append(operand.value)
+            else:
+                value = self.constant(operand.key, copy)
+                target = [shape[a] if dim is None else dim for a, dim in enumerate(operand.shape)]
+                args.append(jnp.broadcast_to(value, target))
+        (result,) = capture_module.bind(eqn, args, params)
+        return cast(jax.Array, result)
+
+    def dense(self, step: _Step, tensors: list[jax.Array]) -> jax.Array:
+        """The model's equation at full width, with the parameters it has at this frame's batch size."""
+        eqn = cast(Eqn, step.eqn)
+        frame = self.batch * self.m if step.member_frame else self.batch
+        if eqn.index not in self.results:
+            members = self.plan.members
+            params = {key: capture_module.instantiate(value, frame, members) for key, value in step.params.items()}
+            args: list[Any] = []
+            for operand in step.operands:
+                if operand.kind == "edge":
+                    args.append(tensors[operand.index])
+                elif operand.kind == "literal":
+                    args.append(np.asarray(capture_module.instantiate(operand.value, frame, members)))
                 else:
-                    operations = [_shrink_mixing(node.layer, [rows[k]], [cols[k]]) for k in range(copies)]
-                    steps.append(_Step(node.name, node.inputs, "apply", [_Copy([None], op) for op in operations]))
-                continue
-            if node.kind == "flatten":
-                steps.append(_Step(node.name, node.inputs, "flatten", [_Copy([None], None) for _ in range(copies)]))
-                continue
-            scales = [masks[node.name][k].astype(np.float64) for k in chosen] if node.kind == "masks" else None
-            feature_map = len(node.output.shape) > 2
-            selects = [
-                _selects(placements[name], target, copies, scales, feature_map=feature_map) for name in node.inputs
-            ]
-            how = {"add": "add", "function": "apply", "norm": "apply"}.get(node.kind, "identity")
-            operations = [
-                _shrink_norm(node.layer, target.layouts[k]) if node.kind == "norm" else node.layer
-                for k in range(copies)
-            ]
-            step_copies = [_Copy([per_input[k] for per_input in selects], operations[k]) for k in range(copies)]
-            steps.append(_Step(node.name, node.inputs, how, step_copies))
-        self.steps = nnx.List(steps)
-        self.input_name, self.output_name = nodes[0].name, output
-        self.squeeze = squeeze
+                    target = tuple(capture_module.instantiate(operand.shape, frame, members))
+                    args.append(jnp.broadcast_to(self.constant(operand.key), target))
+            self.results[eqn.index] = capture_module.bind(eqn, args, params)
+        return self.results[eqn.index][step.output]
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """(B, ...) -> (m, B, ...) every member's output, or (B, ...) for an extracted member."""
-        values: dict[str, tuple[jax.Array, ...]] = {self.input_name: (x,)}
-        for step in self.steps:
-            values[step.name] = step(*(values[name] for name in step.inputs))
-        outputs = values[self.output_name]
-        return outputs[0] if self.squeeze else jnp.stack(outputs)
+    def result(self) -> Any:
+        leaves = []
+        for operand in self.plan.output:
+            if operand.kind == "edge":
+                leaf = self.values[OUTPUT][operand.index]
+            elif operand.kind == "literal":
+                leaf = jnp.asarray(operand.value)
+            else:
+                leaf = self.constant(operand.key)
+            leaves.append(leaf if self.plan.squeeze else untile(leaf, self.m))
+        return jax.tree.unflatten(self.plan.out_tree, leaves)
 
 
-def pack(model: Any, example_input: jax.Array | jax.ShapeDtypeStruct) -> PackedMasksembles:
+# ------------------------------------------------------------------------------------------------ emission
+
+
+class _Emitter:
+    """Builds the static plan and the arrays of a packed module from the core program."""
+
+    def __init__(self, capture: Capture, axis: dict[int, int], program: Program, squeeze: bool) -> None:
+        self.capture, self.axis, self.program = capture, axis, program
+        self.m = len(program.members)
+        self.ops = {node_name(var): op for var, op in capture.ops.items()}
+        self.weights: Arrays = {}
+        self.constants: Arrays = {}
+        self.moves: list[_Select | _Frame] = []
+        self.move_ids: dict[tuple[Any, ...], int] = {}
+        steps = [self._step(step) for step in program.steps]
+        fallbacks = capture_module.fallbacks(capture, program.fallbacks)
+        self.plan = _Plan(tuple(steps), tuple(self.moves), self._output(), capture.program.out_tree,
+                          program.members, fallbacks, squeeze)  # fmt: skip
+
+    def var(self, name: str) -> int:
+        return int(name[1:])
+
+    # ---- moves
+
+    def _edges(self, step: Step) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """Each input's producer and its moves (ids into the plan's moves; equal moves of a producer are shared)."""
+        edges = []
+        for edge in step.edges:
+            produced = self.program.step(edge.source).placement
+            shared, width = produced.shared, produced.width  # where the tensor is, as the moves go
+            ids: list[int] = []
+            key: tuple[Any, ...] = (edge.source,)
+            target = edge.placement.width
+            for move in edge.moves:
+                # a select's copies: its index covers them side by side (a part of a concatenation may be empty)
+                blocks = len(move.index) // target if move.index is not None and target else len(edge.placement.layouts)
+                key = (*key, move.kind, _bytes(move.index), _bytes(move.scale))
+                if key not in self.move_ids:
+                    self.move_ids[key] = len(self.moves)
+                    self.moves.append(self._make_move(edge.source, move, shared, width, target, blocks))
+                ids.append(self.move_ids[key])
+                if move.kind == "to_channels":
+                    shared = False
+                elif move.kind == "select":
+                    shared, width = blocks == 1, target
+            edges.append((edge.source, tuple(ids)))
+        return tuple(edges)
+
+    def _make_move(
+        self, source: str, move: Move, shared: bool, source_width: int, width: int, blocks: int
+    ) -> _Select | _Frame:
+        """A core move as a kernel. A select's index addresses the members' blocks side by side: each target copy's
+        block is cut out of its own source copy (or the one shared copy)."""
+        var = self.var(source)
+        seen = self.capture.values[var]
+        if move.kind != "select":
+            axis = seen.batch_axis if move.kind != "tile" or seen.batch_axes else -1
+            return _Frame(move.kind, axis, self.m)
+        assert move.index is not None and move.scale is not None
+        channel_axis = self.axis[var]
+        index = move.index.reshape(blocks, width)
+        scale = move.scale.reshape(blocks, width)
+        if not shared:
+            index = index - (np.arange(blocks) * source_width)[:, None]
+        sources = tuple(0 if shared else k for k in range(blocks))
+        scales = tuple(None if (s == 1).all() else s.astype(np.float32) for s in scale)
+        gathers = source_width != width or any(not np.array_equal(i, np.arange(width)) for i in index)
+        feature_map = seen.rank > 2 and channel_axis == seen.rank - 1 and np.issubdtype(seen.dtype, np.floating)
+        matrix = ""
+        if feature_map and gathers:
+            matrix = f"move_{len(self.moves)}"
+            selection = np.zeros((blocks, source_width, width), dtype=np.float32)
+            for k in range(blocks):
+                selection[k, index[k], np.arange(width)] = scale[k]
+            self.constants[matrix] = list(selection)
+        return _Select(tuple(index), scales, sources, channel_axis, matrix)
+
+    # ---- steps
+
+    def _step(self, step: Step) -> _Step:
+        name = step.name
+        if step.node.kind == "input":
+            return _Step(name, "input")
+        edges = self._edges(step)
+        if name == OUTPUT:
+            return _Step(name, "output", edges)
+        op = self.ops[name]
+        copies = 1 if step.placement.shared else self.m
+        if step.placement.dense:
+            if capture_module.is_masking(op.eqn.name, op.eqn.params[0]):
+                masks = np.asarray(self.capture.analysis.constants[cast(int, op.eqn.inputs[1])])
+                key = f"{name}_masks"
+                self.constants[key] = [masks[list(self.program.members)]]
+                axis = capture_module.masking_axis(op.eqn.params[0])
+                return _Step(name, "masks", edges, key=key, axis=axis)
+            return self._dense(step, op, edges)
+        kind = step.node.kind
+        if kind == "masks":
+            return _Step(name, "identity", edges)
+        if kind == "mixing" and op.eqn.name == "dot_general":
+            return self._dot(step, op, edges, copies)
+        if kind in ("mixing", "grouped"):
+            return self._conv(step, op, edges, copies)
+        if kind == "concat":
+            return _Step(name, "concat", edges, copies, axis=op.axis)
+        if kind == "flatten":
+            return _Step(name, "flatten", edges, copies)
+        return self._bind(step, op, edges, copies)
+
+    def _dot(self, step: Step, op: Op, edges: Any, copies: int) -> _Step:
+        params = dict(op.eqn.params[0])
+        (contracting, _) = params["dimension_numbers"]
+        side = op.eqn.inputs.index(op.tensors[0])
+        weight = np.asarray(self.capture.analysis.constants[op.weight])
+        into = int(contracting[1 - side][0])  # the weight's contracted axis; its other one is the output's
+        rows = step.placement.layouts
+        cols = step.edges[0].placement.member_layouts(len(rows))
+        r, c, valid = block_indices(rows, cols)  # (L, P_out, P_in)
+        oriented = weight if into == 1 else weight.T  # (C_out, C_in)
+        blocks = np.where(valid, oriented[r, c], np.zeros((), weight.dtype))
+        blocks = blocks if into == 1 else blocks.transpose(0, 2, 1)
+        key = self._weight_key(op)
+        self.weights[key] = [blocks if copies > 1 else blocks[0]]  # the members' blocks stacked: one matmul
+        return _Step(step.name, "dot", edges, copies, op.eqn, params=params, key=key, side=side)
+
+    def _conv(self, step: Step, op: Op, edges: Any, copies: int) -> _Step:
+        params = dict(op.eqn.params[0])
+        kernel = np.asarray(self.capture.analysis.constants[op.weight])
+        numbers = params["dimension_numbers"]
+        out_dim, in_dim = numbers.rhs_spec[0], numbers.rhs_spec[1]
+        oriented = np.moveaxis(kernel, (out_dim, in_dim), (0, 1))  # (C_out, C_in / groups, *window)
+        rows = step.placement.layouts
+        if step.node.kind == "grouped":
+            blocks = []
+            for layout in rows:
+                index, valid = channel_indices([layout])
+                keep = valid.reshape(-1, *([1] * (oriented.ndim - 1)))
+                blocks.append(np.where(keep, oriented[index], np.zeros((), kernel.dtype)))
+            stacked = np.stack(blocks)
+            params["feature_group_count"] = step.groups
+        else:
+            cols = step.edges[0].placement.member_layouts(len(rows))
+            r, c, valid = block_indices(rows, cols)
+            keep = valid.reshape(*valid.shape, *([1] * (oriented.ndim - 2)))
+            stacked = np.where(keep, oriented[r, c], np.zeros((), kernel.dtype))
+        restored = np.moveaxis(stacked, (1, 2), (out_dim + 1, in_dim + 1))
+        key = self._weight_key(op)
+        self.weights[key] = list(restored)
+        return _Step(step.name, "conv", edges, copies, op.eqn, params=params, key=key)
+
+    def _weight_key(self, op: Op) -> str:
+        """``dot_general_000``, ``conv_general_dilated_001``, ...: the i-th kernel of that primitive in program order
+        (state keys sort in that order)."""
+        count = sum(key.startswith(op.eqn.name) for key in self.weights)
+        return f"{op.eqn.name}_{count:03d}"
+
+    def _bind(self, step: Step, op: Op, edges: Any, copies: int) -> _Step:
+        """A compacted elementwise operation, reduction or move, with its constant operands laid out per copy."""
+        capture = self.capture
+        out = capture.values[op.var]
+        operands = []
+        for position, atom in enumerate(op.eqn.inputs):
+            if isinstance(atom, Literal):
+                operands.append(_Operand("literal", value=atom.values[0]))
+            elif atom in capture.runtime:
+                operands.append(_Operand("edge", index=op.tensors.index(atom)))
+            else:
+                key = f"{step.name}_operand{position}"
+                value = np.asarray(capture.analysis.reduced[atom])
+                self.constants[key] = self._lay_out(value, op.axis, out.shape[op.axis], step.placement, copies)
+                seen = capture.values[atom]  # None: the batch's size, or the compacted channels'
+                shape = tuple(
+                    None
+                    if (a == out.batch_axis and a in seen.batch_axes) or (a == op.axis and size == out.shape[a])
+                    else size
+                    for a, size in enumerate(seen.shape)
+                )
+                operands.append(_Operand("constant", key=key, shape=shape))
+        source = capture.values[op.tensors[0]]
+        in_axes = (source.batch_axis, self.axis.get(op.tensors[0], -1))
+        return _Step(step.name, "bind", edges, copies, op.eqn, operands=tuple(operands), params=dict(op.eqn.params[0]),
+                     axis=op.axis, batch_axis=out.batch_axis, out_shape=out.shape, in_axes=in_axes)  # fmt: skip
+
+    def _lay_out(
+        self, value: np.ndarray, axis: int, channels: int, placement: Placement, copies: int
+    ) -> list[np.ndarray]:
+        """A constant operand per copy: its channel axis laid out like the copy's channels (a constant with one
+        channel, or a scalar, is the same for every copy: one array)."""
+        if value.ndim == 0 or value.shape[axis] != channels or channels == 1:
+            return [value]
+        laid = []
+        for layout in placement.layouts[:copies]:
+            index, _ = channel_indices([layout])  # padding reads channel 0: finite, and never read back
+            laid.append(np.take(value, index, axis=axis))
+        return laid
+
+    def _dense(self, step: Step, op: Op, edges: Any) -> _Step:
+        """The model's equation as the dense model runs it, its batch-sized parameters rebuilt per call."""
+        capture, eqn = self.capture, op.eqn
+        start = capture.program.batch
+        try:
+            params = {key: capture_module.template([p[key] for p in eqn.params], start) for key in eqn.params[0]}
+            operands = []
+            for position, atom in enumerate(eqn.inputs):
+                if isinstance(atom, Literal):
+                    operands.append(_Operand("literal", value=capture_module.template(atom.values, start)))
+                elif atom in capture.runtime:
+                    operands.append(_Operand("edge", index=op.tensors.index(atom)))
+                else:
+                    key = f"{step.name}_operand{position}"
+                    self.constants[key] = [np.asarray(capture.analysis.reduced[atom])]
+                    shape = capture_module.template(capture.values[atom].shapes, start)
+                    operands.append(_Operand("constant", key=key, shape=shape))
+        except NotAffine as error:
+            raise ValueError(
+                f"{PREFIX}: {eqn.describe()} has parameters that follow the batch size in a way that cannot be "
+                f"rebuilt for other batch sizes ({error}); it cannot run on the member-stacked batch"
+            ) from error
+        member_frame = not step.placement.shared
+        return _Step(step.name, "dense", edges, eqn=eqn, output=eqn.outputs.index(op.var), operands=tuple(operands),
+                     params=params, member_frame=member_frame)  # fmt: skip
+
+    def _output(self) -> tuple[_Operand, ...]:
+        capture = self.capture
+        names = [edge.source for edge in self.program.step(OUTPUT).edges]
+        operands = []
+        for position, atom in enumerate(capture.program.outputs):
+            if isinstance(atom, Literal):
+                operands.append(_Operand("literal", value=atom.values[0]))
+            elif atom in capture.runtime:
+                operands.append(_Operand("edge", index=names.index(node_name(atom))))
+            else:
+                key = f"output_{position}"
+                self.constants[key] = [np.asarray(capture.analysis.constants[atom])]
+                operands.append(_Operand("constant", key=key))
+        return tuple(operands)
+
+
+def _bytes(array: np.ndarray | None) -> bytes | None:
+    return None if array is None else array.tobytes()
+
+
+# ------------------------------------------------------------------------------------------------ the public API
+
+
+def _build(model: nnx.Module, example_input: Any, members: Sequence[int] | None, squeeze: bool) -> PackedMasksembles:
+    capture = Capture(model, example_input)
+    chosen = list(range(capture.n)) if members is None else list(members)
+    for k in chosen:
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < capture.n:
+            raise ValueError(f"member must be an integer in [0, {capture.n}); received {k!r}")
+    axis = capture_module.solve_axes(capture)
+    nodes = capture_module.graph_nodes(capture, axis)
+    program = plan_program(nodes, OUTPUT, chosen)
+    emitter = _Emitter(capture, axis, program, squeeze)
+    return PackedMasksembles(emitter.plan, emitter.weights, emitter.constants)
+
+
+def pack(model: nnx.Module, example_input: jax.Array | jax.ShapeDtypeStruct) -> PackedMasksembles:
     """All members of ``model`` in one call on compacted weights: (B, ...) -> (n, B, ...).
 
     Equals ``masksembles_flax.predict(model, x, n)`` with eval semantics (BatchNorm running statistics, Dropout off)
     for finite activations, at about the cost the masks' overlap allows instead of n dense forward passes.
-    ``example_input`` (an array or a ``jax.ShapeDtypeStruct``, any batch size) gives the shapes; the model is not
-    run and not modified. The supported layers are listed in this module's docstring; anything else raises a
-    ValueError that names the layer.
+    ``example_input`` (an array or a ``jax.ShapeDtypeStruct``, batch on axis 0, any batch size; a small one traces
+    faster) gives the shapes; the model is traced, not modified. Any ``nnx.Module`` JAX can trace in eval mode packs:
+    what this module cannot compact runs at full width (listed in ``fallbacks``).
+
+    Raises:
+        ValueError: the model cannot be traced (Python control flow on array values), has no Masksembles layer, or
+            holds Masksembles layers of different n.
     """
-    return PackedMasksembles(model, example_input, None, squeeze=False)
+    return _build(model, example_input, None, squeeze=False)
 
 
-def extract_member(model: Any, k: int, example_input: jax.Array | jax.ShapeDtypeStruct) -> PackedMasksembles:
-    """Member ``k`` of ``model`` as a standalone dense model: (B, ...) -> (B, ...).
+def extract_member(model: nnx.Module, k: int, example_input: jax.Array | jax.ShapeDtypeStruct) -> PackedMasksembles:
+    """Member ``k`` of ``model`` as a standalone model: (B, ...) -> (B, ...).
 
     Every layer next to a Masksembles layer is physically shrunk to member ``k``'s live channels; the output equals
     member ``k``'s output of the masked model (eval semantics, finite values). Same support and errors as ``pack``.
+    An operation that reads the batch (a sum over it, its size) sees member ``k``'s copy of the batch alone, where
+    ``predict`` and ``pack`` see every member's.
     """
-    return PackedMasksembles(model, example_input, [k], squeeze=True)
+    return _build(model, example_input, [k], squeeze=True)

@@ -20,7 +20,7 @@ import masksembles_core.adapter as mca
 
 from ._insertion import Masked as Masked
 from ._insertion import insert as insert
-from ._ops import apply_masks, random_mask_index
+from ._ops import apply_masks, grouped_masking, random_mask_index
 from ._packing import Flatten as Flatten
 from ._packing import PackedMasksembles as PackedMasksembles
 from ._packing import Residual as Residual
@@ -95,10 +95,12 @@ class Masksembles(nnx.Module):
             deterministic: with ``mode="random"``, False draws a random mask per sample; overrides the attribute.
             rngs: ``nnx.Rngs``, ``nnx.RngStream`` or key for the random draws, instead of the layer's own stream.
         """
-        mask_index = None
+        masks = self.masks[...]
         if self.mode == "random" and not self._resolve_deterministic(deterministic):
             mask_index = random_mask_index(self._random_key(rngs), x.shape[0], self.n)
-        return apply_masks(x, self.masks[...], channel_axis=self.channel_axis, mask_index=mask_index)
+            return apply_masks(x, masks, channel_axis=self.channel_axis, mask_index=mask_index)
+        axis = mca.check_input_shape(x.shape, channels=masks.shape[-1], channel_axis=self.channel_axis)
+        return grouped_masking(axis)(x, masks)  # a named jit: pack finds the layer by its name
 
     def _resolve_deterministic(self, deterministic: bool | None) -> bool:
         resolved = self.deterministic if deterministic is None else deterministic

@@ -231,6 +231,27 @@ def test_combine_rules(rule: str, zero_after: bool) -> None:
     assert kept["c"].tolist() == (DISJOINT[0].tolist() if zero_after else [True] * 6)
 
 
+def test_combine_rule_reads_only_its_zero_inputs() -> None:
+    """select(predicate, a, b): zero where a and b are, whatever the predicate (which is not zero there)."""
+    nodes = [
+        GraphNode("x", "input", (), 3),
+        GraphNode("fc", "mixing", ("x",), 6),
+        GraphNode("m", "masks", ("fc",), 6, masks=DISJOINT),
+        GraphNode("predicate", "channelwise", ("m",), 6, zero_preserving=False),
+        GraphNode("scaled", "channelwise", ("m",), 6),
+        GraphNode("select", "combine", ("predicate", "scaled", "m"), 6, zero_inputs=(1, 2)),
+        GraphNode("out", "mixing", ("select",), 2),
+    ]
+    kept = kept_channels(nodes, "out", 0)
+    assert kept["select"].tolist() == DISJOINT[0].tolist(), "both values are zero off the mask"
+    placements = plan_members(nodes, "out", range(3))
+    assert layouts(placements["select"]) == [[0, 1], [2, 3], [4, 5]], "the next layer reads the member's channels"
+    every = [*nodes[:5], GraphNode("select", "combine", ("predicate", "scaled", "m"), 6), nodes[-1]]
+    assert kept_channels(every, "out", 0)["select"].all(), "read over every input, the predicate keeps it live"
+    with pytest.raises(ValueError, match=r"zero_inputs \(3,\) must be positions of a combine's inputs"):
+        kept_channels([*nodes[:5], GraphNode("select", "combine", ("predicate", "m"), 6, zero_inputs=(3,))], "m", 0)
+
+
 def test_concat_lays_parts_out_one_after_another() -> None:
     nodes = [
         GraphNode("x", "input", (), 3),
