@@ -503,11 +503,6 @@ def _concat(node: GraphNode, kept: Sequence[BoolArray], shared: bool) -> tuple[P
     return Placement(shared, layouts), parts
 
 
-def plan_members(nodes: Sequence[GraphNode], output: str, members: Sequence[int]) -> dict[str, Placement]:
-    """Placement of every node when computing ``members`` (indices into the masks) together."""
-    return {step.name: step.placement for step in plan_program(nodes, output, members).steps}
-
-
 def norm_affine(
     mean: ArrayLike, var: ArrayLike, weight: ArrayLike | None, bias: ArrayLike | None, eps: float
 ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:

@@ -7,15 +7,23 @@ import pytest
 
 from masksembles_core.packing import (
     GraphNode,
+    Move,
     Placement,
     block_indices,
     channel_indices,
     flatten_layout,
     gather_plan,
     kept_channels,
+    moves_between,
     norm_affine,
-    plan_members,
+    plan_program,
 )
+
+
+def placements_of(nodes: list[GraphNode], output: str, members: range | list[int]) -> dict[str, Placement]:
+    """Every node's placement in the program of ``members``."""
+    return {step.name: step.placement for step in plan_program(nodes, output, members).steps}
+
 
 MASKS = np.array([[1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1]], dtype=bool)
 
@@ -59,7 +67,7 @@ def test_a_node_that_keeps_nothing_gets_one_padding_position() -> None:
     )
     kept = kept_channels(nodes, "fc2", 0)
     assert not kept["fc1"].any(), "m1 zeroes every channel m2 lets through: fc1's values never reach the output"
-    placements = plan_members(nodes, "fc2", [0])
+    placements = placements_of(nodes, "fc2", [0])
     assert placements["fc1"].layouts[0].tolist() == [-1]
     assert placements["m2"].layouts[0].tolist() == np.flatnonzero(disjoint[0]).tolist()
 
@@ -75,7 +83,7 @@ def test_residual_keeps_what_either_branch_needs() -> None:
     kept = kept_channels(nodes, "out", 1)
     assert kept["add"].all() and kept["conv"].all()
     assert kept["m"].tolist() == MASKS[1].tolist()
-    placements = plan_members(nodes, "out", range(3))
+    placements = placements_of(nodes, "out", range(3))
     assert placements["x"].shared and not placements["m"].shared and not placements["add"].shared
     assert [layout.tolist() for layout in placements["m"].layouts] == [[0, 1], [1, 2], [2, 3]]
 
@@ -83,7 +91,7 @@ def test_residual_keeps_what_either_branch_needs() -> None:
 def test_flatten_expands_channels() -> None:
     nodes = chain(GraphNode("m", "masks", (), 4, masks=MASKS), GraphNode("flat", "flatten", (), 8, spatial=2))
     nodes[-1] = GraphNode("fc2", "mixing", ("flat",), 2)
-    placements = plan_members(nodes, "fc2", [2])
+    placements = placements_of(nodes, "fc2", [2])
     assert placements["flat"].layouts[0].tolist() == [4, 5, 6, 7]
     assert flatten_layout(np.array([1, -1]), 3).tolist() == [3, 4, 5, -1, -1, -1]
     assert flatten_layout(np.array([1, -1]), 3, channels=4, channels_last=True).tolist() == [1, -1, 5, -1, 9, -1]
@@ -97,13 +105,13 @@ def test_channels_last_flatten() -> None:
     nodes[-1] = GraphNode("fc2", "mixing", ("flat",), 2)
     kept = kept_channels(nodes, "fc2", 0)
     assert kept["m"].tolist() == MASKS[0].tolist()
-    placements = plan_members(nodes, "fc2", [0])
+    placements = placements_of(nodes, "fc2", [0])
     assert placements["flat"].layouts[0].tolist() == [0, 1, 4, 5], "(s, c): s*4 + c for c in {0, 1}"
 
 
 def test_shared_prefix_computes_the_union_once() -> None:
     nodes = chain(GraphNode("relu", "channelwise", (), 4), GraphNode("m", "masks", (), 4, masks=MASKS[:2]))
-    placements = plan_members(nodes, "fc2", range(2))
+    placements = placements_of(nodes, "fc2", range(2))
     assert placements["fc1"].shared and placements["fc1"].layouts[0].tolist() == [0, 1, 2]
     plan = gather_plan(placements["relu"], placements["m"], [mask.astype(float) for mask in MASKS[:2]])
     assert plan is not None
@@ -158,7 +166,6 @@ def test_norm_affine_is_batchnorm_in_eval() -> None:
 
 # --- the program: grouped convolutions, combines, concatenations, channel norms, fallbacks and moves -------------
 
-from masksembles_core.packing import Move, moves_between, plan_program  # noqa: E402
 
 DISJOINT = np.array([[1, 1, 0, 0, 0, 0], [0, 0, 1, 1, 0, 0], [0, 0, 0, 0, 1, 1]], dtype=bool)
 
@@ -244,7 +251,7 @@ def test_combine_rule_reads_only_its_zero_inputs() -> None:
     ]
     kept = kept_channels(nodes, "out", 0)
     assert kept["select"].tolist() == DISJOINT[0].tolist(), "both values are zero off the mask"
-    placements = plan_members(nodes, "out", range(3))
+    placements = placements_of(nodes, "out", range(3))
     assert layouts(placements["select"]) == [[0, 1], [2, 3], [4, 5]], "the next layer reads the member's channels"
     every = [*nodes[:5], GraphNode("select", "combine", ("predicate", "scaled", "m"), 6), nodes[-1]]
     assert kept_channels(every, "out", 0)["select"].all(), "read over every input, the predicate keeps it live"
