@@ -17,7 +17,7 @@ from flax import nnx
 
 from masksembles_core.insertion import Candidate, check_insert_arguments, plan_insertion
 
-from . import nnx as masksembles_nnx
+from ._nnx_layers import Masksembles
 
 ModuleT = TypeVar("ModuleT", bound=nnx.Module)
 Key = str | int
@@ -46,7 +46,7 @@ class Masked(nnx.Module):
     Arguments after ``x`` go to the layer.
     """
 
-    def __init__(self, masksembles: masksembles_nnx.Masksembles, layer: Callable[..., Any]) -> None:
+    def __init__(self, masksembles: Masksembles, layer: Callable[..., Any]) -> None:
         self.masksembles = masksembles
         self.layer = layer
 
@@ -131,7 +131,7 @@ def insert(
     for row in report.changed:
         assert row.channels is not None and row.channel_axis is not None  # set on every inserted row
         path = path_parts[row.path]
-        masks = masksembles_nnx.Masksembles(row.channels, n, scale, seed=row.seed, channel_axis=row.channel_axis)
+        masks = Masksembles(row.channels, n, scale, seed=row.seed, channel_axis=row.channel_axis)
         _replace(copy, path, Masked(masks, _node_at(copy, path)))
     copy.masksembles_report = report  # type: ignore[attr-defined]  # a static attribute: LayerReport is hashable
     return copy

@@ -28,7 +28,7 @@ and a non-finite activation moved by a one-hot product spreads NaN to the channe
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -42,25 +42,6 @@ from masksembles_core.packing import Move, Placement, Program, Step, block_indic
 from . import _capture as capture_module
 from ._capture import OUTPUT, PREFIX, SHAPE_PARAMS, Capture, Eqn, Literal, NotAffine, Op, node_name
 from ._ops import apply_masks, untile
-
-
-class Flatten(nnx.Module):
-    """(B, *rest) -> (B, prod(rest)) in row-major order: for channels-last input, feature ``s*C + c``."""
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        flat: jax.Array = x.reshape((x.shape[0], -1))
-        return flat
-
-
-class Residual(nnx.Module):
-    """A residual block ``y = x + f(x)`` with ``f = nnx.Sequential(*layers)``; f must keep the shape of x."""
-
-    def __init__(self, *layers: Callable[..., Any]) -> None:
-        self.branch = nnx.Sequential(*layers)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        y: jax.Array = x + self.branch(x)
-        return y
 
 
 class Constant(nnx.Variable[jax.Array]):

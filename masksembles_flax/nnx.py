@@ -8,124 +8,18 @@ wrt=nnx.Param)`` leaves them alone. ``insert`` puts Masksembles layers into an e
 ``pack``/``extract_member`` run its members on compacted weights.
 """
 
-from __future__ import annotations
+from ._insertion import Masked, insert
+from ._nnx_layers import Flatten, Masks, Masksembles, Residual
+from ._packing import PackedMasksembles, extract_member, pack
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from flax import nnx
-from numpy.typing import ArrayLike
-
-import masksembles_core.adapter as mca
-
-from ._insertion import Masked as Masked
-from ._insertion import insert as insert
-from ._ops import apply_masks, grouped_masking, random_mask_index
-from ._packing import Flatten as Flatten
-from ._packing import PackedMasksembles as PackedMasksembles
-from ._packing import Residual as Residual
-from ._packing import extract_member as extract_member
-from ._packing import pack as pack
-
-RngSource = nnx.Rngs | nnx.RngStream | jax.Array
-
-
-class Masks(nnx.Variable[jax.Array]):
-    """The fixed (n, channels) bool masks of a Masksembles layer: saved with the model, never trained."""
-
-
-class Masksembles(nnx.Module):
-    """Multiply each sample by one of ``n`` fixed binary channel masks (Durasov et al., CVPR 2021).
-
-    Input (B, ..., C, ...) with C = ``channels`` on ``channel_axis``; output of the same shape and dtype. Sample
-    ``i`` of a batch of B gets mask ``(i*n)//B`` (``masksembles_core.group_index``): the batch is n contiguous groups
-    when n divides B, and any B works. With ``mode="random"`` and ``deterministic=False`` each sample instead draws
-    its mask uniformly from ``rngs`` (the paper's training rule); ``model.eval()`` (``deterministic=True``) makes it
-    grouped again. Grouped mode ignores ``deterministic`` and needs no ``rngs``.
-
-    Args:
-        channels: number of channels C.
-        n: number of masks (ensemble members).
-        scale: overlap control, >= 1 (mean IoU of the masks about ``1/(2*scale-1)``).
-        seed: seed of the NumPy mask generator; None draws fresh entropy.
-        masks: fixed (n, channels) 0/1 masks to use instead of generated ones.
-        channel_axis: axis of the input holding the channels (not 0).
-        mode: "grouped" or "random".
-        deterministic: the ``mode="random"`` switch; a call argument wins, ``train()``/``eval()``/``nnx.view`` set it.
-        rng_collection: stream of ``rngs`` forked for the random draws.
-        rngs: ``nnx.Rngs`` or ``nnx.RngStream`` forked for ``mode="random"`` (unused in grouped mode).
-    """
-
-    def __init__(
-        self,
-        channels: int,
-        n: int,
-        scale: float,
-        *,
-        seed: int | np.random.Generator | None = None,
-        masks: ArrayLike | None = None,
-        channel_axis: int = -1,
-        mode: str = "grouped",
-        deterministic: bool | None = False,
-        rng_collection: str = "dropout",
-        rngs: nnx.Rngs | nnx.RngStream | None = None,
-    ) -> None:
-        arguments = mca.layer_arguments(
-            channels, n, scale, seed=seed, masks=masks, channel_axis=channel_axis, mode=mode
-        )
-        resolved = arguments.masks_for(channels)
-        self.n, self.channels = resolved.shape
-        self.scale, self.channel_axis, self.mode = arguments.scale, arguments.channel_axis, arguments.mode
-        self.masks = Masks(jnp.asarray(resolved))
-        self.deterministic = deterministic
-        self.rng_collection = rng_collection
-        if rngs is not None and not isinstance(rngs, nnx.Rngs | nnx.RngStream):
-            raise TypeError(f"rngs must be an nnx.Rngs, an nnx.RngStream or None; received {type(rngs).__name__}")
-        # Only random mode draws: a grouped layer holds no RNG state and leaves the caller's streams untouched.
-        if self.mode == "random" and rngs is not None:
-            self.rngs = (rngs[rng_collection] if isinstance(rngs, nnx.Rngs) else rngs).fork()
-        else:
-            self.rngs = nnx.data(None)
-
-    def __call__(self, x: jax.Array, *, deterministic: bool | None = None, rngs: RngSource | None = None) -> jax.Array:
-        """Apply the masks to ``x`` of shape (B, ..., C, ...).
-
-        Args:
-            x: input with the channels on ``channel_axis``.
-            deterministic: with ``mode="random"``, False draws a random mask per sample; overrides the attribute.
-            rngs: ``nnx.Rngs``, ``nnx.RngStream`` or key for the random draws, instead of the layer's own stream.
-        """
-        masks = self.masks[...]
-        if self.mode == "random" and not self._resolve_deterministic(deterministic):
-            mask_index = random_mask_index(self._random_key(rngs), x.shape[0], self.n)
-            return apply_masks(x, masks, channel_axis=self.channel_axis, mask_index=mask_index)
-        axis = mca.check_input_shape(x.shape, channels=masks.shape[-1], channel_axis=self.channel_axis)
-        return grouped_masking(axis)(x, masks)  # a named jit: pack finds the layer by its name
-
-    def _resolve_deterministic(self, deterministic: bool | None) -> bool:
-        resolved = self.deterministic if deterministic is None else deterministic
-        if resolved is None:
-            raise ValueError(
-                "Masksembles(mode='random') needs `deterministic`: pass it to the constructor or the call, "
-                "or set it with model.train()/model.eval() or nnx.view(model, deterministic=...)"
-            )
-        return resolved
-
-    def _random_key(self, rngs: RngSource | None) -> jax.Array:
-        source = self.rngs if rngs is None else rngs
-        if isinstance(source, nnx.Rngs):
-            source = source[self.rng_collection]
-        if isinstance(source, nnx.RngStream):
-            key: jax.Array = source()
-            return key
-        if isinstance(source, jax.Array):
-            return source
-        raise ValueError(
-            "Masksembles(mode='random') with deterministic=False needs random keys: pass rngs to the constructor "
-            "or the call"
-        )
-
-    def set_view(self, deterministic: bool | None = None) -> None:
-        """Hook of ``nnx.view``: ``deterministic=True`` makes ``mode="random"`` grouped."""
-        if deterministic is not None:
-            self.deterministic = deterministic
+__all__ = [
+    "Flatten",
+    "Masked",
+    "Masks",
+    "Masksembles",
+    "PackedMasksembles",
+    "Residual",
+    "extract_member",
+    "insert",
+    "pack",
+]
