@@ -26,6 +26,8 @@ from ._ops import apply_masks, input_channels, random_mask_index
 
 MASKS_COLLECTION = "masksembles"
 
+__all__ = ["MASKS_COLLECTION", "Masksembles"]
+
 
 class Masksembles(nn.Module):
     """Multiply each sample by one of ``n`` fixed binary channel masks (Durasov et al., CVPR 2021).
