@@ -51,7 +51,7 @@ consumer reads.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -307,6 +307,94 @@ def kept_channels(nodes: Sequence[GraphNode], output: str, member: int) -> dict[
             else:
                 source |= demand
     return kept
+
+
+class AxisConflict(Exception):
+    """A node whose channel axis cannot agree with its neighbours' (the adapter runs it as a fallback, then again)."""
+
+    def __init__(self, node: Hashable) -> None:
+        super().__init__(node)
+        self.node = node
+
+
+@dataclass(frozen=True, eq=False)
+class AxisRule:
+    """How a compacted node's output channel axis relates to its inputs' (adapters find a node's rule).
+
+    Rules: ``"fixed"`` (its inputs have their channels on ``fixed_in``, its output on ``fixed_out``: Linear, a
+    convolution), ``"same"`` (inputs and output on one axis: elementwise operations), ``"concat"`` (the same; with no
+    axis known yet, ``concat_dim``), ``"flatten"`` (the output's channels are on axis 1) and ``"map"`` (a move or a
+    reduction: ``mapped(a)`` is the output axis of input channels on axis ``a``, None where they do not come out
+    whole).
+    """
+
+    node: Hashable
+    inputs: tuple[Hashable, ...]
+    rule: str
+    fixed_in: int = -1
+    fixed_out: int = -1
+    concat_dim: int = 0
+    mapped: Callable[[int], int | None] | None = None
+
+
+def channel_axes(rules: Sequence[AxisRule], rank: Callable[[Hashable], int]) -> dict[Hashable, int]:
+    """The channel axis of every node the rules mention, propagated through the rules until nothing changes; a node
+    no rule decides gets its last axis. ``rank(node)`` is the rank of its value.
+
+    Raises:
+        AxisConflict: for the node whose rule disagrees with an axis already set (or names no axis of its value).
+    """
+    axis: dict[Hashable, int] = {}
+
+    def put(node: Hashable, value: int, by: AxisRule) -> bool:
+        if node in axis:
+            if axis[node] != value:
+                raise AxisConflict(by.node)
+            return False
+        if not 0 <= value < rank(node):
+            raise AxisConflict(by.node)
+        axis[node] = value
+        return True
+
+    def apply(rule: AxisRule) -> bool:
+        changed = False
+        if rule.rule == "fixed":
+            for source in rule.inputs:
+                changed |= put(source, rule.fixed_in, rule)
+            return put(rule.node, rule.fixed_out, rule) or changed
+        if rule.rule in ("same", "concat"):
+            known = [axis[n] for n in (rule.node, *rule.inputs) if n in axis]
+            if rule.rule == "concat" and not known:
+                known = [rule.concat_dim]
+            for n in (rule.node, *rule.inputs) if known else ():
+                changed |= put(n, known[0], rule)
+            return changed
+        if rule.rule == "flatten":
+            return put(rule.node, 1, rule)
+        assert rule.rule == "map" and rule.mapped is not None
+        source = rule.inputs[0]
+        if source in axis:
+            mapped = rule.mapped(axis[source])
+            if mapped is None:
+                raise AxisConflict(rule.node)
+            return put(rule.node, mapped, rule)
+        if rule.node in axis:
+            candidates = [a for a in range(rank(source)) if rule.mapped(a) == axis[rule.node]]
+            if len(candidates) != 1:
+                raise AxisConflict(rule.node)
+            return put(source, candidates[0], rule)
+        return False
+
+    while True:
+        changed = True
+        while changed:
+            changed = False
+            for rule in rules:
+                changed |= apply(rule)
+        unknown = [rule for rule in rules if rule.node not in axis]
+        if not unknown:
+            return axis
+        put(unknown[0].node, rank(unknown[0].node) - 1, unknown[0])
 
 
 def flatten_layout(layout: IntArray, spatial: int, *, channels: int = 0, channels_last: bool = False) -> IntArray:

@@ -31,6 +31,7 @@ operand is (finite values).
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Callable, Iterator, Sequence
@@ -44,7 +45,7 @@ import numpy as np
 from flax import nnx
 from jax.extend import source_info_util
 
-from masksembles_core.packing import GraphNode
+from masksembles_core.packing import AxisConflict, AxisRule, GraphNode, channel_axes
 
 from ._ops import GROUPED_MASKING, apply_masks
 
@@ -701,14 +702,6 @@ def _whole_axis(out: np.ndarray, source: Value, axis: int) -> int | None:
 # ------------------------------------------------------------------------------------------------ channel axes
 
 
-class _Conflict(Exception):
-    """A node whose channel axis cannot agree with its neighbours' (it falls back)."""
-
-    def __init__(self, var: int) -> None:
-        super().__init__(var)
-        self.var = var
-
-
 def solve_axes(capture: Capture) -> dict[int, int]:
     """The channel axis of every compacted node and of what it reads; nodes that cannot agree fall back. Then which
     fallbacks run per member."""
@@ -716,9 +709,9 @@ def solve_axes(capture: Capture) -> dict[int, int]:
         _demote_dense(capture)
         try:
             axis = _propagate_axes(capture)
-        except _Conflict as conflict:
-            op = capture.ops[conflict.var]
-            capture.ops[conflict.var] = capture.fallback(op.eqn, op.var)
+        except AxisConflict as conflict:
+            op = capture.ops[cast(int, conflict.node)]
+            capture.ops[cast(int, conflict.node)] = capture.fallback(op.eqn, op.var)
             continue
         for op in capture.ops.values():
             op.axis = axis.get(op.var, -1)
@@ -741,32 +734,21 @@ def _demote_dense(capture: Capture) -> None:
 
 
 def _propagate_axes(capture: Capture) -> dict[int, int]:
-    axis: dict[int, int] = {}
+    """The core's axes for the compacted nodes' rules, checked against the layouts each node needs."""
     compact = [op for op in capture.ops.values() if op.compacted]
-    values = capture.values
-
-    def put(var: int, value: int, by: Op) -> bool:
-        if var in axis:
-            if axis[var] != value:
-                raise _Conflict(by.var)
-            return False
-        if not 0 <= value < values[var].rank:
-            raise _Conflict(by.var)
-        axis[var] = value
-        return True
-
-    while True:
-        changed = True
-        while changed:
-            changed = False
-            for op in compact:
-                changed |= _propagate(capture, op, axis, put)
-        unknown = [op for op in compact if op.var not in axis]
-        if not unknown:
-            break
-        put(unknown[0].var, values[unknown[0].var].rank - 1, unknown[0])
-    for op in compact:
+    rules = [
+        AxisRule(
+            op.var, tuple(op.tensors), op.rule, op.fixed_in, op.fixed_out,
+            int(op.eqn.params[0]["dimension"]) if op.rule == "concat" else 0,
+            functools.partial(mapped_axis, capture, op) if op.rule == "map" else None,
+        )
+        for op in compact
+    ]  # fmt: skip
+    axis = cast(dict[int, int], channel_axes(rules, lambda var: capture.values[cast(int, var)].rank))
+    for op, rule in zip(compact, rules, strict=True):
         _verify(capture, op, axis)
+        if op.rule == "concat":  # along the channels, or along another axis (then channel c of every part)
+            op.kind = "concat" if axis[op.var] == rule.concat_dim else "combine"
     return axis
 
 
@@ -777,53 +759,18 @@ def _verify(capture: Capture, op: Op, axis: dict[int, int]) -> None:
     for var in [op.var, *op.tensors]:
         seen = values[var]
         if seen.batch_axis < 0 or seen.batch_axis == axis[var]:
-            raise _Conflict(op.var)
+            raise AxisConflict(op.var)
     channels = values[op.var].shape[axis[op.var]]
     if op.rule == "same" and any(values[t].shape[axis[t]] != channels for t in op.tensors):
-        raise _Conflict(op.var)  # an operand broadcast along the channels (a size-1 axis)
+        raise AxisConflict(op.var)  # an operand broadcast along the channels (a size-1 axis)
     if op.eqn.name == "conv_general_dilated":
         numbers = op.eqn.params[0]["dimension_numbers"]
         if values[op.tensors[0]].batch_axis != numbers.lhs_spec[0] or values[op.var].batch_axis != numbers.out_spec[0]:
-            raise _Conflict(op.var)
+            raise AxisConflict(op.var)
     if op.kind == "flatten":
         source = op.tensors[0]
         if axis[source] not in (1, values[source].rank - 1):
-            raise _Conflict(op.var)
-
-
-def _propagate(capture: Capture, op: Op, axis: dict[int, int], put: Callable[[int, int, Op], bool]) -> bool:
-    """Apply one node's rule to the axes known so far; True if it set one."""
-    var, changed = op.var, False
-    if op.rule == "fixed":
-        for source in op.tensors:
-            changed |= put(source, op.fixed_in, op)
-        return put(var, op.fixed_out, op) or changed
-    if op.rule in ("same", "concat"):
-        known = [axis[v] for v in [var, *op.tensors] if v in axis]
-        if op.rule == "concat" and not known:
-            known = [int(op.eqn.params[0]["dimension"])]
-        if known:
-            for v in [var, *op.tensors]:
-                changed |= put(v, known[0], op)
-        if op.rule == "concat" and known:
-            op.kind = "concat" if int(op.eqn.params[0]["dimension"]) == known[0] else "combine"
-        return changed
-    if op.rule == "flatten":
-        return put(var, 1, op)
-    if op.rule == "map":
-        source = op.tensors[0]
-        if source in axis:
-            mapped = mapped_axis(capture, op, axis[source])
-            if mapped is None:
-                raise _Conflict(var)
-            return put(var, mapped, op)
-        if var in axis:
-            rank = capture.values[source].rank
-            candidates = [a for a in range(rank) if mapped_axis(capture, op, a) == axis[var]]
-            if len(candidates) != 1:
-                raise _Conflict(var)
-            return put(source, candidates[0], op)
-    return False
+            raise AxisConflict(op.var)
 
 
 def mapped_axis(capture: Capture, op: Op, source_axis: int) -> int | None:

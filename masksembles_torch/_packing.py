@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import inspect
 import math
 import operator
@@ -42,11 +43,14 @@ import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
 from masksembles_core.packing import (
+    AxisConflict,
+    AxisRule,
     GraphNode,
     Move,
     Program,
     Step,
     block_indices,
+    channel_axes,
     channel_indices,
     norm_affine,
     plan_program,
@@ -626,101 +630,47 @@ class _Capture:
 # ------------------------------------------------------------------------------------------------ channel axes
 
 
-class _Conflict(Exception):
-    """A node whose channel axis cannot agree with its neighbours' (it falls back)."""
-
-    def __init__(self, node: fx.Node) -> None:
-        super().__init__(node.name)
-        self.node = node
-
-
 def _solve_axes(capture: _Capture) -> dict[fx.Node, int]:
     """The channel axis of every compacted node and of what it reads; nodes that cannot agree fall back."""
     maps: dict[tuple[fx.Node, int], int | None] = {}
     while True:
         try:
-            return _propagate_axes(capture, maps)
-        except _Conflict as conflict:
-            capture.ops[conflict.node] = capture.fallback(conflict.node)
+            return _checked_axes(capture, maps)
+        except AxisConflict as conflict:
+            node = cast(fx.Node, conflict.node)
+            capture.ops[node] = capture.fallback(node)
 
 
-def _propagate_axes(capture: _Capture, maps: dict[tuple[fx.Node, int], int | None]) -> dict[fx.Node, int]:
-    axis: dict[fx.Node, int] = {}
+def _checked_axes(capture: _Capture, maps: dict[tuple[fx.Node, int], int | None]) -> dict[fx.Node, int]:
+    """The core's axes for the compacted nodes' rules, then the layouts each node needs (its batch exactly on one axis,
+    not the channels'; convolutions, BatchNorm and pooling with the batch first)."""
     compact = [op for op in capture.ops.values() if op.kind != "fallback"]
-
-    def put(node: fx.Node, value: int, by: _Op) -> bool:
-        if node in axis:
-            if axis[node] != value:
-                raise _Conflict(by.node)
-            return False
-        axis[node] = value
-        return True
-
-    while True:
-        changed = True
-        while changed:
-            changed = False
-            for op in compact:
-                changed |= _propagate(capture, op, axis, put, maps)
-        unknown = [op for op in compact if op.node not in axis]
-        if not unknown:
-            break
-        put(unknown[0].node, capture.seen[unknown[0].node].rank - 1, unknown[0])
-    for op in compact:  # every tensor a compacted node touches: its batch exactly on one axis, not the channels'
+    rules = []
+    for op in compact:
+        dim = capture.argument(op.node, "dim", 1, 0) if op.rule == "concat" else 0
+        if not isinstance(dim, int):
+            raise AxisConflict(op.node)
+        mapped = None
+        if op.rule == "map":
+            mapped = functools.partial(_mapped_axis, capture, op, maps=maps)
+        rules.append(
+            AxisRule(op.node, tuple(op.tensors), op.rule, op.fixed_in, op.fixed_out,
+                     dim % capture.seen[op.node].rank, mapped)
+        )  # fmt: skip
+    axis = cast(dict[fx.Node, int], channel_axes(rules, lambda node: capture.seen[cast(fx.Node, node)].rank))
+    for op in compact:
         for node in [op.node, *op.tensors]:
             seen = capture.seen[node]
             if seen.batch_axis < 0 or seen.batch_axis == axis[node] or (op.fixed_in == 1 and seen.batch_axis != 0):
-                raise _Conflict(op.node)
+                raise AxisConflict(op.node)
         if op.kind == "flatten" and axis[op.tensors[0]] not in (1, capture.seen[op.tensors[0]].rank - 1):
-            raise _Conflict(op.node)
+            raise AxisConflict(op.node)
+    for op, rule in zip(compact, rules, strict=True):
+        if op.rule == "concat":  # along the channels, or along another axis (then channel c of every part)
+            op.kind = "concat" if axis[op.node] == rule.concat_dim else "combine"
     for op in capture.ops.values():
         op.axis = axis.get(op.node, -1)
     return axis
-
-
-def _propagate(
-    capture: _Capture,
-    op: _Op,
-    axis: dict[fx.Node, int],
-    put: Callable[[fx.Node, int, _Op], bool],
-    maps: dict[tuple[fx.Node, int], int | None],
-) -> bool:
-    """Apply one node's rule to the axes known so far; True if it set one."""
-    node, changed = op.node, False
-    if op.rule == "fixed":
-        for source in op.tensors:
-            changed |= put(source, op.fixed_in, op)
-        return put(node, op.fixed_out, op) or changed
-    if op.rule in ("same", "concat"):
-        known = [axis[n] for n in [node, *op.tensors] if n in axis]
-        if op.rule == "concat" and not known:
-            dim = capture.argument(node, "dim", 1, 0)
-            if not isinstance(dim, int):
-                raise _Conflict(node)
-            known = [dim % capture.seen[node].rank]
-        if known:
-            for n in [node, *op.tensors]:
-                changed |= put(n, known[0], op)
-        if op.rule == "concat" and known:
-            dim = capture.argument(node, "dim", 1, 0)
-            op.kind = "concat" if isinstance(dim, int) and dim % capture.seen[node].rank == known[0] else "combine"
-        return changed
-    if op.rule == "flatten":
-        return put(node, 1, op)
-    if op.rule == "map":
-        source = op.tensors[0]
-        if source in axis:
-            mapped = _mapped_axis(capture, op, axis[source], maps)
-            if mapped is None:
-                raise _Conflict(node)
-            return put(node, mapped, op)
-        if node in axis:
-            rank = capture.seen[source].rank
-            candidates = [a for a in range(rank) if _mapped_axis(capture, op, a, maps) == axis[node]]
-            if len(candidates) != 1:
-                raise _Conflict(node)
-            return put(source, candidates[0], op)
-    return False
 
 
 def _mapped_axis(

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 import numpy as np
 import pytest
 
 from masksembles_core.packing import (
+    AxisConflict,
+    AxisRule,
     GraphNode,
     Move,
     Placement,
     block_indices,
+    channel_axes,
     channel_indices,
     flatten_layout,
     gather_plan,
@@ -334,3 +339,27 @@ def test_moves_between_placements() -> None:
     assert select.index is not None and select.scale is not None
     assert select.index.tolist() == [0, 1, 0, 0, 2, 2, 2, 2] and select.scale.tolist() == [1, 1, 0, 0, 0, 0, 1, 0]
     assert Move("select", np.array([0, 1, 0, 1]), np.ones(4)).repeats == 2
+
+
+def test_channel_axes_propagate_through_rules_and_report_the_conflicting_node() -> None:
+    ranks: dict[Hashable, int] = {"x": 4, "conv": 4, "relu": 4, "perm": 4, "ln": 4, "fc": 4, "head": 2}
+
+    def permuted(axis: int) -> int | None:  # permute(0, 2, 3, 1)
+        return (0, 3, 1, 2)[axis] if axis else None
+
+    rules = [
+        AxisRule("conv", ("x",), "fixed", fixed_in=1, fixed_out=1),
+        AxisRule("relu", ("conv",), "same"),
+        AxisRule("perm", ("relu",), "map", mapped=permuted),
+        AxisRule("ln", ("perm",), "fixed", fixed_in=3, fixed_out=3),
+    ]
+    assert channel_axes(rules, ranks.__getitem__) == {"x": 1, "conv": 1, "relu": 1, "perm": 3, "ln": 3}
+    backwards = [AxisRule("relu", ("x",), "same"), AxisRule("fc", ("relu",), "fixed", fixed_in=3, fixed_out=3)]
+    assert channel_axes(backwards, ranks.__getitem__) == {"x": 3, "relu": 3, "fc": 3}
+    assert channel_axes([AxisRule("relu", ("x",), "same")], ranks.__getitem__) == {"x": 3, "relu": 3}, "last axis"
+    clash = [*rules[:2], AxisRule("fc", ("relu",), "fixed", fixed_in=3, fixed_out=3)]
+    with pytest.raises(AxisConflict) as conflict:
+        channel_axes(clash, ranks.__getitem__)
+    assert conflict.value.node == "fc"
+    with pytest.raises(AxisConflict):
+        channel_axes([AxisRule("head", ("x",), "fixed", fixed_in=1, fixed_out=3)], ranks.__getitem__)
