@@ -81,3 +81,15 @@ def layer_at(model: keras.Model, path: str) -> keras.layers.Layer:
     for name in path.split("/"):
         layer = layer.get_layer(name)
     return layer
+
+
+def run(model: keras.Model, x: Any) -> Any:
+    """The outputs of ``model`` on ``x`` in inference mode (a direct call: no predict function to compile)."""
+    return keras.tree.map_structure(to_numpy, model(x, training=False))
+
+
+def masksembles_layers(model: keras.Model) -> dict[str, Any]:
+    """The Masksembles layers of ``model`` (nested ones included) by path."""
+    import masksembles_keras as mk
+
+    return {path: layer for path, layer in layer_paths(model) if isinstance(layer, mk.Masksembles)}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import keras
 import numpy as np
@@ -14,7 +13,7 @@ import masksembles_core.adapter as mca
 import masksembles_keras as mk
 from masksembles_core.insertion import CONVERTED, LEFT
 from tests.keras.architectures import BUILDERS, CLASSES
-from tests.keras.common import core_error, layer_at, layer_paths, masks_of, to_numpy
+from tests.keras.common import core_error, layer_at, layer_paths, masks_of, masksembles_layers, run
 
 # architecture -> {dropout path: (action, channels, channel axis)}
 EXPECTED: dict[str, dict[str, tuple[str, int | None, int | None]]] = {
@@ -28,15 +27,6 @@ EXPECTED: dict[str, dict[str, tuple[str, int | None, int | None]]] = {
 
 def data(model: keras.Model, batch: int = 5) -> np.ndarray:
     return np.random.default_rng(0).normal(size=(batch, *model.inputs[0].shape[1:])).astype(np.float32)
-
-
-def run(model: keras.Model, x: np.ndarray) -> Any:
-    """The outputs of ``model`` on ``x`` in inference mode (a direct call: no predict function to compile)."""
-    return keras.tree.map_structure(to_numpy, model(x, training=False))
-
-
-def masksembles_layers(model: keras.Model) -> dict[str, mk.Masksembles]:
-    return {path: layer for path, layer in layer_paths(model) if isinstance(layer, mk.Masksembles)}
 
 
 @pytest.mark.parametrize("name", list(EXPECTED))

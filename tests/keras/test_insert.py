@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 from pathlib import Path
-from typing import Any
 
 import keras
 import numpy as np
@@ -15,7 +14,7 @@ import masksembles_core.adapter as mca
 import masksembles_keras as mk
 from masksembles_core.insertion import INSERTED, LEFT
 from tests.keras.architectures import BUILDERS, CLASSES, mobilenet_v3_like, resnet_like
-from tests.keras.common import core_error, layer_at, layer_paths, masks_of, to_numpy
+from tests.keras.common import core_error, layer_at, layer_paths, masks_of, masksembles_layers, run
 
 # architecture -> (its first layer, left alone by default; {path: (channels, channel axis)} of the inserted masks)
 # (the squeeze-excitation expansions of the EfficientNet-like graph read 2 channels: too few for 4 distinct masks)
@@ -65,15 +64,6 @@ def data(model: keras.Model, batch: int = 5, seed: int = 0) -> np.ndarray:
 
 def masks_path(path: str) -> str:
     return f"{path}_masksembles"
-
-
-def run(model: keras.Model, x: np.ndarray) -> Any:
-    """The outputs of ``model`` on ``x`` in inference mode (a direct call: no predict function to compile)."""
-    return keras.tree.map_structure(to_numpy, model(x, training=False))
-
-
-def masksembles_layers(model: keras.Model) -> dict[str, mk.Masksembles]:
-    return {path: layer for path, layer in layer_paths(model) if isinstance(layer, mk.Masksembles)}
 
 
 @pytest.mark.parametrize("name", list(BUILDERS))
