@@ -126,7 +126,14 @@ class Affine(nn.Module):
 
 
 class MemberLinear(nn.Module):
-    """One Linear per member on the member blocks of the last axis: (..., m*I) -> (..., m*O), one batched matmul."""
+    """One Linear per member on the member blocks of the last axis: (..., m*I) -> (..., m*O).
+
+    Few rows run as one batched matmul (members moved to the front and back); from ``PER_MEMBER_ROWS`` rows on, each
+    member is one matmul reading its block of the input in place and writing its block of the output, which avoids
+    the two copies around the batched matmul (measured faster on CPU from about 1000 rows).
+    """
+
+    PER_MEMBER_ROWS = 1024
 
     def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
         super().__init__()
@@ -135,9 +142,20 @@ class MemberLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.view(members, 1, outputs), requires_grad=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        members, inputs, _ = self.weight.shape
-        rows = x.reshape(-1, members, inputs).transpose(0, 1)  # (m, rows, I)
-        y = torch.bmm(rows, self.weight) if self.bias is None else torch.baddbmm(self.bias, rows, self.weight)
+        members, inputs, outputs = self.weight.shape
+        rows = x.reshape(-1, members * inputs)
+        if rows.shape[0] >= self.PER_MEMBER_ROWS:
+            y = rows.new_empty(rows.shape[0], members * outputs)
+            for k in range(members):
+                block = rows[:, k * inputs : (k + 1) * inputs]
+                out = y[:, k * outputs : (k + 1) * outputs]
+                if self.bias is None:
+                    torch.mm(block, self.weight[k], out=out)
+                else:
+                    torch.addmm(self.bias[k, 0], block, self.weight[k], out=out)
+            return y.view(*x.shape[:-1], -1)
+        stacked = rows.view(-1, members, inputs).transpose(0, 1)  # (m, rows, I)
+        y = torch.bmm(stacked, self.weight) if self.bias is None else torch.baddbmm(self.bias, stacked, self.weight)
         return y.transpose(0, 1).reshape(*x.shape[:-1], -1)
 
     def extra_repr(self) -> str:

@@ -1114,13 +1114,22 @@ class _Emitter:
                 return self.graph.call_function(ops.flatten_members_last, (inputs[0], self.m))
             return self.graph.call_function(torch.flatten, (inputs[0], 1))
         if kind == "combine" and len(inputs) == 2:
-            result = self._as_model(op, inputs, constants=lambda t: t)
-            shape = self.capture.seen[op.node].shapes[0]
-            self.same_shape[result] = tuple(
-                i for i, t in enumerate(op.tensors) if self.capture.seen[t].shapes[0] == shape
-            )
+            return self._note_same_shape(op, inputs, self._as_model(op, inputs, constants=lambda t: t))
+        result = self._as_model(op, inputs, constants=lambda t: self._laid_out(t, step, op))
+        return self._note_same_shape(op, inputs, result)
+
+    def _note_same_shape(self, op: _Op, inputs: list[fx.Node], result: fx.Node) -> fx.Node:
+        """Record which arguments of a sum or product ``result`` have its shape and dtype (it may be computed in
+        place on one of them)."""
+        if result.op != "call_function" or result.target not in (operator.add, operator.mul) or result.kwargs:
             return result
-        return self._as_model(op, inputs, constants=lambda t: self._laid_out(t, step, op))
+        seen = self.capture.seen
+        like_result = {
+            value for value, tensor in zip(inputs, op.tensors, strict=True)
+            if (seen[tensor].shapes[0], seen[tensor].dtype) == (seen[op.node].shapes[0], seen[op.node].dtype)
+        }  # fmt: skip
+        self.same_shape[result] = tuple(i for i, argument in enumerate(result.args) if argument in like_result)
+        return result
 
     def _laid_out(self, constant: Tensor, step: Step, op: _Op) -> fx.Node:
         """A constant operand of an elementwise operation, with its channels laid out like the compacted tensor."""
@@ -1239,51 +1248,60 @@ class _Emitter:
         nothing else reads (fresh allocations of large activations cost more than the operations themselves)."""
         for node in list(self.graph.nodes):
             module = self.root.get_submodule(str(node.target)) if node.op == "call_module" else None
-            if isinstance(module, ops.Affine) and self._owned(node.args[0]):
+            if not node.args or (not self._owned(node.args[0]) and node not in self.same_shape):
+                continue
+            if isinstance(module, ops.Affine):
                 module.inplace = True
-            elif _activation(module) and self._owned(node.args[0]):
+            elif isinstance(module, nn.GELU) or (node.op == "call_function" and node.target is F.gelu):
+                approximate = module.approximate if isinstance(module, nn.GELU) else node.kwargs.get("approximate")
+                if len(node.args) == 1 and set(node.kwargs) <= {"approximate"}:
+                    with self.graph.inserting_before(node):
+                        gelu = self.graph.call_function(
+                            torch.ops.aten.gelu_, node.args, {"approximate": approximate or "none"}
+                        )
+                    node.replace_all_uses_with(gelu)
+                    self.graph.erase_node(node)
+            elif _activation(module):
                 twin = copy.copy(module)
                 twin.inplace = True  # type: ignore[union-attr]
                 name = f"{node.target}_inplace"
                 self.root.add_module(name, twin)
                 node.target = name
-            elif node.op == "call_function" and node.target in IN_PLACE_FUNCTIONS and self._owned(node.args[0]):
+            elif node.op == "call_function" and node.target in IN_PLACE_FUNCTIONS:
                 if len(node.args) == 1 and not node.kwargs:
                     node.target = IN_PLACE_FUNCTIONS[node.target]
-            elif node.op == "call_function" and node.target in INPLACE_KEYWORD and self._owned(node.args[0]):
+            elif node.op == "call_function" and node.target in INPLACE_KEYWORD:
                 if ("inplace" not in node.kwargs and len(node.args) == 1) or node.kwargs.get("inplace") is False:
                     node.kwargs = {**node.kwargs, "inplace": True}
-            elif node in self.same_shape and node.op == "call_function" and node.target in (operator.add, operator.mul):
+            elif node in self.same_shape:
                 for i in self.same_shape[node]:
-                    if not node.kwargs and self._owned(node.args[i]):
-                        other = node.args[1 - i]
+                    if self._owned(node.args[i]):
                         name = "add_" if node.target is operator.add else "mul_"
                         with self.graph.inserting_before(node):
-                            replacement = self.graph.call_method(name, (node.args[i], other))
+                            replacement = self.graph.call_method(name, (node.args[i], node.args[1 - i]))
                         node.replace_all_uses_with(replacement)
                         self.graph.erase_node(node)
                         break
 
     def _owned(self, value: Any) -> bool:
-        """A tensor this graph allocated (not the caller's input, a view or a buffer) that only one node reads."""
+        """A tensor only one node reads that this graph allocated (not the caller's input or a buffer), or a view of
+        one or an in-place result on one, each read by one node only."""
         if not isinstance(value, fx.Node) or len(value.users) != 1:
             return False
         if value.op == "call_module":
             module = self.root.get_submodule(str(value.target))
-            return isinstance(module, FRESH_MODULES) or (_activation(module) and not getattr(module, "inplace", True))
+            if getattr(module, "inplace", False) is True:
+                return self._owned(value.args[0])
+            return isinstance(module, FRESH_MODULES) or _activation(module)
         if value.op == "call_function":
+            if value.target in IN_PLACE_RESULTS or value.kwargs.get("inplace") is True:
+                return self._owned(value.args[0])
             return value.target in FRESH_FUNCTIONS or (
                 value.target in (operator.add, operator.mul) and value in self.same_shape
             )
-        return value.op == "call_method" and str(value.target) in ("add_", "mul_") and self._owned_chain(value)
-
-    def _owned_chain(self, value: fx.Node) -> bool:
-        """An in-place sum or product returns its first argument: owned if that was."""
-        first = value.args[0]
-        return isinstance(first, fx.Node) and (
-            (first.op == "call_module" and isinstance(self.root.get_submodule(str(first.target)), FRESH_MODULES))
-            or (first.op == "call_function" and first.target in FRESH_FUNCTIONS)
-        )
+        if value.op == "call_method" and str(value.target) in ("add_", "mul_", *VIEW_METHODS):
+            return self._owned(value.args[0])
+        return False
 
     # ---- the result
 
@@ -1337,6 +1355,8 @@ FRESH_FUNCTIONS = {
     torch.relu, torch.sigmoid, torch.tanh, F.relu, F.gelu, F.silu, F.hardswish, F.hardsigmoid, F.prelu,
 }  # fmt: skip
 IN_PLACE_FUNCTIONS = {torch.relu: torch.relu_, torch.sigmoid: torch.sigmoid_, torch.tanh: torch.tanh_}
+IN_PLACE_RESULTS = {*IN_PLACE_FUNCTIONS.values(), torch.ops.aten.gelu_}  # return their first argument, written
+VIEW_METHODS = ("permute", "transpose", "view", "reshape", "flatten", "unflatten", "movedim", "contiguous")
 INPLACE_KEYWORD = {F.relu, F.relu6, F.silu, F.hardswish, F.hardsigmoid, F.leaky_relu, F.elu, F.selu, F.celu, F.mish}
 
 

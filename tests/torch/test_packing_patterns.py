@@ -240,6 +240,25 @@ class Sequence1d(nn.Module):
         return self.fc(self.masks2(y.amax(-1)))
 
 
+class TokenMLP(nn.Module):
+    """Token-wise Linear layers on enough tokens (rows) for the members' separate matmuls, with a GELU whose input is
+    read twice, a tanh-GELU module, a Linear without bias and a product that promotes to float64."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.masks1 = nn.Linear(8, 16), masks(16, 19, -1)
+        self.fc1, self.act, self.masks2 = nn.Linear(16, 32), nn.GELU(approximate="tanh"), masks(32, 20, -1)
+        self.fc2 = nn.Linear(32, 16, bias=False)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 16, dtype=torch.float64))
+        self.masks3, self.out = masks(16, 21, -1), nn.Linear(16, 3, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc2(self.masks2(self.act(self.fc1(self.masks1(self.embed(x))))))
+        a = F.gelu(y) * self.scale  # float64: computed in place on the float32 GELU output it would be float32
+        z = F.relu(y) + a  # float64, as above
+        return self.out(self.masks3(z)).mean(1)
+
+
 def image(pattern: Callable[[torch.Tensor], torch.Tensor], modules: nn.Module | None = None) -> nn.Module:
     return Block(pattern, modules)
 
@@ -283,6 +302,7 @@ PATTERNS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
     "sequence-first-attention": (SequenceFirst, (5, 6)),
     "sequence-conv1d": (Sequence1d, (4, 9)),
     "upsample-where-view": (Upsampled, (3, 6, 6)),
+    "token-mlp-many-rows": (TokenMLP, (300, 8)),
 }
 
 
