@@ -354,9 +354,7 @@ def insert(
         for site in sites
         if isinstance(site.op, keras.layers.Layer) and not _is_graph_model(site.op) and matches(site.path, site.op)
     ]
-    first = next(  # the network's first layer: it reads the raw input
-        (site.path for site in sites if isinstance(site.op, INPUT_LAYERS) or site in chosen), None
-    )
+    first = [site.path for site in sites if isinstance(site.op, INPUT_LAYERS) or site in chosen][:1]
     report = plan_insertion(
         [_candidate(site, default) for site in chosen],
         [site.path for site in sites],
@@ -365,7 +363,7 @@ def insert(
         seed=seed,
         start=start,
         include_first=include_first,
-        first_layer=first,
+        first_layers=first,
     )
     by_path = {site.path: site for site in sites}
     taken = {site.op.name for site in sites}

@@ -219,9 +219,9 @@ def insert(
     ]
     chosen = {path for path, _ in selected}
     layers = (path for path, module in model.named_modules() if isinstance(module, INPUT_LAYERS) or path in chosen)
-    first = next((path for path in layers if path), None)  # the network's first layer: it reads the raw input
+    first = [path for path in layers if path][:1]  # the network's first layer: it reads the raw input
     report = plan_insertion(
-        candidates, order, n, scale, seed=seed, start=start, include_first=include_first, first_layer=first
+        candidates, order, n, scale, seed=seed, start=start, include_first=include_first, first_layers=first
     )
     for row in report.changed:
         layer = model.get_submodule(row.path)
