@@ -3,9 +3,10 @@
 An adapter lists the layers of a model in order (their paths) and the candidates among them (the layers whose input
 may get masks, with their input channel count), and ``plan_insertion`` decides, the same way in every framework:
 
-- the network's first layer (``first_layer``: its first convolution, linear or embedding layer in the model's order,
-  as the adapter finds it, whatever ``before`` selects) reads the raw input (image or feature channels): when it is a
-  candidate it is skipped unless ``include_first`` is set;
+- the network's first layers (``first_layers``, as the adapter finds them, whatever ``before`` selects: the
+  convolution, linear or embedding layers that read the raw input, image or feature channels; one per input of a
+  model with an image and a tabular input, say) are skipped when they are candidates, unless ``include_first`` is
+  set;
 - with ``start`` (a layer path, e.g. ``"layer3"``), candidates before that layer in the model's order are skipped;
   a ``start`` that names no layer is an error that lists the model's top-level layers;
 - a candidate the adapter marked with a reason (e.g. a depthwise convolution) is skipped with that reason, and so is
@@ -20,7 +21,7 @@ The result is a ``LayerReport``: one row per candidate, what was done and why, p
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from ._generation import derive_seed, ones_per_mask
@@ -128,7 +129,7 @@ def plan_insertion(
     scale: float,
     *,
     seed: int | None,
-    first_layer: str | None,
+    first_layers: Collection[str] = (),
     start: str | None = None,
     include_first: bool = False,
 ) -> LayerReport:
@@ -139,14 +140,17 @@ def plan_insertion(
         order: the paths of all layers of the model, in order (``start`` is looked up here).
         n, scale, seed: as given to ``insert`` (validated by ``check_insert_arguments``).
         start: the path of the layer insertion starts from, or None for the whole model.
-        include_first: also mask the input of the network's first layer (the raw input).
-        first_layer: the path of the network's first layer (None: the model has none of the kinds that read raw
-            input; every candidate is then a later layer).
+        first_layers: the paths of the layers that read the raw input (the network's first layer, or several: one
+            per input of a multi-input model); empty when the model has none, every candidate is then a later layer.
+        include_first: also mask the input of the network's first layers (the raw input).
 
     Raises:
         ValueError: ``start`` names no layer of the model, or no candidate gets masks (the message holds the report).
     """
     position = {path: i for i, path in enumerate(order)}
+    if isinstance(first_layers, str):
+        raise TypeError(f"first_layers must be a collection of layer paths, not one str; received {first_layers!r}")
+    first = frozenset(first_layers)
     first_allowed = 0
     if start is not None:
         if start not in position:
@@ -158,7 +162,7 @@ def plan_insertion(
     inserted = 0
     for candidate in candidates:
         reason = candidate.reason
-        if not reason and candidate.path == first_layer and not include_first:
+        if not reason and candidate.path in first and not include_first:
             reason = "the network's first layer: it reads the raw input (include_first=True masks it)"
         if not reason and position[candidate.path] < first_allowed:
             reason = f"before start={start!r}"

@@ -115,13 +115,12 @@ def insert(
             candidates.append(_candidate(dotted, node, others, isinstance(parent, Masked) and path[-1] == "layer"))
             path_parts[dotted] = path
     order = [_dotted(path) for path, _, _ in nodes]
-    first = next(  # the network's first layer: it reads the raw input
-        (dotted for dotted, (path, node, _) in zip(order, nodes, strict=True) if isinstance(node, INPUT_LAYERS)
-         or dotted in path_parts),
-        None,
-    )  # fmt: skip
+    first = [  # the network's first layer: it reads the raw input
+        dotted for dotted, (_, node, _) in zip(order, nodes, strict=True)
+        if isinstance(node, INPUT_LAYERS) or dotted in path_parts
+    ][:1]  # fmt: skip
     report = plan_insertion(
-        candidates, order, n, scale, seed=seed, start=start, include_first=include_first, first_layer=first
+        candidates, order, n, scale, seed=seed, start=start, include_first=include_first, first_layers=first
     )
     copy = nnx.clone(model, arrays=True)
     _keep_attribute_order(model, copy)

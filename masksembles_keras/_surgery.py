@@ -4,7 +4,8 @@ Both run the same two steps. ``_survey`` lists every layer and operation of the 
 shape of the tensor each call reads; the rule of ``masksembles_core.insertion`` (``insert``) or the dropout rule
 (``convert_dropout``) decides where masks go; ``_Rebuilder`` builds a new model with a Masksembles layer in front of
 (``insert``) or in place of (``convert_dropout``) the chosen layers and copies every other layer and operation with
-its weights, so the input model is never modified.
+its weights, so the input model is never modified. For ``insert``, ``_read_raw`` follows the raw input from the
+model's inputs through the graph to the layers that read it: the network's first layers.
 
 Paths: a layer of the model is its name (``"conv2"``); a layer of a nested Sequential/functional model is
 ``"<nested model name>/<layer name>"`` (nesting repeats), as in Keras' variable paths. A layer inside a custom layer
@@ -37,7 +38,7 @@ Shape = tuple[int | None, ...]
 Predicate = Callable[[str, Any], bool]
 
 DEFAULT_BEFORE = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D, keras.layers.Dense)
-INPUT_LAYERS = (  # the kinds of layer that read a network's raw input: its first one is the network's first layer
+INPUT_LAYERS = (  # the kinds of layer that read a network's raw input: those that do are its first layers
     *DEFAULT_BEFORE,
     keras.layers.Conv1DTranspose,
     keras.layers.Conv2DTranspose,
@@ -124,6 +125,39 @@ def _survey(model: Any, prefix: str = "", sites: dict[int, _Site] | None = None)
                     found.setdefault(id(inner), _Site(f"{site.path}/{inner.name}", inner, inside=inside))
         site.inputs.extend(inputs)
     return list(found.values())
+
+
+def _read_raw(model: Any, raw: Sequence[bool], stops: set[int], found: set[int]) -> list[bool]:
+    """Follow the raw input through ``model``'s graph, whose input ``i`` carries it when ``raw[i]``.
+
+    Every layer in ``stops`` (or custom layer holding one) that reads a tensor carrying the raw input is added to
+    ``found`` and its outputs do not carry it; other layers and operations pass it on, nested models are followed.
+    Returns, per output of ``model``, whether it carries the raw input.
+    """
+
+    def through(op: Any, reads: list[bool], outputs: int) -> list[bool]:
+        if _is_graph_model(op):
+            return _read_raw(op, reads if len(reads) == len(op.inputs) else [True] * len(op.inputs), stops, found)
+        inner = op._flatten_layers(include_self=False, recursive=True) if isinstance(op, keras.layers.Layer) else []
+        if id(op) in stops or any(id(layer) in stops for layer in inner):
+            found.add(id(op))
+            return [False] * outputs
+        return [True] * outputs
+
+    if isinstance(model, keras.Sequential):
+        carries = raw[0]
+        for layer in model.layers:
+            carries = carries and any(through(layer, [True], 1))
+        return [carries]
+    carrying = {id(tensor) for tensor, flag in zip(model.inputs, raw, strict=True) if flag}
+    for depth in sorted(model._nodes_by_depth, reverse=True):  # inputs first (see _graph_calls)
+        for node in model._nodes_by_depth[depth]:
+            reads = [id(tensor) in carrying for tensor in node.input_tensors]
+            if node.is_input or not any(reads):
+                continue
+            flags = through(node.operation, reads, len(node.outputs))
+            carrying.update(id(tensor) for tensor, flag in zip(node.outputs, flags, strict=True) if flag)
+    return [id(tensor) in carrying for tensor in model.outputs]
 
 
 def _channel_axis(layer: Any) -> int:
@@ -315,13 +349,14 @@ def insert(
     called at each of them.
 
     Which layers get masks is decided by ``masksembles_core.insertion.plan_insertion``, the rule shared with
-    PyTorch and Flax: the network's first layer (its first convolution, dense, einsum-dense or embedding layer in
-    ``model.layers`` order, or an earlier one ``before`` selects) reads the raw input and is skipped unless
-    ``include_first``; layers before ``start`` in ``model.layers`` order (a nested model's layers follow it) are
-    skipped; the ``i``-th layer given masks gets ``derive_seed(seed, i)``. Left alone, with the reason in the report:
-    depthwise convolutions (``Conv2D(groups=C)``) when ``before`` is the default, layers with a single input
-    channel, layers reading several tensors or inputs of different channel counts, and layers inside custom layers
-    or subclassed models (their ``call()`` cannot be rebuilt).
+    PyTorch and Flax: the network's first layers read the raw input and are skipped unless ``include_first``. They
+    are found by data flow from every model input: each convolution, dense, einsum-dense or embedding layer (or layer
+    ``before`` selects) reached from an input through no other such layer, so each input of a multi-input model (an
+    image and a tabular branch) has its own. Layers before ``start`` in ``model.layers`` order (a nested model's
+    layers follow it) are skipped; the ``i``-th layer given masks gets ``derive_seed(seed, i)``. Left alone, with the
+    reason in the report: depthwise convolutions (``Conv2D(groups=C)``) when ``before`` is the default, layers with a
+    single input channel, layers reading several tensors or inputs of different channel counts, and layers inside
+    custom layers or subclassed models (their ``call()`` cannot be rebuilt).
 
     Args:
         model: a built Sequential or functional model (left unchanged).
@@ -332,7 +367,7 @@ def insert(
         start: the path of the layer insertion starts from, e.g. ``"conv4_block1_1_conv"``: ResNet50's third
             residual stage (torchvision's ``layer3``), whose shortcut ``conv4_block1_0_conv`` comes later in
             ``model.layers`` and is included.
-        include_first: also put masks on the input of the network's first layer (the raw input).
+        include_first: also put masks on the input of the network's first layers (the raw input).
 
     Returns:
         the new model, of the input model's class (compiled with its compile configuration when it was compiled);
@@ -354,9 +389,10 @@ def insert(
         for site in sites
         if isinstance(site.op, keras.layers.Layer) and not _is_graph_model(site.op) and matches(site.path, site.op)
     ]
-    first = next(  # the network's first layer: it reads the raw input
-        (site.path for site in sites if isinstance(site.op, INPUT_LAYERS) or site in chosen), None
-    )
+    found: set[int] = set()  # the network's first layers: they read the raw input
+    stops = {id(site.op) for site in sites if isinstance(site.op, INPUT_LAYERS)} | {id(site.op) for site in chosen}
+    _read_raw(model, [True] * len(model.inputs), stops, found)
+    first = [site.path for site in sites if id(site.op) in found]
     report = plan_insertion(
         [_candidate(site, default) for site in chosen],
         [site.path for site in sites],
@@ -365,7 +401,7 @@ def insert(
         seed=seed,
         start=start,
         include_first=include_first,
-        first_layer=first,
+        first_layers=first,
     )
     by_path = {site.path: site for site in sites}
     taken = {site.op.name for site in sites}

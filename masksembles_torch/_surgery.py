@@ -19,7 +19,7 @@ import dataclasses
 import inspect
 import operator
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -162,6 +162,36 @@ def _candidate(model: nn.Module, path: str, module: nn.Module, paths: list[str],
     return Candidate(path, kind, 0, 1, reason="no in_channels or in_features to read its input channels from")
 
 
+def _first_layers(model: nn.Module, layers: list[str]) -> Collection[str]:
+    """The network's first layers among ``layers`` (paths in ``named_modules`` order): those that read the raw input.
+
+    A ``forward`` with one required input: the first of ``layers``. With several (``forward(self, image, features)``):
+    the layers torch.fx finds reached from an input through none of ``layers`` (arguments with a default keep it), or
+    the first of ``layers`` when torch.fx cannot trace the model.
+    """
+    leaves = set(layers)
+    try:
+        parameters = inspect.signature(model.forward).parameters.values()
+        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        if sum(p.default is p.empty and p.kind in positional for p in parameters) < 2:
+            return layers[:1]
+        defaults = {p.name: p.default for p in parameters if p.default is not p.empty}
+        graph = _Tracer(leaves).trace(model, concrete_args=defaults)
+    except Exception:  # no Python signature (a scripted module), or anything torch.fx cannot follow: the order rule
+        return layers[:1]
+    carrying: set[fx.Node] = set()
+    found: set[str] = set()
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            carrying.add(node)
+        elif any(source in carrying for source in node.all_input_nodes):
+            if node.op == "call_module" and node.target in leaves:
+                found.add(cast(str, node.target))
+            else:
+                carrying.add(node)
+    return found
+
+
 def insert(
     model: nn.Module,
     n: int,
@@ -180,12 +210,14 @@ def insert(
     any ``groups``) or ``in_features`` (last axis) and are stored on the device and in the dtype of its weights.
     Layers are looked at in ``named_modules`` order and decided by ``masksembles_core.insertion.plan_insertion``:
     the network's first layer (its first convolution, linear or embedding layer, or an earlier one ``before``
-    selects) reads the raw input and is skipped unless ``include_first``; with ``start`` (a module path such as
-    ``"layer3"``, the paper's ImageNet recipe) those before it are skipped; the ``i``-th inserted layer gets masks
-    from ``masksembles_core.derive_seed(seed, i)``. Also left alone, with the reason in the report: depthwise
-    convolutions when ``before`` is the default, a module registered at several paths, the layers inside a torch.nn
-    module such as ``nn.MultiheadAttention`` (it may use their weights without calling them), lazy modules not yet
-    initialized, and layers with a single input channel.
+    selects) reads the raw input and is skipped unless ``include_first``. A ``forward`` with several required
+    inputs (``forward(self, image, features)``) has one per input: the layers of these kinds that torch.fx finds
+    reading an input through no other (the first in order when torch.fx cannot trace the model). With ``start`` (a
+    module path such as ``"layer3"``, the paper's ImageNet recipe) the layers before it are skipped; the ``i``-th
+    inserted layer gets masks from ``masksembles_core.derive_seed(seed, i)``. Also left alone, with the reason in
+    the report: depthwise convolutions when ``before`` is the default, a module registered at several paths, the
+    layers inside a torch.nn module such as ``nn.MultiheadAttention`` (it may use their weights without calling
+    them), lazy modules not yet initialized, and layers with a single input channel.
 
     Args:
         model: the network; not modified unless ``inplace``.
@@ -194,7 +226,7 @@ def insert(
         seed: seed of the per-layer seeds (None: fresh entropy; the report lists the seeds used).
         before: module types, or a predicate ``(path, module) -> bool`` that chooses the layers by name or type.
         start: path of the module from which insertion begins (None: the whole model).
-        include_first: also mask the input of the network's first layer (the raw input).
+        include_first: also mask the input of the network's first layers (the raw input).
         inplace: change ``model`` itself instead of a deep copy.
 
     Returns:
@@ -218,10 +250,12 @@ def insert(
         if not isinstance(module, Masked | Masksembles)
     ]
     chosen = {path for path, _ in selected}
-    layers = (path for path, module in model.named_modules() if isinstance(module, INPUT_LAYERS) or path in chosen)
-    first = next((path for path in layers if path), None)  # the network's first layer: it reads the raw input
+    layers = [
+        path for path, module in model.named_modules() if path and (isinstance(module, INPUT_LAYERS) or path in chosen)
+    ]
+    first = _first_layers(model, layers)  # the network's first layers: they read the raw input
     report = plan_insertion(
-        candidates, order, n, scale, seed=seed, start=start, include_first=include_first, first_layer=first
+        candidates, order, n, scale, seed=seed, start=start, include_first=include_first, first_layers=first
     )
     for row in report.changed:
         layer = model.get_submodule(row.path)
@@ -304,12 +338,13 @@ def _per_sample(module: nn.Module) -> bool:
 class _Tracer(fx.Tracer):
     """Keeps dropouts, Masksembles and per-sample dropouts as calls; records how traced-through modules are called."""
 
-    def __init__(self) -> None:
+    def __init__(self, leaves: set[str] | None = None) -> None:
         super().__init__()
         self.calls: dict[str, list[tuple[tuple[Any, ...], dict[str, Any]]]] = {}
+        self.leaves = leaves or set()  # more modules kept as calls, by path
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        special = isinstance(m, (*DROPOUT_TYPES, Masksembles)) or _per_sample(m)
+        special = isinstance(m, (*DROPOUT_TYPES, Masksembles)) or _per_sample(m) or module_qualified_name in self.leaves
         return special or super().is_leaf_module(m, module_qualified_name)
 
     def call_module(

@@ -1,4 +1,4 @@
-"""The insertion rule shared by every framework's insert: first layer, start, adapter reasons, seeds, the report."""
+"""The insertion rule shared by every framework's insert: first layers, start, adapter reasons, seeds, the report."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from masksembles_core.insertion import (
     plan_insertion,
 )
 
-FIRST = "stem.conv"
+FIRST = ("stem.conv",)
 ORDER = ("stem", "stem.conv", "layer1", "layer1.conv", "layer2", "layer2.dw", "layer2.conv", "head", "head.fc")
 CANDIDATES = (
     Candidate("stem.conv", "Conv2d", 3, 1),
@@ -30,7 +30,7 @@ def actions(report: LayerReport) -> dict[str, str]:
 
 
 def test_defaults_skip_the_first_layer_and_adapter_reasons() -> None:
-    report = plan_insertion(CANDIDATES, ORDER, 4, 2.0, first_layer=FIRST, seed=0)
+    report = plan_insertion(CANDIDATES, ORDER, 4, 2.0, first_layers=FIRST, seed=0)
     assert actions(report) == {
         "stem.conv": LEFT,
         "layer1.conv": INSERTED,
@@ -46,36 +46,36 @@ def test_defaults_skip_the_first_layer_and_adapter_reasons() -> None:
 
 
 def test_seeds_are_derived_per_inserted_layer() -> None:
-    report = plan_insertion(CANDIDATES, ORDER, 4, 2.0, first_layer=FIRST, seed=7)
+    report = plan_insertion(CANDIDATES, ORDER, 4, 2.0, first_layers=FIRST, seed=7)
     assert [row.seed for row in report.changed] == [mc.derive_seed(7, i) for i in range(3)]
     assert all(row.seed is None for row in report.unchanged)
-    again = plan_insertion(CANDIDATES, ORDER, 4, 2.0, first_layer=FIRST, seed=7)
+    again = plan_insertion(CANDIDATES, ORDER, 4, 2.0, first_layers=FIRST, seed=7)
     assert again == report
-    fresh = [row.seed for row in plan_insertion(CANDIDATES, ORDER, 4, 2.0, first_layer=FIRST, seed=None).changed]
+    fresh = [row.seed for row in plan_insertion(CANDIDATES, ORDER, 4, 2.0, first_layers=FIRST, seed=None).changed]
     assert len(set(fresh)) == 3
 
 
 def test_include_first_and_start() -> None:
-    report = plan_insertion(CANDIDATES, ORDER, 4, 2.0, first_layer=FIRST, seed=0, include_first=True)
+    report = plan_insertion(CANDIDATES, ORDER, 4, 2.0, first_layers=FIRST, seed=0, include_first=True)
     assert actions(report)["stem.conv"] == LEFT, "included, but 3 channels give fewer than 4 distinct masks"
     assert report.unchanged[0].reason.startswith("3 input channels: only 3 distinct masks")
-    report = plan_insertion(CANDIDATES, ORDER, 3, 2.0, first_layer=FIRST, seed=0, include_first=True)
+    report = plan_insertion(CANDIDATES, ORDER, 3, 2.0, first_layers=FIRST, seed=0, include_first=True)
     assert actions(report)["stem.conv"] == INSERTED
-    report = plan_insertion(CANDIDATES, ORDER, 4, 2.0, first_layer=FIRST, seed=0, start="layer2")
+    report = plan_insertion(CANDIDATES, ORDER, 4, 2.0, first_layers=FIRST, seed=0, start="layer2")
     assert [row.path for row in report.changed] == ["layer2.conv", "head.fc"]
     assert {row.path: row.reason for row in report.unchanged}["layer1.conv"] == "before start='layer2'"
-    report = plan_insertion(CANDIDATES, ORDER, 4, 2.0, first_layer=FIRST, seed=0, start="head.fc")
+    report = plan_insertion(CANDIDATES, ORDER, 4, 2.0, first_layers=FIRST, seed=0, start="head.fc")
     assert [row.path for row in report.changed] == ["head.fc"]
 
 
 def test_start_must_name_a_layer() -> None:
     with pytest.raises(ValueError, match=r"start='layer9' names no layer of the model; its top-level layers are"):
-        plan_insertion(CANDIDATES, ORDER, 4, 2.0, first_layer=FIRST, seed=0, start="layer9")
+        plan_insertion(CANDIDATES, ORDER, 4, 2.0, first_layers=FIRST, seed=0, start="layer9")
 
 
 def test_single_channel_inputs_are_left_alone() -> None:
     candidates = (Candidate("a", "Linear", 5, -1), Candidate("b", "Linear", 1, -1), Candidate("c", "Linear", 4, -1))
-    report = plan_insertion(candidates, ("a", "b", "c"), 2, 2.0, seed=0, first_layer="a")
+    report = plan_insertion(candidates, ("a", "b", "c"), 2, 2.0, seed=0, first_layers=("a",))
     assert actions(report) == {"a": LEFT, "b": LEFT, "c": INSERTED}
     assert "single input channel" in report.unchanged[1].reason
 
@@ -83,11 +83,11 @@ def test_single_channel_inputs_are_left_alone() -> None:
 def test_nothing_to_insert_is_an_error_that_shows_the_report() -> None:
     message = r"(?s)insert found no layer to put masks before \(1 candidates\)\n.*first layer"
     with pytest.raises(ValueError, match=message):
-        plan_insertion((Candidate("fc", "Linear", 8, -1),), ("fc",), 4, 2.0, seed=0, first_layer="fc")
+        plan_insertion((Candidate("fc", "Linear", 8, -1),), ("fc",), 4, 2.0, seed=0, first_layers=("fc",))
 
 
 def test_report_prints_as_a_markdown_table() -> None:
-    text = str(plan_insertion(CANDIDATES, ORDER, 4, 2.0, first_layer=FIRST, seed=0))
+    text = str(plan_insertion(CANDIDATES, ORDER, 4, 2.0, first_layers=FIRST, seed=0))
     lines = text.splitlines()
     assert lines[0] == "insert: Masksembles n=4, scale=2 on 3 of 5 layers"
     assert lines[2].startswith("| layer | type | action |")
@@ -115,18 +115,41 @@ def test_arguments_are_checked_in_one_order(arguments: tuple[object, ...], error
 def test_the_first_layer_is_the_networks_not_the_first_candidate() -> None:
     """With before=Linear on a CNN, the first candidate is the head: it does not read the raw input."""
     head = (Candidate("head.fc", "Linear", 32, -1),)
-    report = plan_insertion(head, ORDER, 4, 2.0, seed=0, first_layer="stem.conv")
+    report = plan_insertion(head, ORDER, 4, 2.0, seed=0, first_layers=FIRST)
     assert [row.path for row in report.changed] == ["head.fc"]
-    report = plan_insertion(CANDIDATES[1:], ORDER, 4, 2.0, seed=0, first_layer=None)
+    report = plan_insertion(CANDIDATES[1:], ORDER, 4, 2.0, seed=0)
     assert [row.path for row in report.changed] == ["layer1.conv", "layer2.conv", "head.fc"]
 
 
 def test_too_few_channels_for_distinct_masks_are_left_alone() -> None:
     candidates = (Candidate("a", "Linear", 5, -1), Candidate("b", "Linear", 3, -1), Candidate("c", "Linear", 6, -1))
-    report = plan_insertion(candidates, ("a", "b", "c"), 4, 2.0, seed=0, first_layer=None)
+    report = plan_insertion(candidates, ("a", "b", "c"), 4, 2.0, seed=0)
     assert actions(report) == {"a": INSERTED, "b": LEFT, "c": INSERTED}
     assert report.unchanged[0].reason == (
         "3 input channels: only 3 distinct masks of 2 ones exist, fewer than n=4 (members would share masks)"
     )
-    single = plan_insertion(candidates, ("a", "b", "c"), 4, 1.0, seed=0, first_layer=None)
+    single = plan_insertion(candidates, ("a", "b", "c"), 4, 1.0, seed=0)
     assert [row.action for row in single.rows] == [INSERTED] * 3, "S=1 masks are all ones by design"
+
+
+def test_every_first_layer_of_a_multi_input_model_is_skipped() -> None:
+    """An image branch and a feature branch: both layers that read a raw input are first layers."""
+    order = ("image_conv", "features_fc", "conv", "head")
+    candidates = (
+        Candidate("image_conv", "Conv2D", 8, -1),
+        Candidate("features_fc", "Dense", 12, -1),
+        Candidate("conv", "Conv2D", 16, -1),
+        Candidate("head", "Dense", 24, -1),
+    )
+    first = ("image_conv", "features_fc")
+    report = plan_insertion(candidates, order, 4, 2.0, seed=0, first_layers=first)
+    assert actions(report) == {"image_conv": LEFT, "features_fc": LEFT, "conv": INSERTED, "head": INSERTED}
+    reason = "the network's first layer: it reads the raw input (include_first=True masks it)"
+    assert {row.reason for row in report.unchanged} == {reason}
+    included = plan_insertion(candidates, order, 4, 2.0, seed=0, first_layers=first, include_first=True)
+    assert [row.action for row in included.rows] == [INSERTED] * 4
+    assert [row.seed for row in included.changed] == [mc.derive_seed(0, i) for i in range(4)]
+    none_first = plan_insertion(candidates, order, 4, 2.0, seed=0)
+    assert none_first.rows == included.rows, "no first layers: every candidate is a later layer"
+    with pytest.raises(TypeError, match="first_layers must be a collection of layer paths, not one str"):
+        plan_insertion(candidates, order, 4, 2.0, seed=0, first_layers="image_conv")

@@ -201,6 +201,43 @@ def test_the_first_layer_is_the_networks_whatever_before_selects() -> None:
     assert [(row.path, row.action) for row in preprocessed.rows] == [("rescale", LEFT), ("conv", INSERTED)]
 
 
+def test_every_layer_that_reads_a_raw_input_is_a_first_layer() -> None:
+    """An image and a tabular input (through a raw operation and a nested model): the first layer of each, found by
+    data flow, is left alone; ``model.layers`` puts the image branch's second convolution before the tabular one."""
+    image, features = keras.Input((8, 8, 3), name="image"), keras.Input((5,), name="features")
+    x = keras.layers.Conv2D(6, 3, activation="relu", name="image_conv")(image)
+    x = keras.layers.GlobalAveragePooling2D()(keras.layers.Conv2D(8, 3, name="image_conv_2")(x))
+    tabular = keras.Sequential(
+        [keras.Input((5,)), keras.layers.Dense(6, name="dense"), keras.layers.Dense(4, name="dense_2")], name="tabular"
+    )
+    joined = keras.layers.Concatenate(name="join")([x, tabular(features * 2.0)])
+    model = keras.Model([image, features], keras.layers.Dense(3, name="head")(joined))
+    result = mk.insert(model, 2, 2.0, seed=0)
+    report = result.masksembles_report
+    first = "the network's first layer: it reads the raw input (include_first=True masks it)"
+    assert [(row.path, row.action, row.reason) for row in report.rows] == [
+        ("image_conv", LEFT, first),
+        ("image_conv_2", INSERTED, ""),
+        ("tabular/dense", LEFT, first),
+        ("tabular/dense_2", INSERTED, ""),
+        ("head", INSERTED, ""),
+    ]
+    included = mk.insert(model, 2, 2.0, seed=0, include_first=True)
+    assert [(row.path, row.channels) for row in included.masksembles_report.changed] == [
+        ("image_conv", 3),
+        ("image_conv_2", 6),
+        ("tabular/dense", 5),
+        ("tabular/dense_2", 6),
+        ("head", 12),
+    ]
+    rng = np.random.default_rng(0)
+    batch = [rng.normal(size=(4, 8, 8, 3)).astype(np.float32), rng.normal(size=(4, 5)).astype(np.float32)]
+    for inserted in (result, included):
+        members = mk.predict(inserted, batch, 2)
+        assert members.shape == (2, 4, 3) and np.isfinite(members).all()
+        assert not np.allclose(members[0], members[1]), "the two members differ"
+
+
 def test_depthwise_convolutions_are_left_alone_by_the_default_before() -> None:
     model = keras.Sequential(
         [
@@ -335,6 +372,11 @@ def test_layers_inside_custom_layers_are_reported_and_the_custom_layer_is_copied
     for name in ("stem", "custom", "head"):
         weights = zip(model.get_layer(name).get_weights(), result.get_layer(name).get_weights(), strict=True)
         assert all(np.array_equal(before, after) for before, after in weights), name
+    custom_first = keras.Model(inputs, keras.layers.Dense(2, name="head")(Block(name="custom")(inputs)))
+    rows = mk.insert(custom_first, 2, 2.0, seed=0).masksembles_report.rows
+    assert [(row.path, row.action) for row in rows] == [("custom/block_dense", LEFT), ("head", INSERTED)], (
+        "the custom layer's Dense reads the raw input: the head after it is not a first layer"
+    )
 
 
 def test_insert_errors() -> None:

@@ -12,7 +12,7 @@ from torch import fx, nn
 
 import masksembles_core as mc
 import masksembles_torch as mt
-from masksembles_core.insertion import INSERTED
+from masksembles_core.insertion import INSERTED, LEFT
 from tests.torch import zoo
 
 N = 4
@@ -164,6 +164,44 @@ def test_before_chooses_by_type_or_by_predicate() -> None:
     )
     with pytest.raises(TypeError, match="before must be module types or a predicate"):
         mt.insert(resnet, N, 2.0, before=("Conv2d",))
+
+
+class ImageAndFeatures(nn.Module):
+    """Two inputs; the head is registered first, so it comes first in ``named_modules`` order."""
+
+    def __init__(self, branch_on_data: bool = False) -> None:
+        super().__init__()
+        self.head = nn.Linear(16, 3)
+        self.image = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.AdaptiveAvgPool2d(1))
+        self.features = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 8))
+        self.branch_on_data = branch_on_data
+
+    def forward(self, image: torch.Tensor, features: torch.Tensor, scale: float = 2.0) -> torch.Tensor:
+        if self.branch_on_data and bool(features.sum() > 0):  # data-dependent: torch.fx cannot trace it
+            features = -features
+        pooled = self.image(image).flatten(1)
+        return self.head(torch.cat([pooled, self.features(features * scale)], dim=1))
+
+
+def test_every_layer_that_reads_a_forward_input_is_a_first_layer() -> None:
+    model = ImageAndFeatures()
+    report = mt.insert(model, 2, 2.0, seed=0).masksembles_report
+    assert [(row.path, row.action, row.reason) for row in report.rows] == [
+        ("head", INSERTED, ""),
+        ("image.0", LEFT, FIRST),
+        ("image.2", INSERTED, ""),
+        ("features.0", LEFT, FIRST),
+        ("features.2", INSERTED, ""),
+    ]
+    included = mt.insert(model, 2, 2.0, seed=0, include_first=True)
+    assert [row.action for row in included.masksembles_report.rows] == [INSERTED] * 5
+    image, features = torch.randn(4, 3, 8, 8), torch.randn(4, 5)
+    for inserted in (mt.insert(model, 2, 2.0, seed=0), included):
+        with torch.no_grad():
+            members = mt.untile(inserted.eval()(mt.tile(image, 2), mt.tile(features, 2)), 2)
+        assert members.shape == (2, 4, 3) and not torch.allclose(members[0], members[1])
+    untraceable = mt.insert(ImageAndFeatures(branch_on_data=True), 2, 2.0, seed=0).masksembles_report
+    assert [row.path for row in untraceable.unchanged] == ["head"], "torch.fx fails: the first in named_modules order"
 
 
 def test_seeds_are_reproducible() -> None:
