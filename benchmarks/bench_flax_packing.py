@@ -8,7 +8,7 @@ bench_packing.py), both ``nnx.Sequential``; and a CNN written as a user's ``nnx.
 conv-BatchNorm-relu-avg_pool twice, a reshape, two Linear layers) on 32×32×3, with masks placed by
 ``masksembles_flax.nnx.insert``. For batch sizes 1, 32, 256 (medians of interleaved rounds, every ratio from the same
 run), each function jitted with its variables as arguments:
-(a) ``pack(model)`` on the batch ÷ one forward of the same network without Masksembles;
+(a) ``pack(model, program="packed")`` on the batch ÷ one forward of the same network without Masksembles;
 (b) tiled dense ``predict(model, x, 4)`` ÷ the same;
 (c) one ``extract_member`` model ÷ the same (latency and parameters).
 Next to each, the multiply-accumulate (MAC) ratio of its dot and convolution operations, counted on the jitted
@@ -160,7 +160,7 @@ def main() -> None:
             member = extract_member(masked, 0, x)
             fns = {
                 "single": jitted(single, lambda m, v: m(v)),
-                "packed": jitted(pack(masked, x), lambda m, v: m(v)),
+                "packed": jitted(pack(masked, x, program="packed"), lambda m, v: m(v)),
                 "tiled": jitted(masked, lambda m, v: mf.predict(m, v, N)),
                 "member": jitted(member, lambda m, v: m(v)),
             }

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 MODES = ("grouped", "random")
+PROGRAMS = ("auto", "packed", "dense")
 
 
 def _describe(value: object) -> str:
@@ -60,6 +61,13 @@ def check_mode(mode: object) -> str:
     if not isinstance(mode, str) or mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}; received {mode!r}")
     return mode
+
+
+def check_program(program: object) -> str:
+    """Validate ``pack``'s ``program`` (``"auto"``, ``"packed"`` or ``"dense"``)."""
+    if not isinstance(program, str) or program not in PROGRAMS:
+        raise ValueError(f"program must be one of {PROGRAMS}; received {program!r}")
+    return program
 
 
 def check_channel_axis(channel_axis: object) -> int:

@@ -1,9 +1,10 @@
 """What framework adapters build on (not needed to use the package): argument checks and layout helpers.
 
 Every adapter (``masksembles_torch``, ``masksembles_keras``, ``masksembles_flax``) validates a layer's arguments with
-``layer_arguments``, checks inputs with ``check_input_shape`` and the Gaussian losses' arguments with
-``check_gaussian_head``/``check_gaussian_target``, so a bad call raises the same exception with the same
-message in every framework. Messages name the parameter, the allowed values and the value received.
+``layer_arguments``, checks inputs with ``check_input_shape``, the Gaussian losses' arguments with
+``check_gaussian_head``/``check_gaussian_target`` and ``pack``'s ``program`` with ``check_program``, so a bad call
+raises the same exception with the same message in every framework. Messages name the parameter, the allowed values
+and the value received.
 """
 
 from ._generation import LayerArguments, check_seed, layer_arguments, make_rng
@@ -12,6 +13,7 @@ from ._reference import mask_shape
 from ._validation import (
     GAUSSIAN_HEADS,
     MODES,
+    PROGRAMS,
     check_channel_axis,
     check_channels,
     check_gaussian_head,
@@ -20,12 +22,14 @@ from ._validation import (
     check_int,
     check_mode,
     check_n,
+    check_program,
     check_scale,
 )
 
 __all__ = [
     "GAUSSIAN_HEADS",
     "MODES",
+    "PROGRAMS",
     "LayerArguments",
     "check_channel_axis",
     "check_channels",
@@ -35,6 +39,7 @@ __all__ = [
     "check_int",
     "check_mode",
     "check_n",
+    "check_program",
     "check_scale",
     "check_seed",
     "check_tiled_batch",

@@ -1,9 +1,11 @@
 """Packed inference for Flax NNX: every member at about the cost of one model, from the structure of the masks.
 
 Member ``k`` of a Masksembles model only ever uses its live channels, so the layers next to a Masksembles layer can
-be shrunk physically. ``pack`` runs all members in one call on compacted weights; ``extract_member`` builds member
-``k`` alone, as a smaller model. Both have eval semantics (BatchNorm running statistics, Dropout off, grouped
-masks) and return a ``PackedMasksembles``, an NNX module that ``nnx.jit`` (or ``nnx.split`` + ``jax.jit``) compiles.
+be shrunk physically. ``pack`` runs all members in one call on compacted weights (or, ``program="dense"``, as the
+tiled dense model: every operation run at full width; ``"auto"`` times both and keeps the faster); ``extract_member``
+builds member ``k`` alone, as a smaller model. Both have eval semantics (BatchNorm running statistics, Dropout off,
+grouped masks) and return a ``PackedMasksembles``, an NNX module that ``nnx.jit`` (or ``nnx.split`` + ``jax.jit``)
+compiles.
 
 Any ``nnx.Module`` that JAX can trace packs: ``_capture`` traces the model into a flat program of JAX primitives and
 maps each one that reads the input to a ``masksembles_core.packing`` kind (its module docstring lists them);
@@ -28,6 +30,11 @@ and a non-finite activation moved by a one-hot product spreads NaN to the channe
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import functools
+import statistics
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -37,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from masksembles_core.adapter import check_program
 from masksembles_core.packing import Move, Placement, Program, Step, block_indices, channel_indices, plan_program
 
 from . import _capture as capture_module
@@ -45,8 +53,9 @@ from ._ops import apply_masks, untile
 
 
 class Constant(nnx.Variable[jax.Array]):
-    """An array of a packed program that is not a weight: a per-channel operand laid out like the compacted
-    channels, a one-hot move matrix, the masks of a Masksembles layer run at full width."""
+    """An array of a packed program that is not a compacted weight: a per-channel operand laid out like the compacted
+    channels, a one-hot move matrix, an operand (a weight too) of an operation run at full width, the masks of a
+    Masksembles layer run at full width."""
 
 
 Values = tuple[jax.Array, ...]  # one array per member, one for a shared tensor or one on the member-stacked batch
@@ -125,7 +134,8 @@ class _Step:
 
 @dataclass(frozen=True, eq=False)
 class _Plan:
-    """Everything static about a packed model: its steps and moves, its output, the members it computes."""
+    """Everything static about a packed model: its steps and moves, its output, the members it computes, which
+    program it is and what ``pack`` measured (pairs, so that the plan stays immutable)."""
 
     steps: tuple[_Step, ...]
     moves: tuple[_Select | _Frame, ...]
@@ -134,6 +144,17 @@ class _Plan:
     members: tuple[int, ...]
     fallbacks: tuple[str, ...]
     squeeze: bool
+    program: str = "packed"
+    seconds: tuple[tuple[str, float], ...] = ()
+
+    def __repr__(self) -> str:
+        """One line for the module's repr (the steps are not listed)."""
+        members = list(self.members)
+        if self.program == "dense":
+            measured = f" (measured faster than packed: {dict(self.seconds)})" if self.seconds else ""
+            return f"_Plan(members={members}, program=dense{measured})"
+        shown = ", ".join(self.fallbacks[:8]) + (", ..." if len(self.fallbacks) > 8 else "")
+        return f"_Plan(members={members}, fallbacks={len(self.fallbacks)}" + (f": {shown})" if shown else ")")
 
 
 # ------------------------------------------------------------------------------------------------ the module
@@ -161,9 +182,19 @@ class PackedMasksembles(nnx.Module):
 
     @property
     def fallbacks(self) -> tuple[str, ...]:
-        """The model's operations that run at full width on the member-stacked batch (nothing here compacts them),
-        as ``primitive at file:line (function)``."""
+        """The model's operations that run at full width on the member-stacked batch (nothing here compacts them,
+        or the program is ``"dense"``), as ``primitive at file:line (function)``."""
         return self.plan.fallbacks
+
+    @property
+    def program(self) -> str:
+        """``"packed"`` (compacted where it can), or ``"dense"`` (the tiled model, as ``predict`` runs it)."""
+        return self.plan.program
+
+    @property
+    def seconds(self) -> dict[str, float]:
+        """What ``pack`` measured on the example input (median seconds per call of each program), or empty."""
+        return dict(self.plan.seconds)
 
     def __call__(self, x: jax.Array) -> Any:
         """(B, ...) -> every output leaf as (m, B, ...), or (B, ...) for an extracted member."""
@@ -337,7 +368,7 @@ class _Run:
 class _Emitter:
     """Builds the static plan and the arrays of a packed module from the core program."""
 
-    def __init__(self, capture: Capture, axis: dict[int, int], program: Program, squeeze: bool) -> None:
+    def __init__(self, capture: Capture, axis: dict[int, int], program: Program, squeeze: bool, dense: bool) -> None:
         self.capture, self.axis, self.program = capture, axis, program
         self.m = len(program.members)
         self.ops = {node_name(var): op for var, op in capture.ops.items()}
@@ -348,7 +379,7 @@ class _Emitter:
         steps = [self._step(step) for step in program.steps]
         fallbacks = capture_module.fallbacks(capture, program.fallbacks)
         self.plan = _Plan(tuple(steps), tuple(self.moves), self._output(), capture.program.out_tree,
-                          program.members, fallbacks, squeeze)  # fmt: skip
+                          program.members, fallbacks, squeeze, "dense" if dense else "packed")  # fmt: skip
 
     def var(self, name: str) -> int:
         return int(name[1:])
@@ -576,20 +607,42 @@ def _bytes(array: np.ndarray | None) -> bytes | None:
 # ------------------------------------------------------------------------------------------------ the public API
 
 
-def _build(model: nnx.Module, example_input: Any, members: Sequence[int] | None, squeeze: bool) -> PackedMasksembles:
-    capture = Capture(model, example_input)
+def _build(capture: Capture, members: Sequence[int] | None, squeeze: bool, *, dense: bool = False) -> PackedMasksembles:
     chosen = list(range(capture.n)) if members is None else list(members)
     for k in chosen:
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < capture.n:
             raise ValueError(f"member must be an integer in [0, {capture.n}); received {k!r}")
+    if dense:  # the tiled dense model itself: every operation as the model runs it, on the member-stacked batch
+        capture = copy.copy(capture)  # its own ops: the traced program can still be packed
+        capture.ops = {var: capture.fallback(op.eqn, var) for var, op in capture.ops.items()}
     axis = capture_module.solve_axes(capture)
     nodes = capture_module.graph_nodes(capture, axis)
     program = plan_program(nodes, OUTPUT, chosen)
-    emitter = _Emitter(capture, axis, program, squeeze)
+    emitter = _Emitter(capture, axis, program, squeeze, dense)
     return PackedMasksembles(emitter.plan, emitter.weights, emitter.constants)
 
 
-def pack(model: nnx.Module, example_input: jax.Array | jax.ShapeDtypeStruct) -> PackedMasksembles:
+def _seconds(modules: dict[str, PackedMasksembles], x: jax.Array, rounds: int = 5) -> dict[str, float]:
+    """Median wall time of each module jitted on ``x`` (B, ...), measured in interleaved rounds after one warm-up
+    (compiling) round."""
+    calls = {}
+    for name, module in modules.items():
+        graphdef, state = nnx.split(module)
+        jitted = jax.jit(lambda state, x, graphdef=graphdef: nnx.merge(graphdef, state)(x))
+        calls[name] = functools.partial(jitted, state)
+    times: dict[str, list[float]] = {name: [] for name in modules}
+    for counted in [False] + [True] * rounds:
+        for name, call in calls.items():
+            start = time.perf_counter()
+            jax.block_until_ready(call(x))  # type: ignore[no-untyped-call]
+            if counted:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def pack(
+    model: nnx.Module, example_input: jax.Array | jax.ShapeDtypeStruct, *, program: str = "auto"
+) -> PackedMasksembles:
     """All members of ``model`` in one call on compacted weights: (B, ...) -> (n, B, ...).
 
     Equals ``masksembles_flax.predict(model, x, n)`` with eval semantics (BatchNorm running statistics, Dropout off)
@@ -598,11 +651,31 @@ def pack(model: nnx.Module, example_input: jax.Array | jax.ShapeDtypeStruct) -> 
     faster) gives the shapes; the model is traced, not modified. Any ``nnx.Module`` JAX can trace in eval mode packs:
     what this module cannot compact runs at full width (listed in ``fallbacks``).
 
+    Args:
+        program: ``"packed"`` (compacted where it can), ``"dense"`` (the tiled dense model: every operation as the
+            model runs it, on the member-stacked batch, as ``predict`` does), or ``"auto"`` (the default: both are
+            jitted and timed on ``example_input``, zeros for a ``jax.ShapeDtypeStruct``, and the faster is returned,
+            so packing never loses to tiling; ``seconds`` holds the medians; give an example of the batch size you
+            will run).
+
     Raises:
-        ValueError: the model cannot be traced (Python control flow on array values), has no Masksembles layer, or
-            holds Masksembles layers of different n.
+        ValueError: ``program`` is not one of the three; the model cannot be traced (Python control flow on array
+            values), has no Masksembles layer, or holds Masksembles layers of different n.
     """
-    return _build(model, example_input, None, squeeze=False)
+    check_program(program)
+    capture = Capture(model, example_input)
+    if program != "auto":
+        return _build(capture, None, squeeze=False, dense=program == "dense")
+    packed, dense = _build(capture, None, squeeze=False), _build(capture, None, squeeze=False, dense=True)
+    x = (
+        jnp.zeros(example_input.shape, example_input.dtype)
+        if isinstance(example_input, jax.ShapeDtypeStruct)
+        else example_input
+    )
+    seconds = _seconds({"packed": packed, "dense": dense}, x)
+    chosen = packed if seconds["packed"] <= seconds["dense"] else dense
+    chosen.plan = dataclasses.replace(chosen.plan, seconds=tuple(seconds.items()))
+    return chosen
 
 
 def extract_member(model: nnx.Module, k: int, example_input: jax.Array | jax.ShapeDtypeStruct) -> PackedMasksembles:
@@ -613,4 +686,4 @@ def extract_member(model: nnx.Module, k: int, example_input: jax.Array | jax.Sha
     An operation that reads the batch (a sum over it, its size) sees member ``k``'s copy of the batch alone, where
     ``predict`` and ``pack`` see every member's.
     """
-    return _build(model, example_input, [k], squeeze=True)
+    return _build(Capture(model, example_input), [k], squeeze=True)

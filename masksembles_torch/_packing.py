@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
+from masksembles_core.adapter import check_program
 from masksembles_core.packing import (
     AxisConflict,
     AxisRule,
@@ -1491,9 +1492,6 @@ def _seconds(modules: dict[str, nn.Module], x: Tensor, rounds: int = 5) -> dict[
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-PROGRAMS = ("auto", "packed", "dense")
-
-
 def pack(model: nn.Module, example_input: Tensor, *, program: str = "auto") -> PackedMasksembles:
     """All members of ``model`` in one call on compacted weights: (B, ...) -> (n, B, ...).
 
@@ -1511,9 +1509,7 @@ def pack(model: nn.Module, example_input: Tensor, *, program: str = "auto") -> P
     Raises:
         ValueError: the model cannot be traced, has no Masksembles layer, or holds Masksembles layers of different n.
     """
-    if program not in PROGRAMS:
-        raise ValueError(f"program must be one of {PROGRAMS}; received {program!r}")
-    if program != "auto":
+    if check_program(program) != "auto":
         return _build(model, example_input, None, squeeze=False, dense=program == "dense")
     packed = _build(model, example_input, None, squeeze=False)
     dense = _build(model, example_input, None, squeeze=False, dense=True)

@@ -74,6 +74,17 @@ def test_bad_mode(mode: object) -> None:
         mca.check_mode(mode)
 
 
+@pytest.mark.parametrize("program", ["auto", "packed", "dense"])
+def test_programs(program: str) -> None:
+    assert mca.check_program(program) == program
+
+
+@pytest.mark.parametrize("program", ["fast", "Dense", None])
+def test_bad_program(program: object) -> None:
+    with pytest.raises(ValueError, match=r"program must be one of \('auto', 'packed', 'dense'\); received"):
+        mca.check_program(program)
+
+
 def test_channel_axis() -> None:
     assert mca.check_channel_axis(-1) == -1
     with pytest.raises(ValueError, match="axis 0 is the batch"):

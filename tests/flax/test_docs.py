@@ -128,6 +128,8 @@ def test_packed_inference_equals_predict(run_section: Callable[[str], dict[str, 
     expected = predict(guide["model"], guide["x"], 4)
     np.testing.assert_allclose(guide["y"], expected, rtol=1e-4, atol=1e-4)
     assert guide["member"](guide["x"]).shape == (2, 10)
+    assert guide["packed"].program == "packed" and guide["fastest"].program in ("packed", "dense")
+    np.testing.assert_allclose(guide["fastest"](guide["x"]), expected, rtol=1e-4, atol=1e-4)
 
 
 def quoted(text: str) -> str:

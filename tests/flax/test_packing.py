@@ -158,7 +158,7 @@ def test_pack_and_extract_equal_the_dense_model(name: str, seed: int, scale: flo
     model, shape = build(name, scale, seed)
     x = random_input((5, *shape), seed + 10)
     members = [extract_member(model, k, jax.ShapeDtypeStruct(x.shape, x.dtype)) for k in range(N)]
-    packed, expected, outputs = packed_and_dense(model, pack(model, x), members, x)
+    packed, expected, outputs = packed_and_dense(model, pack(model, x, program="packed"), members, x)
     assert packed.shape == (N, *expected.shape[1:]) == expected.shape
     assert relative_error(packed, expected) <= 1e-5
     dense_parameters = sum(p.size for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
@@ -221,7 +221,7 @@ def test_randomly_built_models(seed: int) -> None:
     model, shape = random_model(seed)
     x = random_input((4, *shape), seed)
     members = [extract_member(model, k, x) for k in range(N)]
-    packed, expected, outputs = packed_and_dense(model, pack(model, x), members, x)
+    packed, expected, outputs = packed_and_dense(model, pack(model, x, program="packed"), members, x)
     assert relative_error(packed, expected) <= 1e-5
     for k, output in enumerate(outputs):
         assert relative_error(output, expected[k]) <= 1e-5
@@ -248,7 +248,7 @@ def test_extracted_member_is_physically_smaller() -> None:
 
 def test_packed_weights_are_member_blocks_after_a_shared_prefix() -> None:
     model, _ = build("mlp", 2.0, 0)
-    packed = pack(model, jnp.zeros((2, 12)))
+    packed = pack(model, jnp.zeros((2, 12)), program="packed")
     widths = [max(ones_per_layer(model, k)[i] for k in range(N)) for i in range(2)]
     assert kernels(packed, "dot_general") == [(12, 48), (N, widths[0], widths[1]), (N, widths[1], 3)], (
         "the first Linear runs once; the others as one batched matmul over the members' blocks"
@@ -258,7 +258,7 @@ def test_packed_weights_are_member_blocks_after_a_shared_prefix() -> None:
 def test_packed_convolutions_run_one_per_member() -> None:
     model, shape = build("cnn2d", 2.0, 0)
     x = jnp.zeros((2, *shape))
-    packed = pack(model, x)
+    packed = pack(model, x, program="packed")
     widths = [max(ones_per_layer(model, k)[i] for k in range(N)) for i in range(2)]
     assert kernels(packed, "conv_general_dilated") == [(3, 3, 3, 16)] + [(3, 3, widths[0], widths[1])] * N
     convolutions = [e for e in jax.make_jaxpr(packed)(x).jaxpr.eqns if e.primitive.name == "conv_general_dilated"]
@@ -269,7 +269,7 @@ def test_packed_convolutions_run_one_per_member() -> None:
 @pytest.mark.parametrize("name", ["resnet", "cnn2d"])
 def test_packed_call_eager_and_jitted_on_any_batch(name: str) -> None:
     model, shape = build(name, 2.0, 0)
-    packed = pack(model, random_input((4, *shape), 0))
+    packed = pack(model, random_input((4, *shape), 0), program="packed")
     graphdef, state = nnx.split(packed)
     for batch in (1, 6):
         x = random_input((batch, *shape), batch)
@@ -283,7 +283,7 @@ def test_pack_leaves_the_model_untouched() -> None:
     model, shape = build("cnn2d", 2.0, 0)
     model.train()
     before = jax.tree.map(np.asarray, nnx.state(model))
-    pack(model, jnp.zeros((4, *shape)))
+    pack(model, jnp.zeros((4, *shape)), program="packed")
     extract_member(model, 0, jnp.zeros((4, *shape)))
     norm = model.layers[1]
     assert isinstance(norm, nnx.BatchNorm) and norm.use_running_average is False, "the model stays in training mode"
@@ -345,7 +345,7 @@ def test_layers_the_first_packer_refused_pack(model: nnx.Module) -> None:
     first = model.layers[0]
     x = random_input((5, 3, 4) if isinstance(first, nnx.Conv) else (5, 4), 0)
     members = [extract_member(model, k, x) for k in range(N)]
-    packed, expected, outputs = packed_and_dense(model, pack(model, x[:2]), members, x)
+    packed, expected, outputs = packed_and_dense(model, pack(model, x[:2], program="packed"), members, x)
     assert relative_error(packed, expected) <= 1e-5
     for k, output in enumerate(outputs):
         assert relative_error(output, expected[k]) <= 1e-5

@@ -15,7 +15,7 @@ from flax import nnx
 
 import masksembles_flax as mf
 from masksembles_flax.nnx import Masksembles, extract_member, insert, pack
-from tests.flax.test_packing import conv, linear, numpy_init, random_input, relative_error
+from tests.flax.test_packing import conv, linear, mlp, numpy_init, random_input, relative_error
 
 N = 4
 
@@ -43,8 +43,10 @@ def outputs(model: nnx.Module, packed: nnx.Module, members: list[nnx.Module], x:
 
 def assert_packs(model: nnx.Module, x: jax.Array, *, members: bool = True) -> None:
     """pack (from an example of another batch size) equals predict on x; extract_member(k) equals member k."""
-    packed = pack(model, x[:3])
+    packed = pack(model, x[:3], program="packed")
     extracted = [extract_member(model, k, x) for k in range(N)] if members else []
+    assert packed.program == "packed" and packed.seconds == {}
+    assert all(single.program == "packed" for single in extracted)
     actual, expected, singles = outputs(model, packed, extracted, x)
     for got, wanted in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
         assert got.shape == wanted.shape and relative_error(got, wanted) <= 1e-5
@@ -207,6 +209,40 @@ MODULES: dict[str, tuple[Callable[[], nnx.Module], tuple[int, ...]]] = {
 def test_modules_pack_equal_to_predict(name: str, batch: int) -> None:
     factory, shape = MODULES[name]
     assert_packs(randomized(factory()), random_input((batch, *shape), batch))
+
+
+DENSE_MODELS = {
+    "cnn": MODULES["cnn"],
+    "resnet-list-of-blocks": MODULES["resnet-list-of-blocks"],
+    "mlp": (lambda: mlp(2.0, 0, nnx.Rngs(0)), (12,)),
+}
+
+
+@pytest.mark.parametrize("batch", [4, 5], ids=["batch4", "batch5"])
+@pytest.mark.parametrize("name", list(DENSE_MODELS))
+def test_dense_program_is_the_tiled_model(name: str, batch: int) -> None:
+    """program="dense": every operation at full width on the member-stacked batch, no compacted weight."""
+    factory, shape = DENSE_MODELS[name]
+    model = randomized(factory())
+    x = random_input((batch, *shape), batch)
+    dense = pack(model, x[:3], program="dense")
+    assert dense.program == "dense" and dense.seconds == {} and len(dense.weights) == 0
+    assert "program=dense)" in repr(dense)
+    actual, expected, _ = outputs(model, dense, [], x)
+    assert actual.shape == expected.shape and relative_error(actual, expected) <= 1e-5
+
+
+def test_auto_keeps_the_faster_program() -> None:
+    model = randomized(inserted(CNN)())
+    x = random_input((2, 8, 8, 3), 0)
+    for example in (x, jax.ShapeDtypeStruct(x.shape, x.dtype)):  # a ShapeDtypeStruct is timed on zeros
+        packed = pack(model, example)
+        assert set(packed.seconds) == {"packed", "dense"} and all(t > 0 for t in packed.seconds.values())
+        assert packed.program == min(packed.seconds, key=lambda name: packed.seconds[name])
+        actual, expected, _ = outputs(model, packed, [], x)
+        assert relative_error(actual, expected) <= 1e-5
+    with pytest.raises(ValueError, match=r"program must be one of \('auto', 'packed', 'dense'\); received 'fast'"):
+        pack(model, x, program="fast")
 
 
 # --- single patterns between two Masksembles layers ---------------------------------------------------------------
@@ -424,7 +460,7 @@ class Loops(nnx.Module):
 def test_loops_and_branches_run_on_the_member_stacked_batch() -> None:
     """Their bodies are rebuilt for each batch size; Masksembles layers inside use the extracted member's masks."""
     model = Loops(nnx.Rngs(0))
-    packed = pack(model, random_input((2, 4), 0))
+    packed = pack(model, random_input((2, 4), 0), program="packed")
     assert {where.split(" ")[0] for where in packed.fallbacks} == {"scan", "cond"}
     assert_packs(model, random_input((5, 4), 1))
 
@@ -457,7 +493,9 @@ class Tokens(nnx.Module):
 def test_token_ids_and_an_input_passed_through() -> None:
     model = insert(Tokens(nnx.Rngs(0)), N, 2.0, seed=0, include_first=True)
     assert_packs(model, jnp.asarray(np.random.default_rng(0).integers(0, 20, size=(5, 7))))
-    assert [where.split(" ")[0] for where in pack(model, jnp.zeros((2, 7), jnp.int32)).fallbacks] == ["gather"]
+    assert [where.split(" ")[0] for where in pack(model, jnp.zeros((2, 7), jnp.int32), program="packed").fallbacks] == [
+        "gather"
+    ]
 
 
 # --- what is compacted, and what is reported ----------------------------------------------------------------------
@@ -499,10 +537,10 @@ def test_zero_preservation_is_evaluated_with_the_operands(
 
 def test_fallbacks_are_reported_and_plain_models_have_none() -> None:
     vit = randomized(inserted(ViT)())
-    packed = pack(vit, random_input((2, 8, 8, 3), 0))
+    packed = pack(vit, random_input((2, 8, 8, 3), 0), program="packed")
     assert any("normalization.py" in where and where.startswith("reduce_sum at") for where in packed.fallbacks)
     assert len(set(packed.fallbacks)) == len(packed.fallbacks), "each place once"
-    assert pack(randomized(inserted(CNN)()), random_input((2, 8, 8, 3), 0)).fallbacks == ()
+    assert pack(randomized(inserted(CNN)()), random_input((2, 8, 8, 3), 0), program="packed").fallbacks == ()
 
 
 def test_an_untraceable_model_is_the_only_refusal() -> None:
@@ -520,7 +558,7 @@ def test_an_untraceable_model_is_the_only_refusal() -> None:
 
 def test_the_packed_module_jits_and_traces_once_per_batch_size() -> None:
     model = randomized(inserted(ResNet)())
-    packed = pack(model, random_input((2, 6, 6, 3), 0))
+    packed = pack(model, random_input((2, 6, 6, 3), 0), program="packed")
     graphdef, state = nnx.split(packed)
     forward = jax.jit(lambda s, v: nnx.merge(graphdef, s)(v))
     for batch in (1, 3, 4):
