@@ -10,8 +10,8 @@ ViT-like (dim 96, 4 blocks, 4×4 patches) on 3×32×32; and the issue's case, a 
 on 3×32×32 with masks after every block. For each batch size (medians of interleaved rounds, every ratio from the same
 run), ÷ one forward of the same network without Masksembles on the same batch: ``pack(model, program="packed")``,
 the tiled dense ``predict(model, x, 4)``, and packed ÷ tiled (``pack``'s default ``program="auto"`` keeps the faster of
-the two). Next to the packed ratio: the multiply-accumulate (MAC) ratio of its Linear/Conv layers (attention
-products not counted) and the share of those MACs that run at full width because they fell back.
+the two). Next to the packed ratio: the multiply-accumulate (MAC) ratio of its Linear/Conv layers and attention
+products, and the share of those MACs that run at full width because they fell back.
 """
 
 from __future__ import annotations
@@ -248,10 +248,10 @@ def main() -> None:
         "",
         f"torch {torch.__version__}, float32, N={N}, S={SCALE}; medians of {args.rounds} interleaved rounds on "
         f"{machine()}. Every ratio is ÷ one forward of the same network without Masksembles on the same batch. In "
-        "brackets after the packed ratio: the MAC ratio of its Linear/Conv layers (the bound on its time ratio if "
-        "every kernel ran at the same speed per MAC) and the share of MACs that fell back to full width. Targets: "
-        "packed within 1.3× of its MAC ratio where nothing falls back; never slower than tiled predict (`pack`'s "
-        'default `program="auto"` times both on the example input and keeps the faster).',
+        "brackets after the packed ratio: the MAC ratio of its Linear/Conv layers and attention products (the "
+        "bound on its time ratio if every kernel ran at the same speed per MAC) and the share of MACs that fell back "
+        "to full width. Targets: packed within 1.3× of its MAC ratio where nothing falls back; never slower than "
+        'tiled predict (`pack`\'s default `program="auto"` times both on the example input and keeps the faster).',
         "",
         "| model | batch | single (ms) | packed ÷ single [MACs; fallback] | tiled predict ÷ single | packed ÷ tiled "
         "| one member ÷ single | member params ÷ full |",

@@ -1215,7 +1215,7 @@ class _Emitter:
         return None if tensor is None else self._attribute("norm", tensor.detach())
 
     def _count(self, step: Step, op: _Op) -> None:
-        """Multiply-adds of Linear and convolution nodes (and attention projections): as m dense models, as emitted."""
+        """Multiply-adds of Linear, convolution and attention nodes: as m dense models, as emitted."""
         seen = self.capture.seen[op.node]
         seen = seen.parts[0] if seen.parts else seen  # nn.MultiheadAttention: (output, weights or None)
         if not seen.tensor or len(seen.batch_axes) != 1:
@@ -1335,18 +1335,41 @@ class _Emitter:
 
 
 def _fallback_macs(op: _Op, capture: _Capture, per_sample: int) -> int:
-    """Multiply-adds per sample of one dense model's fallback node, where it is a Linear, a convolution or an
-    nn.MultiheadAttention (its projections; the attention products themselves are not counted)."""
-    if op.node.op != "call_module":
+    """Multiply-adds per sample of one dense model's fallback node, where it is a Linear, a convolution, an
+    nn.MultiheadAttention (projections and attention products), ``F.scaled_dot_product_attention`` or a matmul."""
+    node = op.node
+    if node.op == "call_module":
+        module = capture.gm.get_submodule(str(node.target))
+        if isinstance(module, (nn.Linear, *CONV_TYPES)):
+            weight = module.weight
+            return per_sample // weight.shape[0] * weight.numel()
+        if isinstance(module, nn.MultiheadAttention):
+            query, key = (_argument(node, i, name) for i, name in enumerate(("query", "key")))
+            width = module.embed_dim
+            tokens, keys = (_per_sample(capture, value) // width for value in (query, key))
+            return int(tokens * 4 * width * width + 2 * tokens * keys * width)
         return 0
-    module = capture.gm.get_submodule(str(op.node.target))
-    if isinstance(module, (nn.Linear, *CONV_TYPES)):
-        weight = module.weight
-        return per_sample // weight.shape[0] * weight.numel()
-    if isinstance(module, nn.MultiheadAttention):
-        tokens = per_sample // module.embed_dim
-        return int(tokens * 4 * module.embed_dim * module.embed_dim)
+    output = capture.seen[node].shapes[0]
+    if node.target is F.scaled_dot_product_attention:
+        q, k, v = (capture.seen[_argument(node, i, n)].shapes[0] for i, n in enumerate(("query", "key", "value")))
+        return math.prod(q[:-1]) * k[-2] * (q[-1] + v[-1]) * per_sample // math.prod(output)
+    if node.target in MATMULS or (node.op == "call_method" and node.target in ("matmul", "bmm")):
+        left = capture.seen[_argument(node, 0, "input")].shapes[0]
+        return per_sample * left[-1]
     return 0
+
+
+def _argument(node: fx.Node, position: int, name: str) -> fx.Node:
+    value = node.args[position] if len(node.args) > position else node.kwargs[name]
+    return cast(fx.Node, value)
+
+
+def _per_sample(capture: _Capture, node: fx.Node) -> int:
+    seen = capture.seen[node]
+    return math.prod(seen.shapes[0]) // seen.shapes[0][seen.batch_axes[0]]
+
+
+MATMULS = {torch.matmul, operator.matmul, torch.bmm}
 
 
 # producers whose result is a new tensor, and elementwise functions with an in-place form
@@ -1419,8 +1442,9 @@ class PackedMasksembles(fx.GraphModule):
 
     @property
     def macs(self) -> dict[str, int]:
-        """Multiply-adds per sample of the Linear and convolution layers: ``dense`` (m dense models), ``packed``
-        (as emitted) and ``fallback`` (the part of ``packed`` that runs at full width)."""
+        """Multiply-adds per sample of the Linear and convolution layers and of attention (its products, which
+        run at full width): ``dense`` (m dense models), ``packed`` (as emitted) and ``fallback`` (the part of
+        ``packed`` that runs at full width)."""
         return cast(dict[str, int], self.meta["masksembles"]["macs"])
 
     def extra_repr(self) -> str:

@@ -238,6 +238,21 @@ def test_every_layer_that_reads_a_raw_input_is_a_first_layer() -> None:
         assert not np.allclose(members[0], members[1]), "the two members differ"
 
 
+def test_two_branches_reading_one_input_both_read_the_raw_input() -> None:
+    """One input feeding a 1x1 and a 3x3 convolution (an Inception-style split): both are first layers."""
+    image = keras.Input((8, 8, 3))
+    wide = keras.layers.Conv2D(4, 1, name="branch_1x1")(image)
+    deep = keras.layers.Conv2D(4, 3, padding="same", name="branch_3x3")(image)
+    joined = keras.layers.Concatenate(name="join")([wide, deep])
+    model = keras.Model(image, keras.layers.Conv2D(6, 1, name="mix")(joined))
+    report = mk.insert(model, 2, 2.0, seed=0).masksembles_report
+    assert [(row.path, row.action) for row in report.rows] == [
+        ("branch_1x1", LEFT),
+        ("branch_3x3", LEFT),
+        ("mix", INSERTED),
+    ]
+
+
 def test_depthwise_convolutions_are_left_alone_by_the_default_before() -> None:
     model = keras.Sequential(
         [

@@ -365,6 +365,9 @@ def test_fallbacks_are_reported() -> None:
     assert 0 < packed.macs["fallback"] < packed.macs["packed"] <= packed.macs["dense"]
     plain = mt.pack(randomized(MeanPool()), torch.randn(2, 3, 5, 5), program="packed")
     assert plain.fallbacks == () and plain.macs["fallback"] == 0
+    for fused in (True, False):  # the attention products, by SDPA or by two matmuls, count the same
+        attention = mt.pack(randomized(TokenModel(Attention(16, 4, fused))), torch.randn(2, 3, 4, 4), program="packed")
+        assert attention.macs["fallback"] == N * 4 * 5 * 5 * (4 + 4)  # heads x tokens x keys x (q·k + p·v)
 
 
 def test_the_packed_module_is_an_fx_graph_module() -> None:
