@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -172,6 +173,48 @@ def macs(weight_shape: Sequence[int], output_shape: Sequence[int], channel_axis:
 def tile_parts(parts: Sequence[Tensor], members: int, batch_axes: Sequence[int]) -> tuple[Tensor, ...]:
     """``tile`` for each tensor of a tuple (batch axis -1: the same for every member, left as it is)."""
     return tuple(part if axis < 0 else tile(part, members, axis) for part, axis in zip(parts, batch_axes, strict=True))
+
+
+def _leaves(tree: Any) -> list[Any]:
+    if isinstance(tree, (tuple, list)):
+        return [leaf for item in tree for leaf in _leaves(item)]
+    if isinstance(tree, dict):
+        return [leaf for item in tree.values() for leaf in _leaves(item)]
+    return [tree]
+
+
+def leaf_batch_axes(small: Any, large: Any, batch: int) -> tuple[int, ...]:
+    """The batch axis of each tensor leaf of a model's output, from its outputs on ``batch`` member-stacked samples
+    (``small``) and on more (``large``); -1 for a leaf that does not follow the batch."""
+    axes = []
+    for a, b in zip(_leaves(small), _leaves(large), strict=True):
+        if not isinstance(a, Tensor):
+            axes.append(-1)
+            continue
+        changed = [i for i, (p, q) in enumerate(zip(a.shape, b.shape, strict=True)) if p != q]
+        if changed and (len(changed) > 1 or a.shape[changed[0]] != batch):
+            raise ValueError(f"pack/extract_member: an output of shape {tuple(a.shape)} has no member-stacked batch")
+        axes.append(changed[0] if changed else -1)
+    return tuple(axes)
+
+
+def select_members(tree: Any, members: int, axes: Sequence[int], chosen: Sequence[int], squeeze: bool) -> Any:
+    """Every tensor leaf (…, m*B, …) with its batch on ``axes[i]`` -> (len(chosen), …, B, …), or (…, B, …) for one
+    member when ``squeeze``; leaves without a batch axis are returned as they are."""
+    positions = iter(axes)
+
+    def select(leaf: Any) -> Any:
+        if isinstance(leaf, (tuple, list)):
+            return type(leaf)(select(item) for item in leaf)
+        if isinstance(leaf, dict):
+            return {key: select(item) for key, item in leaf.items()}
+        axis = next(positions)
+        if axis < 0:
+            return leaf
+        split = members_first(leaf, members, axis)[list(chosen)]
+        return split[0] if squeeze else split
+
+    return select(tree)
 
 
 def repeat_members(x: Tensor, members: int) -> Tensor:

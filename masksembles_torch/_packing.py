@@ -191,11 +191,15 @@ def _is_view(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target in VIEW_FUNCTIONS
 
 
+class _SharedInPlace(ValueError):
+    """An in-place operation on a tensor that shares memory with another one read after it."""
+
+
 def _functionalize(gm: fx.GraphModule) -> None:
     """Make in-place operations out of place: readers after ``y = x.relu_()`` read ``y`` instead of ``x``.
 
     An in-place operation on a tensor that shares memory with another one read after it (a view) cannot be rewritten
-    this way and is refused.
+    this way: ``_SharedInPlace`` (``pack`` then runs the whole model tiled).
     """
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
     alias: dict[fx.Node, fx.Node] = {}
@@ -215,9 +219,9 @@ def _functionalize(gm: fx.GraphModule) -> None:
         family = [n for n in gm.graph.nodes if n is not target and n is not node and base(n) is base(target)]
         late = [n.name for n in family if any(order[user] > order[node] for user in n.users)]
         if late:
-            raise ValueError(
-                f"{PREFIX}: {_describe(node, gm)} works in place on {target.name!r}, which shares memory with "
-                f"{late} read after it; make that operation out of place"
+            raise _SharedInPlace(
+                f"{_describe(node, gm)} works in place on {target.name!r}, which shares memory with {late} read "
+                "after it"
             )
         for user in list(target.users):
             if user is not node and order[user] > order[node]:
@@ -339,6 +343,16 @@ class _Op:
     axis: int = -1
 
 
+def _members_of(layers: Sequence[Masksembles]) -> int:
+    """The n of a model's Masksembles layers (all the same)."""
+    if not layers:
+        raise ValueError(f"{PREFIX}: the model has no Masksembles layer")
+    counts = sorted({layer.n for layer in layers})
+    if len(counts) != 1:
+        raise ValueError(f"{PREFIX}: every Masksembles layer needs the same n; found {counts}")
+    return int(counts[0])
+
+
 class _Capture:
     """The traced model, what the probe saw, and every node's classification."""
 
@@ -367,13 +381,7 @@ class _Capture:
         for node in self.gm.graph.nodes:
             if node in self.values and node is not self.input:
                 self.ops[node] = self._classify(node)
-        masks = [op for op in self.ops.values() if op.kind == "masks"]
-        if not masks:
-            raise ValueError(f"{PREFIX}: the model has no Masksembles layer")
-        counts = sorted({cast(Masksembles, op.module).n for op in masks})
-        if len(counts) != 1:
-            raise ValueError(f"{PREFIX}: every Masksembles layer needs the same n; found {counts}")
-        self.n = counts[0]
+        self.n = _members_of([cast(Masksembles, op.module) for op in self.ops.values() if op.kind == "masks"])
 
     def _is_value(self, node: fx.Node) -> bool:
         seen = self.seen[node]
@@ -1444,12 +1452,13 @@ class PackedMasksembles(fx.GraphModule):
     def macs(self) -> dict[str, int]:
         """Multiply-adds per sample of the Linear and convolution layers and of attention (its products, which
         run at full width): ``dense`` (m dense models), ``packed`` (as emitted) and ``fallback`` (the part of
-        ``packed`` that runs at full width)."""
+        ``packed`` that runs at full width); empty when the whole model runs tiled (see ``fallbacks``)."""
         return cast(dict[str, int], self.meta["masksembles"]["macs"])
 
     def extra_repr(self) -> str:
         if self.program == "dense":
-            return f"members={list(self.members)}, program=dense (measured faster than packed: {self.seconds})"
+            why = f"measured faster than packed: {self.seconds}" if self.seconds else "; ".join(self.fallbacks)
+            return f"members={list(self.members)}, program=dense" + (f" ({why})" if why else "")
         shown = ", ".join(self.fallbacks[:8]) + (", ..." if len(self.fallbacks) > 8 else "")
         return f"members={list(self.members)}, fallbacks={len(self.fallbacks)}" + (f": {shown}" if shown else "")
 
@@ -1476,11 +1485,11 @@ def _build(
 def _build_eval(
     model: nn.Module, example_input: Tensor, members: Sequence[int] | None, squeeze: bool, dense: bool
 ) -> PackedMasksembles:
-    capture = _Capture(model, example_input)
-    chosen = list(range(capture.n)) if members is None else list(members)
-    for k in chosen:
-        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < capture.n:
-            raise ValueError(f"member must be an integer in [0, {capture.n}); received {k!r}")
+    try:
+        capture = _Capture(model, example_input)
+    except _SharedInPlace as error:
+        return _whole_model(model, example_input, members, squeeze, str(error))
+    chosen = _chosen(members, capture.n)
     if dense:  # the tiled dense model itself: every node as the model runs it, on the member-stacked batch
         capture.ops = {node: capture.fallback(node) for node in capture.ops}
     axis = _solve_axes(capture)
@@ -1494,6 +1503,40 @@ def _build_eval(
     packed.meta["masksembles"] = {
         "members": tuple(chosen), "fallbacks": fallbacks, "macs": dict(emitter.macs),
         "program": "dense" if dense else "packed", "seconds": {},
+    }  # fmt: skip
+    return packed.eval()
+
+
+def _chosen(members: Sequence[int] | None, n: int) -> list[int]:
+    chosen = list(range(n)) if members is None else list(members)
+    for k in chosen:
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < n:
+            raise ValueError(f"member must be an integer in [0, {n}); received {k!r}")
+    return chosen
+
+
+def _whole_model(
+    model: nn.Module, example_input: Tensor, members: Sequence[int] | None, squeeze: bool, reason: str
+) -> PackedMasksembles:
+    """The model itself (a copy, in eval mode) on the member-stacked batch, for a graph that cannot be rewritten out
+    of place: what ``predict`` computes, with every output leaf's batch axis found by running two batch sizes."""
+    n = _members_of([layer for layer in model.modules() if isinstance(layer, Masksembles)])
+    chosen = _chosen(members, n)
+    whole = copy.deepcopy(model).eval().requires_grad_(False)
+    with torch.no_grad():
+        small = whole(ops.tile(example_input, n, 0))
+        large = whole(ops.tile(torch.cat([example_input, example_input[:1]]), n, 0))
+    axes = ops.leaf_batch_axes(small, large, n * example_input.shape[0])
+    root = nn.Module()
+    root.model = whole
+    graph = fx.Graph()
+    tiled = graph.call_function(ops.tile, (graph.placeholder("x"), n, 0))
+    result = graph.call_function(ops.select_members, (graph.call_module("model", (tiled,)), n, axes, chosen, squeeze))
+    graph.output(result)
+    packed = PackedMasksembles(root, graph, class_name="PackedMasksembles")
+    packed.meta["masksembles"] = {
+        "members": tuple(chosen), "fallbacks": (f"the whole model, tiled: {reason}",), "macs": {},
+        "program": "dense", "seconds": {},
     }  # fmt: skip
     return packed.eval()
 
@@ -1522,7 +1565,8 @@ def pack(model: nn.Module, example_input: Tensor, *, program: str = "auto") -> P
     Equals ``predict(model, x, n)`` (eval semantics) for finite activations, at about the cost the masks' overlap
     allows instead of n dense forward passes. ``example_input`` is run through the traced model to record shapes; any
     batch size works afterwards. Any model torch.fx can trace in eval mode packs: what this module cannot compact runs
-    at full width (listed in ``fallbacks``).
+    at full width (listed in ``fallbacks``); a model whose graph cannot be rewritten out of place (an in-place
+    operation on a view read after it) runs whole on the member-stacked batch (``program == "dense"``).
 
     Args:
         program: ``"packed"`` (compacted where it can), ``"dense"`` (the tiled dense model as one graph: every node
@@ -1536,6 +1580,8 @@ def pack(model: nn.Module, example_input: Tensor, *, program: str = "auto") -> P
     if check_program(program) != "auto":
         return _build(model, example_input, None, squeeze=False, dense=program == "dense")
     packed = _build(model, example_input, None, squeeze=False)
+    if packed.program == "dense":  # the whole model runs tiled: nothing to choose
+        return packed
     dense = _build(model, example_input, None, squeeze=False, dense=True)
     seconds = _seconds({"packed": packed, "dense": dense}, example_input)
     chosen = packed if seconds["packed"] <= seconds["dense"] else dense

@@ -396,20 +396,42 @@ def test_untraceable_model_is_the_only_refusal() -> None:
         mt.pack(Branchy(), torch.randn(2, 4))
 
 
-def test_in_place_on_a_view_read_later_is_refused() -> None:
-    class ViewInPlace(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.linear, self.masks = nn.Linear(4, 8), masks(8, 0, -1)
+class ViewInPlace(nn.Module):
+    """An in-place operation on a view read after it: the graph cannot be rewritten out of place."""
 
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            y = self.masks(self.linear(x))
-            view = y[:, :4]
-            view.relu_()
-            return y * 2
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear, self.masks, self.out = nn.Linear(4, 8), masks(8, 0, -1), nn.Linear(8, 3)
 
-    with pytest.raises(ValueError, match=r"works in place on 'getitem', which shares memory with"):
-        mt.pack(ViewInPlace(), torch.randn(2, 4))
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        y = self.masks(self.linear(x))
+        view = y[:, :4]
+        view.relu_()
+        z = self.out(y * 2)
+        return z, {"sequence_first": z.t(), "scale": self.out.weight.sum()}
+
+
+def test_in_place_on_a_view_read_later_runs_the_whole_model_tiled() -> None:
+    """Not a refusal: pack runs the model itself on the member-stacked batch, and says so."""
+    torch.manual_seed(0)
+    model = ViewInPlace().eval()
+    x = torch.randn(5, 4)
+    expected, _ = model(mt.tile(x, N))
+    expected = mt.untile(expected, N)
+    for program in ("auto", "packed", "dense"):
+        packed = mt.pack(model, x[:3], program=program)
+        assert packed.program == "dense" and packed.macs == {} and packed.seconds == {}
+        assert packed.fallbacks[0].startswith("the whole model, tiled: ")
+        assert "works in place on 'getitem', which shares memory with" in repr(packed)
+        z, extra = packed(x)
+        assert relative_error(z, expected) <= 1e-6
+        assert relative_error(extra["sequence_first"], expected.transpose(1, 2)) <= 1e-6
+        assert torch.equal(extra["scale"], model.out.weight.sum())
+    for k in range(N):
+        z, extra = mt.extract_member(model, k, x[:2])(x)
+        assert relative_error(z, expected[k]) <= 1e-6 and extra["sequence_first"].shape == (3, 5)
+    with pytest.raises(ValueError, match=r"member must be an integer in \[0, 4\)"):
+        mt.extract_member(model, 4, x)
 
 
 def test_auto_keeps_the_faster_program() -> None:
