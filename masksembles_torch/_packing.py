@@ -895,6 +895,7 @@ class _Emitter:
             self.values[step.name] = self._step(step)
         self._output(squeeze)
         self._in_place()
+        self._member_major()
 
     # ---- attributes of the root
 
@@ -1291,6 +1292,43 @@ class _Emitter:
                         node.replace_all_uses_with(replacement)
                         self.graph.erase_node(node)
                         break
+
+    def _member_major(self) -> None:
+        """Between two members' Linear layers joined only by elementwise activations, hold each member's rows as one
+        block, (m, ..., O): the first writes it without a copy, the second reads it without one."""
+        for node in list(self.graph.nodes):
+            if not self._member_linear(node):
+                continue
+            current = node
+            while len(current.users) == 1:
+                (user,) = current.users
+                if self._member_linear(user) and user.args[0] is current:
+                    cast(ops.MemberLinear, self.root.get_submodule(str(node.target))).member_major_out = True
+                    cast(ops.MemberLinear, self.root.get_submodule(str(user.target))).member_major_in = True
+                    break
+                if not self._activation_of(user, current):
+                    break
+                current = user
+
+    def _member_linear(self, node: fx.Node) -> bool:
+        return node.op == "call_module" and isinstance(self.root.get_submodule(str(node.target)), ops.MemberLinear)
+
+    def _activation_of(self, node: fx.Node, value: fx.Node) -> bool:
+        """``node`` is an elementwise activation of ``value`` alone (its other arguments constants), whatever the
+        layout of ``value``."""
+        if not node.args or node.args[0] is not value:
+            return False
+        others = [*node.args[1:], *node.kwargs.values()]
+        if any(isinstance(other, fx.Node) for other in others):
+            return False
+        if node.op == "call_module":
+            module = self.root.get_submodule(str(node.target))
+            return _activation(module) and not any(True for _ in module.parameters())
+        if node.op == "call_function":
+            return node.target in IN_PLACE_RESULTS or (
+                node.target in ELEMENTWISE_FUNCTIONS and node.target not in (F.prelu, F.rrelu)
+            )
+        return False
 
     def _owned(self, value: Any) -> bool:
         """A tensor only one node reads that this graph allocated (not the caller's input or a buffer), or a view of
