@@ -1,6 +1,7 @@
 """Packed inference: all N members at about the cost of one model.
 
     python benchmarks/bench_packing.py [--rounds 15] [--device cpu|cuda] [--models MLP,ResNet,...]
+    MALLOC_MMAP_THRESHOLD_=4000000000 MALLOC_TRIM_THRESHOLD_=4000000000 python benchmarks/bench_packing.py
 
 N=4, S=2. Models (float32): an MLP 784→1024→1024→1024→10 with Masksembles before each Linear after the first; a
 small ResNet on 3×32×32 (masks inside the blocks and before the head); and, with masks placed by ``insert`` (the
@@ -11,12 +12,15 @@ on 3×32×32 with masks after every block. For each batch size (medians of inter
 run), ÷ one forward of the same network without Masksembles on the same batch: ``pack(model, program="packed")``,
 the tiled dense ``predict(model, x, 4)``, and packed ÷ tiled (``pack``'s default ``program="auto"`` keeps the faster of
 the two). Next to the packed ratio: the multiply-accumulate (MAC) ratio of its Linear/Conv layers and attention
-products, and the share of those MACs that run at full width because they fell back.
+products, and the share of those MACs that run at full width because they fell back. The second command keeps
+glibc from returning freed memory to the system, so that large allocations do not page-fault on every call (its
+table goes to its own section).
 """
 
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Callable
 
 import torch
@@ -28,6 +32,11 @@ from torch import Tensor, nn
 import masksembles_torch as mt
 
 N, SCALE = 4, 2.0
+# glibc settings that keep freed memory for reuse: run with both set to a large value (e.g. 4000000000) to measure
+# without the page faults that fresh large allocations cost (written to its own section of BENCHMARKS.md)
+ALLOCATOR = " ".join(
+    f"{name}={os.environ[name]}" for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_") if name in os.environ
+)
 
 
 def mlp(masks: bool) -> nn.Module:
@@ -244,7 +253,7 @@ def main() -> None:
     args = arguments(device=True, models=list(MODELS))
     device, sync, where = torch_device(args)
     lines = [
-        f"## Packed inference, PyTorch ({where})",
+        f"## Packed inference, PyTorch ({where}{', ' + ALLOCATOR if ALLOCATOR else ''})",
         "",
         f"torch {torch.__version__}, float32, N={N}, S={SCALE}; medians of {args.rounds} interleaved rounds on "
         f"{machine()}. Every ratio is ÷ one forward of the same network without Masksembles on the same batch. In "
@@ -294,7 +303,7 @@ def main() -> None:
             )
             lines.append(row)
             print(row, flush=True)
-    publish(f"packing-{device.type}", "\n".join(lines), write=not args.no_write)
+    publish(f"packing-{device.type}{'-malloc' if ALLOCATOR else ''}", "\n".join(lines), write=not args.no_write)
 
 
 if __name__ == "__main__":

@@ -63,6 +63,13 @@ def frame_size(x: Tensor, batch_axes: Sequence[int], factor: int, channel_axis: 
     return torch.Size(sizes)
 
 
+def gather_member_blocks(x: Tensor, members: int, index: Tensor) -> Tensor:
+    """(m*B, ..., C) on the member-stacked batch -> (m, B, ..., P): member ``k``'s channels ``index[k]`` (m, P)."""
+    split: Tensor = x.unflatten(0, (members, -1))  # type: ignore[no-untyped-call]
+    shape = (members, *([1] * (split.dim() - 2)), index.shape[1])
+    return torch.gather(split, -1, index.view(shape).expand(*split.shape[:-1], index.shape[1]))
+
+
 def members_first(x: Tensor, members: int, axis: int) -> Tensor:
     """(…, m*X, …) on ``axis`` -> (m, …, X, …): the members' blocks of one axis as the leading axis."""
     split: Tensor = x.unflatten(axis, (members, -1))  # type: ignore[no-untyped-call]

@@ -891,6 +891,7 @@ class _Emitter:
         self.copies: dict[str, str] = {}
         self.macs = {"dense": 0, "packed": 0, "fallback": 0}
         self.same_shape: dict[fx.Node, tuple[int, ...]] = {}  # combines: the arguments shaped like the result
+        self.last_axis_frames: dict[fx.Node, int] = {}  # to_batch/to_channels of (B, ..., m*C): C
         for step in program.steps:
             self.values[step.name] = self._step(step)
         self._output(squeeze)
@@ -1000,7 +1001,10 @@ class _Emitter:
         axis = self.axis[source] if source in self.axis else self._input_axis()
         if move.kind in ("to_batch", "to_channels"):
             function = ops.to_batch if move.kind == "to_batch" else ops.to_channels
-            return self.graph.call_function(function, (value, self.m, seen.batch_axis, axis))
+            frame = self.graph.call_function(function, (value, self.m, seen.batch_axis, axis))
+            if seen.batch_axis == 0 and axis == seen.rank - 1:  # batch first, channels last: see _member_major
+                self.last_axis_frames[frame] = seen.shapes[0][axis]
+            return frame
         assert move.index is not None and move.scale is not None
         rank = seen.rank
         if np.array_equal(move.index, np.arange(len(move.index))):
@@ -1294,21 +1298,67 @@ class _Emitter:
                         break
 
     def _member_major(self) -> None:
-        """Between two members' Linear layers joined only by elementwise activations, hold each member's rows as one
-        block, (m, ..., O): the first writes it without a copy, the second reads it without one."""
+        """Hold each member's rows as one block, (m, ..., C), where a members' Linear layer reads or writes it
+        without a copy: between two of them joined only by elementwise activations, from one into the
+        member-stacked batch (``to_batch`` is then a view) and from the member-stacked batch through a channel
+        gather into one (the gather picks each member's channels in its block)."""
         for node in list(self.graph.nodes):
-            if not self._member_linear(node):
-                continue
-            current = node
-            while len(current.users) == 1:
-                (user,) = current.users
-                if self._member_linear(user) and user.args[0] is current:
-                    cast(ops.MemberLinear, self.root.get_submodule(str(node.target))).member_major_out = True
-                    cast(ops.MemberLinear, self.root.get_submodule(str(user.target))).member_major_in = True
-                    break
-                if not self._activation_of(user, current):
-                    break
-                current = user
+            if self._member_linear(node):
+                self._member_major_after(node)
+            elif node in self.last_axis_frames and node.target is ops.to_channels:
+                self._member_major_gather(node)
+
+    def _member_major_after(self, node: fx.Node) -> None:
+        current = node
+        while len(current.users) == 1:
+            (user,) = current.users
+            if self._member_linear(user) and user.args[0] is current:
+                self._linear(node).member_major_out = self._linear(user).member_major_in = True
+                return
+            if user in self.last_axis_frames and user.target is ops.to_batch and current is node:
+                self._linear(node).member_major_out = True
+                with self.graph.inserting_before(user):
+                    user.replace_all_uses_with(self.graph.call_method("flatten", (node, 0, 1)))
+                self.graph.erase_node(user)
+                return
+            if not self._activation_of(user, current):
+                return
+            current = user
+
+    def _member_major_gather(self, frame: fx.Node) -> None:
+        """``to_channels`` -> (``gather_channels`` on the channel axis ->) a members' Linear: each member's block of
+        the member-stacked batch read as it is (a view), or its channels gathered from there."""
+        if len(frame.users) != 1:
+            return
+        (user,) = frame.users
+        if self._member_linear(user) and user.args[0] is frame:
+            with self.graph.inserting_before(frame):
+                frame.replace_all_uses_with(self.graph.call_method("unflatten", (frame.args[0], 0, (self.m, -1))))
+            self.graph.erase_node(frame)
+            self._linear(user).member_major_in = True
+            return
+        gather = user
+        if gather.target is not ops.gather_channels or len(gather.users) != 1 or gather.args[1] != frame.args[3]:
+            return
+        (linear,) = gather.users
+        if not self._member_linear(linear) or linear.args[0] is not gather:
+            return
+        index = self.root.get_buffer(str(cast(fx.Node, gather.args[2]).target))
+        channels, width = self.last_axis_frames[frame], index.numel() // self.m
+        local = index.view(self.m, width) - torch.arange(self.m, device=index.device).view(-1, 1) * channels
+        if index.numel() != self.m * width or bool(((local < 0) | (local >= channels)).any()):
+            return
+        with self.graph.inserting_before(gather):
+            picked = self.graph.call_function(
+                ops.gather_member_blocks, (frame.args[0], self.m, self._attribute("index", local))
+            )
+        gather.replace_all_uses_with(picked)
+        self.graph.erase_node(gather)
+        self.graph.erase_node(frame)
+        self._linear(linear).member_major_in = True
+
+    def _linear(self, node: fx.Node) -> ops.MemberLinear:
+        return cast(ops.MemberLinear, self.root.get_submodule(str(node.target)))
 
     def _member_linear(self, node: fx.Node) -> bool:
         return node.op == "call_module" and isinstance(self.root.get_submodule(str(node.target)), ops.MemberLinear)

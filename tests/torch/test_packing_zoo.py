@@ -35,3 +35,16 @@ def test_inserted_zoo_model_packs_equal_to_predict(name: str, half: bool) -> Non
     assert relative_error(packed(x[:3]), expected[:, :3]) <= 1e-5
     for k in (0, N - 1):
         assert relative_error(mt.extract_member(masked, k, x[:2])(x), expected[k]) <= 1e-5
+
+
+@pytest.mark.parametrize("name", ["vit", "vit_fused"])
+def test_attention_reads_and_writes_member_blocks_in_place(name: str) -> None:
+    """The qkv Linear writes the member-stacked batch itself (no to_batch copy) and the members' projections gather
+    their channels from it (no to_channels copy): each member's rows stay one block around the attention."""
+    masked = mt.insert(zoo.build(name), N, 2.0, seed=0).eval()
+    x = zoo.images(5)
+    packed = mt.pack(masked, x[:2], program="packed")
+    assert "to_batch" not in packed.code and "gather_member_blocks" in packed.code
+    layouts = [(m.member_major_in, m.member_major_out) for m in packed.modules() if hasattr(m, "member_major_in")]
+    assert (True, True) in layouts and (True, False) in layouts
+    assert relative_error(packed(x), mt.predict(masked, x, N)) <= 1e-5
