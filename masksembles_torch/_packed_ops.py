@@ -137,20 +137,19 @@ class Affine(nn.Module):
 class MemberLinear(nn.Module):
     """One Linear per member on the member blocks of the last axis: (..., m*I) -> (..., m*O).
 
-    Few rows run as one batched matmul (members moved to the front and back); from ``PER_MEMBER_ROWS`` rows on, each
-    member is one matmul reading its block of the input in place and writing its block of the output, one fresh
-    buffer instead of two (measured faster on CPU from about 1000 rows). ``member_major_in``/``member_major_out``
-    (set by ``pack`` between two of these joined by activations) take/give (m, ..., I)/(m, ..., O) instead: every
-    member's rows in one block, no copy.
+    ``per_member`` (chosen by ``pack`` from the rows at the example's batch size, so that the graph has no branch on
+    shapes): one matmul per member, reading its block of the input in place and writing its block of the output, one
+    fresh buffer; otherwise one batched matmul with the members moved to the front and back (faster on few rows).
+    ``member_major_in``/``member_major_out`` (set by ``pack`` where the neighbouring operation reads or writes that
+    layout) take/give (m, ..., I)/(m, ..., O) instead: every member's rows in one block, no copy.
     """
 
-    PER_MEMBER_ROWS = 1024
-
-    def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
+    def __init__(self, weight: Tensor, bias: Tensor | None, *, per_member: bool = False) -> None:
         super().__init__()
         members, outputs, _ = weight.shape
         self.weight = nn.Parameter(weight.transpose(1, 2).contiguous(), requires_grad=False)  # (m, I, O)
         self.bias = None if bias is None else nn.Parameter(bias.view(members, 1, outputs), requires_grad=False)
+        self.per_member = per_member
         self.member_major_in = False
         self.member_major_out = False
 
@@ -165,7 +164,7 @@ class MemberLinear(nn.Module):
             rows = x.reshape(-1, members * inputs)
             stacked = rows.view(-1, members, inputs).transpose(0, 1)
             blocks = [rows[:, k * inputs : (k + 1) * inputs] for k in range(members)]
-        if stacked.shape[1] >= self.PER_MEMBER_ROWS:
+        if self.per_member:
             return self._per_member(blocks, lead)
         y = torch.bmm(stacked, self.weight) if self.bias is None else torch.baddbmm(self.bias, stacked, self.weight)
         if self.member_major_out:
@@ -191,7 +190,8 @@ class MemberLinear(nn.Module):
 
     def extra_repr(self) -> str:
         members, inputs, outputs = self.weight.shape
-        layout = "".join(f", {name}=True" for name in ("member_major_in", "member_major_out") if getattr(self, name))
+        flags = ("per_member", "member_major_in", "member_major_out")
+        layout = "".join(f", {name}=True" for name in flags if getattr(self, name))
         return f"members={members}, in_features={inputs}, out_features={outputs}, bias={self.bias is not None}{layout}"
 
 

@@ -1172,7 +1172,8 @@ class _Emitter:
             keep = torch.as_tensor(valid, device=picked.device).view(*valid.shape, *([1] * (op.weight.dim() - 2)))
             blocks = torch.where(keep, picked, torch.zeros((), dtype=picked.dtype, device=picked.device))
             if op.how == "linear" and member:
-                module: nn.Module = ops.MemberLinear(blocks, bias)
+                shape = self.capture.seen[op.node].shapes[0]  # at the example's batch size
+                module: nn.Module = ops.MemberLinear(blocks, bias, per_member=math.prod(shape[:-1]) >= PER_MEMBER_ROWS)
                 return self._call("linear", module, value)
             weight = blocks.flatten(0, 1)
             groups = len(rows) if member else 1
@@ -1466,6 +1467,9 @@ def _per_sample(capture: _Capture, node: fx.Node) -> int:
 
 
 MATMULS = {torch.matmul, operator.matmul, torch.bmm}
+# members' Linear layers on at least this many rows (at the example's batch size) run one matmul per member, reading
+# and writing each member's block in place; fewer run one batched matmul (measured faster on CPU below ~1000 rows)
+PER_MEMBER_ROWS = 1024
 
 
 # producers whose result is a new tensor, and elementwise functions with an in-place form

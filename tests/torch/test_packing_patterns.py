@@ -343,17 +343,25 @@ def test_pattern_packs_equal_to_the_dense_model(name: str, batch: int) -> None:
             assert relative_error(actual, wanted[k]) <= 1e-5
 
 
-def test_linear_layers_joined_by_activations_pass_member_major_blocks() -> None:
-    """fc1 -> GELU -> fc2: fc1 writes (m, ..., O) and fc2 reads it; with a batched matmul (300 rows) and with one
-    matmul per member (1200 rows) the result is the dense model's."""
+@pytest.mark.parametrize("example", [1, 4], ids=["batched-matmul", "per-member-matmuls"])
+def test_linear_layers_joined_by_activations_pass_member_major_blocks(example: int) -> None:
+    """fc1 -> GELU -> fc2: fc1 writes (m, ..., O) and fc2 reads it. An example of 300 rows gives one batched matmul,
+    of 1200 one matmul per member; either equals the dense model at any batch, also exported with a dynamic batch."""
     torch.manual_seed(0)
     model = randomized(TokenMLP())
-    packed = mt.pack(model, torch.randn(1, 300, 8), program="packed")
-    layouts = [(m.member_major_in, m.member_major_out) for m in packed.modules() if hasattr(m, "member_major_in")]
-    assert layouts == [(False, True), (True, False), (False, False)]
+    packed = mt.pack(model, torch.randn(example, 300, 8), program="packed")
+    linears = [m for m in packed.modules() if hasattr(m, "member_major_in")]
+    assert [(m.member_major_in, m.member_major_out) for m in linears] == [(False, True), (True, False), (False, False)]
+    assert [m.per_member for m in linears] == [example == 4] * 3
+    exported = torch.export.export(
+        packed, (torch.randn(2, 300, 8),), dynamic_shapes=({0: torch.export.Dim("batch", min=2)},)
+    ).module()
     for batch in (1, 4):
         x = torch.randn(batch, 300, 8, generator=torch.Generator().manual_seed(batch))
-        assert relative_error(packed(x), mt.untile(model(mt.tile(x, N)), N)) <= 1e-5
+        expected = mt.untile(model(mt.tile(x, N)), N)
+        assert relative_error(packed(x), expected) <= 1e-5
+        if batch > 1:
+            assert relative_error(exported(x), expected) <= 1e-5
 
 
 def test_zero_preservation_is_evaluated_with_the_arguments() -> None:
