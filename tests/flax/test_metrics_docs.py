@@ -2,17 +2,10 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
-from masksembles_core import metrics
-from tests.metrics_docs import run, snippets
+from tests.metrics_docs import check_regression_snippet
 
 
 def test_flax_snippet_runs(capsys: pytest.CaptureFixture[str]) -> None:
-    (block,) = snippets("flax")
-    namespace = run([block])
-    assert capsys.readouterr().out.startswith("| Metric | Value |\n|---|---:|\n| nll |")
-    means, variances = np.asarray(namespace["means"]), np.asarray(namespace["variances"])
-    assert means.shape == variances.shape == (4, 256)
-    assert metrics.uncertainty_split(means, variances)[1].mean() > 0.0  # the members differ
+    check_regression_snippet("flax", capsys)

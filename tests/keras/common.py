@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import keras
@@ -16,13 +17,17 @@ from tests.conformance import assert_same_bits, oracle, special_values
 __all__ = [
     "BACKEND",
     "JIT_COMPILE",
+    "assert_file_round_trip_keeps_masks",
     "assert_same_bits",
     "core_error",
+    "data",
     "dtype_scope",
     "layer_at",
     "layer_paths",
     "masks_of",
+    "masksembles_layers",
     "oracle",
+    "run",
     "special_values",
     "to_numpy",
 ]
@@ -93,3 +98,24 @@ def masksembles_layers(model: keras.Model) -> dict[str, Any]:
     import masksembles_keras as mk
 
     return {path: layer for path, layer in layer_paths(model) if isinstance(layer, mk.Masksembles)}
+
+
+def data(model: keras.Model, batch: int = 5, seed: int = 0) -> np.ndarray:
+    """A standard-normal float32 batch shaped like ``model``'s first input."""
+    shape = (batch, *model.inputs[0].shape[1:])
+    return np.random.default_rng(seed).normal(size=shape).astype(np.float32)
+
+
+def assert_file_round_trip_keeps_masks(model: keras.Model, path: Path) -> None:
+    """Saved as ``path`` (a .keras file) and loaded: the same Masksembles layers (path, type, masks), the same
+    members' outputs."""
+    import masksembles_keras as mk
+
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    saved = masksembles_layers(model)
+    assert set(masksembles_layers(loaded)) == set(saved)
+    for key, layer in masksembles_layers(loaded).items():
+        assert type(layer) is type(saved[key]) and np.array_equal(masks_of(layer), masks_of(saved[key])), key
+    x = data(model)
+    assert np.array_equal(mk.predict(loaded, x, 4), mk.predict(model, x, 4))

@@ -13,7 +13,16 @@ import masksembles_core.adapter as mca
 import masksembles_keras as mk
 from masksembles_core.insertion import CONVERTED, LEFT
 from tests.keras.architectures import BUILDERS, CLASSES
-from tests.keras.common import core_error, layer_at, layer_paths, masks_of, masksembles_layers, run
+from tests.keras.common import (
+    assert_file_round_trip_keeps_masks,
+    core_error,
+    data,
+    layer_at,
+    layer_paths,
+    masks_of,
+    masksembles_layers,
+    run,
+)
 
 # architecture -> {dropout path: (action, channels, channel axis)}
 EXPECTED: dict[str, dict[str, tuple[str, int | None, int | None]]] = {
@@ -23,10 +32,6 @@ EXPECTED: dict[str, dict[str, tuple[str, int | None, int | None]]] = {
     "nested": {"block/inner_drop": (CONVERTED, 12, -1)},
     "channels_first": {"spatial_drop": (CONVERTED, 6, 1)},
 }
-
-
-def data(model: keras.Model, batch: int = 5) -> np.ndarray:
-    return np.random.default_rng(0).normal(size=(batch, *model.inputs[0].shape[1:])).astype(np.float32)
 
 
 @pytest.mark.parametrize("name", list(EXPECTED))
@@ -189,16 +194,7 @@ def test_convert_dropout_in_functional_and_nested_models() -> None:
 
 @pytest.mark.parametrize("name", ["efficientnet", "nested"])
 def test_keras_file_round_trip_keeps_the_converted_masks(name: str, tmp_path: Path) -> None:
-    converted = mk.convert_dropout(BUILDERS[name](), 4, 2.0)
-    path = tmp_path / "converted.keras"
-    converted.save(path)
-    loaded = keras.saving.load_model(path)
-    saved = masksembles_layers(converted)
-    assert set(masksembles_layers(loaded)) == set(saved)
-    for key, layer in masksembles_layers(loaded).items():
-        assert np.array_equal(masks_of(layer), masks_of(saved[key])), key
-    x = data(converted)
-    assert np.array_equal(mk.predict(loaded, x, 4), mk.predict(converted, x, 4))
+    assert_file_round_trip_keeps_masks(mk.convert_dropout(BUILDERS[name](), 4, 2.0), tmp_path / "converted.keras")
 
 
 def test_convert_dropout_errors() -> None:

@@ -14,7 +14,16 @@ import masksembles_core.adapter as mca
 import masksembles_keras as mk
 from masksembles_core.insertion import INSERTED, LEFT
 from tests.keras.architectures import BUILDERS, CLASSES, mobilenet_v3_like, resnet_like
-from tests.keras.common import core_error, layer_at, layer_paths, masks_of, masksembles_layers, run
+from tests.keras.common import (
+    assert_file_round_trip_keeps_masks,
+    core_error,
+    data,
+    layer_at,
+    layer_paths,
+    masks_of,
+    masksembles_layers,
+    run,
+)
 
 # architecture -> (its first layer, left alone by default; {path: (channels, channel axis)} of the inserted masks)
 # (the squeeze-excitation expansions of the EfficientNet-like graph read 2 channels: too few for 4 distinct masks)
@@ -55,11 +64,6 @@ EXPECTED: dict[str, tuple[str, dict[str, tuple[int, int]]]] = {
     "nested": ("stem", {"block/inner": (8, -1), "block/inner_out": (12, -1), "head": (8, -1)}),
     "channels_first": ("conv_a", {"conv_b": (4, 1), "head": (6, -1)}),
 }
-
-
-def data(model: keras.Model, batch: int = 5, seed: int = 0) -> np.ndarray:
-    shape = (batch, *model.inputs[0].shape[1:])
-    return np.random.default_rng(seed).normal(size=shape).astype(np.float32)
 
 
 def masks_path(path: str) -> str:
@@ -131,16 +135,7 @@ def test_masks_follow_the_seed() -> None:
 
 @pytest.mark.parametrize("name", ["mobilenet_v3", "nested", "channels_first"])
 def test_keras_file_round_trip_keeps_the_inserted_masks(name: str, tmp_path: Path) -> None:
-    result = mk.insert(BUILDERS[name](), 4, 2.0)
-    path = tmp_path / "inserted.keras"
-    result.save(path)
-    loaded = keras.saving.load_model(path)
-    saved = masksembles_layers(result)
-    assert set(masksembles_layers(loaded)) == set(saved)
-    for key, layer in masksembles_layers(loaded).items():
-        assert type(layer) is type(saved[key]) and np.array_equal(masks_of(layer), masks_of(saved[key])), key
-    x = data(result)
-    assert np.array_equal(mk.predict(loaded, x, 4), mk.predict(result, x, 4))
+    assert_file_round_trip_keeps_masks(mk.insert(BUILDERS[name](), 4, 2.0), tmp_path / "inserted.keras")
 
 
 def test_inserted_model_trains_and_the_original_keeps_its_weights() -> None:
