@@ -8,7 +8,7 @@ blocks side by side on the channel axis, (B, m*P, ...); or *dense*, every channe
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -158,20 +158,17 @@ class MemberLinear(nn.Module):
         if self.member_major_in:
             lead = x.shape[1:-1]
             stacked = x.reshape(members, -1, inputs)  # (m, rows, I)
-            blocks = list(stacked.unbind(0))
         else:
             lead = x.shape[:-1]
-            rows = x.reshape(-1, members * inputs)
-            stacked = rows.view(-1, members, inputs).transpose(0, 1)
-            blocks = [rows[:, k * inputs : (k + 1) * inputs] for k in range(members)]
+            stacked = x.reshape(-1, members, inputs).transpose(0, 1)  # (m, rows, I): a view of each member's block
         if self.per_member:
-            return self._per_member(blocks, lead)
+            return self._per_member(stacked.unbind(0), lead)
         y = torch.bmm(stacked, self.weight) if self.bias is None else torch.baddbmm(self.bias, stacked, self.weight)
         if self.member_major_out:
             return y.view(members, *lead, outputs)
         return y.transpose(0, 1).reshape(*lead, members * outputs)
 
-    def _per_member(self, blocks: list[Tensor], lead: torch.Size) -> Tensor:
+    def _per_member(self, blocks: Sequence[Tensor], lead: torch.Size) -> Tensor:
         """Each member's (rows, I) block -> (*lead, m*O), or (m, *lead, O) when ``member_major_out``."""
         members, _, outputs = self.weight.shape
         count = blocks[0].shape[0]
@@ -206,12 +203,19 @@ def tile_parts(parts: Sequence[Tensor], members: int, batch_axes: Sequence[int])
     return tuple(part if axis < 0 else tile(part, members, axis) for part, axis in zip(parts, batch_axes, strict=True))
 
 
-def _leaves(tree: Any) -> list[Any]:
+def _map_leaves(function: Callable[[Any], Any], tree: Any) -> Any:
+    """``tree`` (tuples, lists and dicts of leaves) with ``function`` applied to every leaf, in order."""
     if isinstance(tree, (tuple, list)):
-        return [leaf for item in tree for leaf in _leaves(item)]
+        return type(tree)(_map_leaves(function, item) for item in tree)
     if isinstance(tree, dict):
-        return [leaf for item in tree.values() for leaf in _leaves(item)]
-    return [tree]
+        return {key: _map_leaves(function, item) for key, item in tree.items()}
+    return function(tree)
+
+
+def _leaves(tree: Any) -> list[Any]:
+    found: list[Any] = []
+    _map_leaves(found.append, tree)
+    return found
 
 
 def leaf_batch_axes(small: Any, large: Any, batch: int) -> tuple[int, ...]:
@@ -235,17 +239,13 @@ def select_members(tree: Any, members: int, axes: Sequence[int], chosen: Sequenc
     positions = iter(axes)
 
     def select(leaf: Any) -> Any:
-        if isinstance(leaf, (tuple, list)):
-            return type(leaf)(select(item) for item in leaf)
-        if isinstance(leaf, dict):
-            return {key: select(item) for key, item in leaf.items()}
         axis = next(positions)
         if axis < 0:
             return leaf
         split = members_first(leaf, members, axis)[list(chosen)]
         return split[0] if squeeze else split
 
-    return select(tree)
+    return _map_leaves(select, tree)
 
 
 def repeat_members(x: Tensor, members: int) -> Tensor:

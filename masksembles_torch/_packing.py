@@ -248,6 +248,11 @@ class _Seen:
         return tuple(i for i, (a, b) in enumerate(zip(*self.shapes, strict=True)) if a != b)
 
     @property
+    def per_sample(self) -> int:
+        """Elements per sample of a tensor with one batch-proportional axis."""
+        return math.prod(self.shapes[0]) // self.shapes[0][self.batch_axes[0]]
+
+    @property
     def batch_axis(self) -> int:
         """The one axis that follows the batch, if it is exactly the batch (else -1)."""
         axes = self.batch_axes
@@ -1234,7 +1239,7 @@ class _Emitter:
         seen = seen.parts[0] if seen.parts else seen  # nn.MultiheadAttention: (output, weights or None)
         if not seen.tensor or len(seen.batch_axes) != 1:
             return
-        per_sample = math.prod(seen.shapes[0]) // seen.shapes[0][seen.batch_axes[0]]
+        per_sample = seen.per_sample
         if step.node.kind == "fallback":
             dense = _fallback_macs(op, self.capture, per_sample) * self.m
             self.macs["dense"] += dense
@@ -1377,7 +1382,7 @@ class _Emitter:
             return _activation(module) and not any(True for _ in module.parameters())
         if node.op == "call_function":
             return node.target in IN_PLACE_RESULTS or (
-                node.target in ELEMENTWISE_FUNCTIONS and node.target not in (F.prelu, F.rrelu)
+                node.target in ELEMENTWISE_FUNCTIONS and node.target is not F.rrelu
             )
         return False
 
@@ -1443,7 +1448,7 @@ def _fallback_macs(op: _Op, capture: _Capture, per_sample: int) -> int:
         if isinstance(module, nn.MultiheadAttention):
             query, key = (_argument(node, i, name) for i, name in enumerate(("query", "key")))
             width = module.embed_dim
-            tokens, keys = (_per_sample(capture, value) // width for value in (query, key))
+            tokens, keys = (capture.seen[value].per_sample // width for value in (query, key))
             return int(tokens * 4 * width * width + 2 * tokens * keys * width)
         return 0
     output = capture.seen[node].shapes[0]
@@ -1459,11 +1464,6 @@ def _fallback_macs(op: _Op, capture: _Capture, per_sample: int) -> int:
 def _argument(node: fx.Node, position: int, name: str) -> fx.Node:
     value = node.args[position] if len(node.args) > position else node.kwargs[name]
     return cast(fx.Node, value)
-
-
-def _per_sample(capture: _Capture, node: fx.Node) -> int:
-    seen = capture.seen[node]
-    return math.prod(seen.shapes[0]) // seen.shapes[0][seen.batch_axes[0]]
 
 
 MATMULS = {torch.matmul, operator.matmul, torch.bmm}
