@@ -7,13 +7,14 @@ blocks side by side on the channel axis, (B, m*P, ...); or *dense*, every channe
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor, fx, nn
 
 
 def gather_channels(x: Tensor, axis: int, index: Tensor) -> Tensor:
@@ -154,42 +155,81 @@ class MemberLinear(nn.Module):
         self.member_major_out = False
 
     def forward(self, x: Tensor) -> Tensor:
-        members, inputs, outputs = self.weight.shape
-        if self.member_major_in:
-            lead = x.shape[1:-1]
-            stacked = x.reshape(members, -1, inputs)  # (m, rows, I)
-        else:
-            lead = x.shape[:-1]
-            stacked = x.reshape(-1, members, inputs).transpose(0, 1)  # (m, rows, I): a view of each member's block
+        stacked, lead = self.blocks(x)
         if self.per_member:
-            return self._per_member(stacked.unbind(0), lead)
-        y = torch.bmm(stacked, self.weight) if self.bias is None else torch.baddbmm(self.bias, stacked, self.weight)
+            y, outs = self.result(stacked, lead)
+            for k, (block, out) in enumerate(zip(stacked.unbind(0), outs.unbind(0), strict=True)):
+                if self.bias is None:
+                    torch.mm(block, self.weight[k], out=out)
+                else:
+                    torch.addmm(self.bias[k, 0], block, self.weight[k], out=out)
+            return y
+        y = self.batched(stacked)
+        members, _, outputs = self.weight.shape
         if self.member_major_out:
             return y.view(members, *lead, outputs)
         return y.transpose(0, 1).reshape(*lead, members * outputs)
 
-    def _per_member(self, blocks: Sequence[Tensor], lead: torch.Size) -> Tensor:
-        """Each member's (rows, I) block -> (*lead, m*O), or (m, *lead, O) when ``member_major_out``."""
+    def blocks(self, x: Tensor) -> tuple[Tensor, torch.Size]:
+        """The input's member blocks as (m, rows, I) (a view) and the input's leading shape (without m)."""
+        members, inputs, _ = self.weight.shape
+        if self.member_major_in:
+            return x.reshape(members, -1, inputs), x.shape[1:-1]
+        return x.reshape(-1, members, inputs).transpose(0, 1), x.shape[:-1]
+
+    def result(self, stacked: Tensor, lead: torch.Size) -> tuple[Tensor, Tensor]:
+        """A fresh output, (*lead, m*O) or (m, *lead, O) when ``member_major_out``, and its (m, rows, O) view."""
         members, _, outputs = self.weight.shape
-        count = blocks[0].shape[0]
+        rows = stacked.shape[1]
         if self.member_major_out:
-            y = blocks[0].new_empty(members, count, outputs)
-            outs = list(y.unbind(0))
-        else:
-            y = blocks[0].new_empty(count, members * outputs)
-            outs = [y[:, k * outputs : (k + 1) * outputs] for k in range(members)]
-        for k, (block, out) in enumerate(zip(blocks, outs, strict=True)):
-            if self.bias is None:
-                torch.mm(block, self.weight[k], out=out)
-            else:
-                torch.addmm(self.bias[k, 0], block, self.weight[k], out=out)
-        return y.view(members, *lead, outputs) if self.member_major_out else y.view(*lead, -1)
+            y = stacked.new_empty(members, rows, outputs)
+            return y.view(members, *lead, outputs), y
+        y = stacked.new_empty(rows, members * outputs)
+        return y.view(*lead, members * outputs), y.view(rows, members, outputs).transpose(0, 1)
+
+    def batched(self, stacked: Tensor, out: Tensor | None = None) -> Tensor:
+        """(m, rows, I) -> (m, rows, O): one batched matmul, written to ``out`` when given."""
+        if self.bias is None:
+            return torch.bmm(stacked, self.weight, out=out)
+        return torch.baddbmm(self.bias, stacked, self.weight, out=out)
 
     def extra_repr(self) -> str:
         members, inputs, outputs = self.weight.shape
         flags = ("per_member", "member_major_in", "member_major_out")
         layout = "".join(f", {name}=True" for name in flags if getattr(self, name))
         return f"members={members}, in_features={inputs}, out_features={outputs}, bias={self.bias is not None}{layout}"
+
+
+class MemberMLP(nn.Module):
+    """Two members' Linear layers joined by elementwise activations, run on ``tiles`` tiles of rows at a time:
+    (..., m*I) -> (..., m*O), in and out in the layouts the two layers were given. Each tile's hidden activations are
+    made, activated in place and read while they are in cache; the hidden layer is never held whole.
+    """
+
+    def __init__(self, first: MemberLinear, activation: fx.GraphModule, second: MemberLinear, tiles: int) -> None:
+        super().__init__()
+        self.first, self.activation, self.second, self.tiles = first, activation, second, tiles
+
+    def forward(self, x: Tensor) -> Tensor:
+        stacked, lead = self.first.blocks(x)
+        y, outs = self.second.result(stacked, lead)
+        # one tile when compiled or exported: the compiler fuses the activations itself, and tile bounds would put
+        # guards on the batch size
+        tiles = 1 if torch.compiler.is_compiling() else self.tiles
+        rows = stacked.shape[1]
+        for start, stop in itertools.pairwise([rows * t // tiles for t in range(tiles + 1)]):
+            self.second.batched(self.activation(self.first.batched(stacked[:, start:stop])), out=outs[:, start:stop])
+        return y
+
+    def extra_repr(self) -> str:
+        names = [
+            type(self.activation.get_submodule(str(node.target))).__name__
+            if node.op == "call_module"
+            else getattr(node.target, "__name__", str(node.target))
+            for node in self.activation.graph.nodes
+            if node.op.startswith("call")
+        ]
+        return f"tiles={self.tiles}, activations=[{', '.join(names)}]"
 
 
 def macs(weight_shape: Sequence[int], output_shape: Sequence[int], channel_axis: int) -> int:

@@ -897,11 +897,14 @@ class _Emitter:
         self.macs = {"dense": 0, "packed": 0, "fallback": 0}
         self.same_shape: dict[fx.Node, tuple[int, ...]] = {}  # combines: the arguments shaped like the result
         self.last_axis_frames: dict[fx.Node, int] = {}  # to_batch/to_channels of (B, ..., m*C): C
+        self.linear_rows: dict[str, int] = {}  # a members' Linear's rows at the example's batch size
+        self.mlps: list[tuple[fx.Node, list[fx.Node], fx.Node]] = []  # members' Linear, activations, members' Linear
         for step in program.steps:
             self.values[step.name] = self._step(step)
         self._output(squeeze)
         self._in_place()
         self._member_major()
+        self._fuse_mlps()
 
     # ---- attributes of the root
 
@@ -1177,9 +1180,11 @@ class _Emitter:
             keep = torch.as_tensor(valid, device=picked.device).view(*valid.shape, *([1] * (op.weight.dim() - 2)))
             blocks = torch.where(keep, picked, torch.zeros((), dtype=picked.dtype, device=picked.device))
             if op.how == "linear" and member:
-                shape = self.capture.seen[op.node].shapes[0]  # at the example's batch size
-                module: nn.Module = ops.MemberLinear(blocks, bias, per_member=math.prod(shape[:-1]) >= PER_MEMBER_ROWS)
-                return self._call("linear", module, value)
+                count = math.prod(self.capture.seen[op.node].shapes[0][:-1])  # rows at the example's batch size
+                member_linear = ops.MemberLinear(blocks, bias, per_member=count >= PER_MEMBER_ROWS)
+                called = self._call("linear", member_linear, value)
+                self.linear_rows[str(called.target)] = count
+                return called
             weight = blocks.flatten(0, 1)
             groups = len(rows) if member else 1
         if op.how == "linear":
@@ -1315,11 +1320,12 @@ class _Emitter:
                 self._member_major_gather(node)
 
     def _member_major_after(self, node: fx.Node) -> None:
-        current = node
+        current, chain = node, list[fx.Node]()
         while len(current.users) == 1:
             (user,) = current.users
             if self._member_linear(user) and user.args[0] is current:
                 self._linear(node).member_major_out = self._linear(user).member_major_in = True
+                self.mlps.append((node, chain, user))
                 return
             if user in self.last_axis_frames and user.target is ops.to_batch and current is node:
                 self._linear(node).member_major_out = True
@@ -1330,6 +1336,34 @@ class _Emitter:
             if not self._activation_of(user, current):
                 return
             current = user
+            chain.append(user)
+
+    def _fuse_mlps(self) -> None:
+        """Each members' Linear -> elementwise activations -> members' Linear becomes one ``MemberMLP`` that runs
+        them on tiles of rows (on CPU, enough tiles for about ``TILE_ROWS`` rows each at the example's batch size)."""
+        fused: set[fx.Node] = set()
+        for first, chain, second in self.mlps:
+            if first in fused:  # the second layer of the previous pair: that pair holds it
+                continue
+            graph = fx.Graph()
+            copied = {first: graph.placeholder("hidden")}
+            for node in chain:
+                copied[node] = graph.node_copy(node, copied.__getitem__)
+            graph.output(copied[chain[-1] if chain else first])
+            modules = {str(n.target): self.root.get_submodule(str(n.target)) for n in chain if n.op == "call_module"}
+            layers = self._linear(first), self._linear(second)
+            for layer in layers:
+                layer.per_member = False  # each tile runs one batched matmul
+            rows = self.linear_rows[str(first.target)]
+            tiles = max(1, round(rows / TILE_ROWS)) if layers[0].weight.device.type == "cpu" else 1
+            activation = fx.GraphModule(modules, graph, class_name="Activation")
+            name = f"mlp_{len(fused)}"
+            self.root.add_module(name, ops.MemberMLP(layers[0], activation, layers[1], tiles))
+            with self.graph.inserting_before(second):
+                second.replace_all_uses_with(self.graph.call_module(name, (first.args[0],)))
+            for node in (second, *reversed(chain), first):
+                self.graph.erase_node(node)
+            fused.add(second)
 
     def _member_major_gather(self, frame: fx.Node) -> None:
         """``to_channels`` -> (``gather_channels`` on the channel axis ->) a members' Linear: each member's block of
@@ -1470,6 +1504,7 @@ MATMULS = {torch.matmul, operator.matmul, torch.bmm}
 # members' Linear layers on at least this many rows (at the example's batch size) run one matmul per member, reading
 # and writing each member's block in place; fewer run one batched matmul (measured faster on CPU below ~1000 rows)
 PER_MEMBER_ROWS = 1024
+TILE_ROWS = 2048  # rows of a members' MLP run at a time on CPU: the tile's hidden activations stay in cache
 
 
 # producers whose result is a new tensor, and elementwise functions with an in-place form
