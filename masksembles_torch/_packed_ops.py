@@ -77,6 +77,12 @@ def members_first(x: Tensor, members: int, axis: int) -> Tensor:
     return split.movedim(axis, 0)
 
 
+def members_of_channels(x: Tensor, members: int, channel_axis: int) -> Tensor:
+    """(…B…, m*C…) -> (m, …B…, C…): ``members_first(to_batch(x))`` as one view."""
+    split: Tensor = x.unflatten(channel_axis, (members, -1))  # type: ignore[no-untyped-call]
+    return split.movedim(channel_axis, 0)
+
+
 def add_shared(member: Tensor, shared: Tensor, members: int, axis: int) -> Tensor:
     """``member + shared`` where ``shared`` holds one block that every member's block reads (no repeated copy)."""
     grouped: Tensor = member.unflatten(axis, (members, -1))  # type: ignore[no-untyped-call]
@@ -201,22 +207,25 @@ class MemberLinear(nn.Module):
 
 
 class MemberMLP(nn.Module):
-    """Two members' Linear layers joined by elementwise activations, run on ``tiles`` tiles of rows at a time:
-    (..., m*I) -> (..., m*O), in and out in the layouts the two layers were given. Each tile's hidden activations are
-    made, activated in place and read while they are in cache; the hidden layer is never held whole.
+    """Two members' Linear layers joined by elementwise activations: (..., m*I) -> (..., m*O), in and out in the
+    layouts the two layers were given. On CPU they run on tiles of about ``tile_rows`` rows: each tile's hidden
+    activations are made, activated in place and read while they are in cache, and the hidden layer is never held
+    whole. One tile elsewhere and when compiled or exported (the compiler fuses the activations itself, and tile
+    bounds would put guards on the batch size).
     """
 
-    def __init__(self, first: MemberLinear, activation: fx.GraphModule, second: MemberLinear, tiles: int) -> None:
+    tile_rows = 2048
+
+    def __init__(self, first: MemberLinear, activation: fx.GraphModule, second: MemberLinear) -> None:
         super().__init__()
-        self.first, self.activation, self.second, self.tiles = first, activation, second, tiles
+        self.first, self.activation, self.second = first, activation, second
 
     def forward(self, x: Tensor) -> Tensor:
         stacked, lead = self.first.blocks(x)
         y, outs = self.second.result(stacked, lead)
-        # one tile when compiled or exported: the compiler fuses the activations itself, and tile bounds would put
-        # guards on the batch size
-        tiles = 1 if torch.compiler.is_compiling() else self.tiles
         rows = stacked.shape[1]
+        cpu = stacked.device.type == "cpu" and not torch.compiler.is_compiling()
+        tiles = max(1, round(rows / self.tile_rows)) if cpu else 1
         for start, stop in itertools.pairwise([rows * t // tiles for t in range(tiles + 1)]):
             self.second.batched(self.activation(self.first.batched(stacked[:, start:stop])), out=outs[:, start:stop])
         return y
@@ -229,7 +238,7 @@ class MemberMLP(nn.Module):
             for node in self.activation.graph.nodes
             if node.op.startswith("call")
         ]
-        return f"tiles={self.tiles}, activations=[{', '.join(names)}]"
+        return f"tile_rows={self.tile_rows}, activations=[{', '.join(names)}]"
 
 
 def macs(weight_shape: Sequence[int], output_shape: Sequence[int], channel_axis: int) -> int:
@@ -286,6 +295,18 @@ def select_members(tree: Any, members: int, axes: Sequence[int], chosen: Sequenc
         return split[0] if squeeze else split
 
     return _map_leaves(select, tree)
+
+
+def in_chunks(program: nn.Module, x: Tensor, samples: int, axes: Sequence[int]) -> Any:
+    """``program(x)`` computed on chunks of ``samples`` samples of ``x``, each output leaf joined along its batch
+    axis (``axes``): for a program whose outputs for a sample depend on that sample alone. One call when compiled or
+    exported (a loop over the batch would put guards on its size)."""
+    if torch.compiler.is_compiling() or x.shape[0] <= samples:
+        return program(x)
+    results = [program(part) for part in x.split(samples)]  # type: ignore[no-untyped-call]
+    columns = zip(*(_leaves(result) for result in results), strict=True)
+    joined = iter([torch.cat(leaves, axis) for leaves, axis in zip(columns, axes, strict=True)])
+    return _map_leaves(lambda _: next(joined), results[0])
 
 
 def repeat_members(x: Tensor, members: int) -> Tensor:

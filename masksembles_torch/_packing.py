@@ -661,6 +661,8 @@ def _checked_axes(capture: _Capture, maps: dict[tuple[fx.Node, int], int | None]
     compact = [op for op in capture.ops.values() if op.kind != "fallback"]
     rules = []
     for op in compact:
+        if any(capture.seen[node].rank == 0 for node in (op.node, *op.tensors)):
+            raise AxisConflict(op.node)  # a 0-d tensor (a sum of everything) has neither batch nor channel axis
         dim = capture.argument(op.node, "dim", 1, 0) if op.rule == "concat" else 0
         if not isinstance(dim, int):
             raise AxisConflict(op.node)
@@ -682,6 +684,9 @@ def _checked_axes(capture: _Capture, maps: dict[tuple[fx.Node, int], int | None]
     for op, rule in zip(compact, rules, strict=True):
         if op.rule == "concat":  # along the channels, or along another axis (then channel c of every part)
             op.kind = "concat" if axis[op.node] == rule.concat_dim else "combine"
+        width = capture.seen[op.node].shapes[0][axis[op.node]]
+        if op.kind == "combine" and any(capture.seen[t].shapes[0][axis[t]] != width for t in op.tensors):
+            raise AxisConflict(op.node)  # one broadcasts along the channels (a (B, 1, 1, 1) tensor): full width
     for op in capture.ops.values():
         op.axis = axis.get(op.node, -1)
     return axis
@@ -884,8 +889,10 @@ OUTPUT = "__output__"
 class _Emitter:
     """Writes the program as an fx graph over a root module that holds the compacted layers and the moves' indices."""
 
-    def __init__(self, capture: _Capture, axis: dict[fx.Node, int], program: Program, squeeze: bool) -> None:
-        self.capture, self.axis, self.program = capture, axis, program
+    def __init__(
+        self, capture: _Capture, axis: dict[fx.Node, int], program: Program, squeeze: bool, samples: int
+    ) -> None:
+        self.capture, self.axis, self.program, self.samples = capture, axis, program, samples
         self.m = len(program.members)
         self.root = nn.Module()
         self.graph = fx.Graph()
@@ -897,7 +904,6 @@ class _Emitter:
         self.macs = {"dense": 0, "packed": 0, "fallback": 0}
         self.same_shape: dict[fx.Node, tuple[int, ...]] = {}  # combines: the arguments shaped like the result
         self.last_axis_frames: dict[fx.Node, int] = {}  # to_batch/to_channels of (B, ..., m*C): C
-        self.linear_rows: dict[str, int] = {}  # a members' Linear's rows at the example's batch size
         self.mlps: list[tuple[fx.Node, list[fx.Node], fx.Node]] = []  # members' Linear, activations, members' Linear
         for step in program.steps:
             self.values[step.name] = self._step(step)
@@ -905,6 +911,7 @@ class _Emitter:
         self._in_place()
         self._member_major()
         self._fuse_mlps()
+        self._direct_outputs()
 
     # ---- attributes of the root
 
@@ -1180,11 +1187,9 @@ class _Emitter:
             keep = torch.as_tensor(valid, device=picked.device).view(*valid.shape, *([1] * (op.weight.dim() - 2)))
             blocks = torch.where(keep, picked, torch.zeros((), dtype=picked.dtype, device=picked.device))
             if op.how == "linear" and member:
-                count = math.prod(self.capture.seen[op.node].shapes[0][:-1])  # rows at the example's batch size
-                member_linear = ops.MemberLinear(blocks, bias, per_member=count >= PER_MEMBER_ROWS)
-                called = self._call("linear", member_linear, value)
-                self.linear_rows[str(called.target)] = count
-                return called
+                shape = self.capture.seen[op.node].shapes[0]  # rows per call: at the example's batch, or chunk
+                count = math.prod(shape[:-1]) * self.samples // self.capture.seen[self.capture.input].shapes[0][0]
+                return self._call("linear", ops.MemberLinear(blocks, bias, per_member=count >= PER_MEMBER_ROWS), value)
             weight = blocks.flatten(0, 1)
             groups = len(rows) if member else 1
         if op.how == "linear":
@@ -1339,8 +1344,8 @@ class _Emitter:
             chain.append(user)
 
     def _fuse_mlps(self) -> None:
-        """Each members' Linear -> elementwise activations -> members' Linear becomes one ``MemberMLP`` that runs
-        them on tiles of rows (on CPU, enough tiles for about ``TILE_ROWS`` rows each at the example's batch size)."""
+        """Each members' Linear -> elementwise activations -> members' Linear becomes one ``MemberMLP`` (which runs
+        them on tiles of rows on CPU)."""
         fused: set[fx.Node] = set()
         for first, chain, second in self.mlps:
             if first in fused:  # the second layer of the previous pair: that pair holds it
@@ -1354,16 +1359,48 @@ class _Emitter:
             layers = self._linear(first), self._linear(second)
             for layer in layers:
                 layer.per_member = False  # each tile runs one batched matmul
-            rows = self.linear_rows[str(first.target)]
-            tiles = max(1, round(rows / TILE_ROWS)) if layers[0].weight.device.type == "cpu" else 1
             activation = fx.GraphModule(modules, graph, class_name="Activation")
             name = f"mlp_{len(fused)}"
-            self.root.add_module(name, ops.MemberMLP(layers[0], activation, layers[1], tiles))
+            self.root.add_module(name, ops.MemberMLP(layers[0], activation, layers[1]))
             with self.graph.inserting_before(second):
                 second.replace_all_uses_with(self.graph.call_module(name, (first.args[0],)))
             for node in (second, *reversed(chain), first):
                 self.graph.erase_node(node)
             fused.add(second)
+
+    def _direct_outputs(self) -> None:
+        """An output leaf read from the members' blocks by a view of them, without the member-stacked batch in
+        between: ``members_first(to_batch(x))`` becomes the members' blocks of ``x``'s channels, and
+        ``members_first`` of a member-major members' Linear's flattened output that output itself. Fewer copies,
+        and no reshape whose size guards stop ``torch.export`` with a dynamic batch."""
+        unread: list[fx.Node] = []  # what the outputs read before, erased once nothing reads it
+        for node in list(self.graph.nodes):
+            if node.op != "call_function" or node.target is not ops.members_first:
+                continue
+            source, members, axis = node.args
+            held = source
+            if source.op == "call_function" and source.target is operator.getitem:
+                parts, i = source.args
+                if parts.op == "call_function" and parts.target is tuple:
+                    held = parts.args[0][i]
+                    unread.append(parts)
+            if held.op == "call_function" and held.target is ops.to_batch and held.args[2] == axis:
+                with self.graph.inserting_before(node):
+                    direct = self.graph.call_function(ops.members_of_channels, (held.args[0], members, held.args[3]))
+            elif (
+                held.op == "call_method" and held.target == "flatten" and held.args[1:] == (0, 1) and axis == 0
+                and self._member_linear(held.args[0]) and self._linear(held.args[0]).member_major_out
+            ):  # fmt: skip
+                direct = held.args[0]
+            else:
+                continue
+            node.replace_all_uses_with(direct)
+            unread += [held, source, node]
+        unread = list(dict.fromkeys(unread))
+        while dead := [node for node in unread if not node.users]:
+            for node in dead:
+                self.graph.erase_node(node)
+                unread.remove(node)
 
     def _member_major_gather(self, frame: fx.Node) -> None:
         """``to_channels`` -> (``gather_channels`` on the channel axis ->) a members' Linear: each member's block of
@@ -1504,7 +1541,9 @@ MATMULS = {torch.matmul, operator.matmul, torch.bmm}
 # members' Linear layers on at least this many rows (at the example's batch size) run one matmul per member, reading
 # and writing each member's block in place; fewer run one batched matmul (measured faster on CPU below ~1000 rows)
 PER_MEMBER_ROWS = 1024
-TILE_ROWS = 2048  # rows of a members' MLP run at a time on CPU: the tile's hidden activations stay in cache
+# a CPU program proven per-sample runs on chunks of the batch whose largest tensor is about this size: glibc hands
+# larger blocks (over 32 MiB) straight back to the system, and every call then page-faults on them afresh
+CHUNK_BYTES = 16 * 2**20
 
 
 # producers whose result is a new tensor, and elementwise functions with an in-place form
@@ -1587,7 +1626,13 @@ class PackedMasksembles(fx.GraphModule):
             why = f"measured faster than packed: {self.seconds}" if self.seconds else "; ".join(self.fallbacks)
             return f"members={list(self.members)}, program=dense" + (f" ({why})" if why else "")
         shown = ", ".join(self.fallbacks[:8]) + (", ..." if len(self.fallbacks) > 8 else "")
-        return f"members={list(self.members)}, fallbacks={len(self.fallbacks)}" + (f": {shown}" if shown else "")
+        chunk = self.meta["masksembles"].get("chunk")
+        return (
+            f"members={list(self.members)}"
+            + (f", in chunks of {chunk} samples" if chunk else "")
+            + f", fallbacks={len(self.fallbacks)}"
+            + (f": {shown}" if shown else "")
+        )
 
 
 @contextlib.contextmanager
@@ -1622,16 +1667,74 @@ def _build_eval(
     axis = _solve_axes(capture)
     nodes, output = _graph_nodes(capture, axis)
     program = plan_program(nodes, output, chosen)
-    emitter = _Emitter(capture, axis, program, squeeze)
+    samples = _samples_per_chunk(capture, program, example_input)
+    emitter = _Emitter(capture, axis, program, squeeze, samples or example_input.shape[0])
     packed = PackedMasksembles(emitter.root, emitter.graph, class_name="PackedMasksembles")
+    if samples:
+        packed = _in_chunks(packed, example_input, samples)
     fallbacks = tuple(
         _describe(capture.ops[emitter.by_name[name]].node, capture.gm) for name in program.fallbacks if name != OUTPUT
     )
     packed.meta["masksembles"] = {
         "members": tuple(chosen), "fallbacks": fallbacks, "macs": dict(emitter.macs),
-        "program": "dense" if dense else "packed", "seconds": {},
+        "program": "dense" if dense else "packed", "seconds": {}, "chunk": samples,
     }  # fmt: skip
     return packed.eval()
+
+
+def _samples_per_chunk(capture: _Capture, program: Program, example: Tensor) -> int:
+    """How many samples a CPU program runs at a time, so that no tensor it makes is much over ``CHUNK_BYTES`` (large
+    fresh buffers page-fault on every call); 0 for one call on the whole batch. Only a program proven to compute each
+    sample's outputs from that sample alone is split: nothing falls back, every tensor the input reaches has one axis
+    of exactly the batch size or none, no tensor without one is made from one with one (a reduction over the batch),
+    none with one from none (a tensor built from the batch size), and every output has one."""
+    if example.device.type != "cpu" or any(name != OUTPUT for name in program.fallbacks):
+        return 0
+    batch, largest = example.shape[0], 1
+
+    def follows(seen: _Seen) -> bool | None:  # True: the batch is its one axis; False: no batch axis; None: neither
+        if seen.parts:
+            kinds = {follows(part) for part in seen.parts}
+            return None if None in kinds or len(kinds) > 1 else kinds.pop()
+        if not seen.tensor:
+            return False
+        axes = seen.batch_axes
+        if not axes:
+            return False
+        if len(axes) != 1 or seen.shapes[0][axes[0]] != batch or seen.shapes[1][axes[0]] != batch + 1:
+            return None
+        nonlocal largest
+        largest = max(largest, seen.per_sample * (seen.dtype.itemsize if seen.dtype else 4))
+        return True
+
+    for node in capture.dynamic:
+        if node.op == "output":
+            leaves = [leaf for leaf in _leaves(node.args[0]) if isinstance(leaf, fx.Node)]
+            if not leaves or not all(follows(capture.seen[leaf]) for leaf in leaves):
+                return 0
+            continue
+        seen = capture.seen[node]
+        kind = follows(seen)
+        if kind is None:
+            return 0
+        if node.op != "placeholder" and (seen.tensor or seen.parts):  # sizes and other values: each chunk its own
+            inputs = [follows(capture.seen[n]) for n in node.all_input_nodes if n in capture.dynamic]
+            if None in inputs or kind != any(inputs):
+                return 0
+    samples = max(1, CHUNK_BYTES // (largest * len(program.members)))
+    return samples if samples < batch else 0
+
+
+def _in_chunks(packed: PackedMasksembles, example: Tensor, samples: int) -> PackedMasksembles:
+    """``packed`` run on ``samples`` samples at a time by a module that holds it as ``per_chunk``."""
+    with torch.no_grad():
+        axes = ops.leaf_batch_axes(packed(example[:1]), packed(example[:2]), 1)
+    root = nn.Module()
+    root.per_chunk = fx.GraphModule(packed, packed.graph, class_name="PerChunk")
+    graph = fx.Graph()
+    result = graph.call_function(ops.in_chunks, (graph.get_attr("per_chunk"), graph.placeholder("x"), samples, axes))
+    graph.output(result)
+    return PackedMasksembles(root, graph, class_name="PackedMasksembles")
 
 
 def _chosen(members: Sequence[int] | None, n: int) -> list[int]:

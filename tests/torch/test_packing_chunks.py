@@ -1,0 +1,95 @@
+"""On CPU, pack/extract_member run a program proven to compute each sample from that sample alone on chunks of the
+batch (fresh buffers over 32 MiB page-fault on every call); a program that mixes samples is never split."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import masksembles_torch as mt
+from tests.torch.test_packing_patterns import Block, masks, relative_error
+
+N = 4
+packing = importlib.import_module("masksembles_torch._packing")
+
+
+class TwoOutputs(nn.Module):
+    """A conv net returning a dict of logits (B, 5) and a tuple holding the features (B, 12, 6, 6)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.masks1 = nn.Conv2d(3, 12, 3, padding=1), masks(12, 1)
+        self.body, self.masks2 = nn.Sequential(nn.BatchNorm2d(12), nn.GELU(), nn.Conv2d(12, 12, 3)), masks(12, 2)
+        self.head = nn.Linear(12, 5)
+
+    def forward(self, x: torch.Tensor) -> dict[str, object]:
+        features = self.masks2(self.body(self.masks1(self.stem(x))))
+        return {"logits": self.head(features.mean((2, 3))), "more": (features,)}
+
+
+def tiled(model: nn.Module, x: torch.Tensor) -> dict[str, object]:
+    with torch.no_grad():
+        out = model(mt.tile(x, N))
+    return {"logits": mt.untile(out["logits"], N), "more": (mt.untile(out["more"][0], N),)}
+
+
+def test_a_per_sample_program_runs_in_chunks_and_joins_every_output(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks of 3 samples (the largest tensor, 4 members x 12 x 8 x 8 floats per sample, x 3 = CHUNK_BYTES): equal
+    to the dense model at batches that do and do not divide by 3, dict and tuple outputs joined on their batch axes;
+    one call when exported with a dynamic batch; the extracted member too."""
+    monkeypatch.setattr(packing, "CHUNK_BYTES", 3 * N * 12 * 8 * 8 * 4)
+    model = TwoOutputs().eval()
+    packed = mt.pack(model, torch.randn(10, 3, 8, 8), program="packed")
+    assert "in chunks of 3 samples" in repr(packed) and "in_chunks" in packed.code
+    exported = torch.export.export(
+        packed, (torch.randn(4, 3, 8, 8),), dynamic_shapes=({0: torch.export.Dim("batch", min=2)},)
+    ).module()
+    for batch in (1, 3, 7, 10, 11):
+        x = torch.randn(batch, 3, 8, 8, generator=torch.Generator().manual_seed(batch))
+        expected = tiled(model, x)
+        for result in (packed(x), exported(x)) if batch > 1 else (packed(x),):
+            assert relative_error(result["logits"], expected["logits"]) <= 1e-5
+            assert relative_error(result["more"][0], expected["more"][0]) <= 1e-5
+    monkeypatch.setattr(packing, "CHUNK_BYTES", 12 * 8 * 8 * 4)
+    member = mt.extract_member(model, 2, torch.randn(10, 3, 8, 8))
+    assert "in chunks of 1 samples" in repr(member)
+    x = torch.randn(5, 3, 8, 8)
+    assert relative_error(member(x)["logits"], tiled(model, x)["logits"][2]) <= 1e-5
+
+
+def test_chunks_follow_the_size_and_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One call when a chunk would hold the whole example batch; the default size leaves small models alone."""
+    model = TwoOutputs().eval()
+    assert "in_chunks" not in mt.pack(model, torch.randn(10, 3, 8, 8), program="packed").code
+    monkeypatch.setattr(packing, "CHUNK_BYTES", 10 * N * 12 * 8 * 8 * 4)
+    assert "in_chunks" not in mt.pack(model, torch.randn(10, 3, 8, 8), program="packed").code
+
+
+MIXING: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "mean over the batch": lambda x: x - x.mean(0, keepdim=True),
+    "roll over the batch": lambda x: torch.roll(x, 1, 0),
+    "flip of the batch": lambda x: x.flip(0) + x,
+    "the sample index": lambda x: x + torch.arange(x.shape[0], dtype=x.dtype).view(-1, 1, 1, 1),
+    "padded and cut batch": lambda x: F.pad(x, (0, 0, 0, 0, 0, 0, 1, 0))[:-1],
+    "sum over the batch": lambda x: x * x.sum(),
+}
+
+
+@pytest.mark.parametrize("name", list(MIXING))
+def test_a_program_that_mixes_samples_is_not_split(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each pattern makes a sample's result depend on other samples or on its position: one call on the whole batch,
+    equal to the tiled dense model, however small CHUNK_BYTES is."""
+    monkeypatch.setattr(packing, "CHUNK_BYTES", 1)
+    torch.manual_seed(0)
+    model = Block(MIXING[name]).eval()
+    x = torch.randn(6, 3, 5, 5)
+    packed = mt.pack(model, x, program="packed")
+    assert "in_chunks" not in packed.code and "chunks" not in repr(packed)
+    with torch.no_grad():
+        expected = mt.untile(model(mt.tile(x, N)), N)
+    assert relative_error(packed(x), expected) <= 1e-5
