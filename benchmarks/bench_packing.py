@@ -296,7 +296,8 @@ def main() -> None:
                 "member": run(member),
             }
             if chunk:  # the single model on the same chunks of the batch as the packed program
-                contenders["chunked"] = run(lambda v, chunk=chunk: [single(part) for part in v.split(chunk)])
+                parts = -(-batch // chunk)
+                contenders["chunked"] = run(lambda v, n=parts, m=single: [m(part) for part in v.tensor_split(n)])
             medians = interleaved_medians(contenders, rounds=args.rounds)
             ratio = {k: medians[k] / medians["single"] for k in medians}
             macs = packed.macs

@@ -298,12 +298,12 @@ def select_members(tree: Any, members: int, axes: Sequence[int], chosen: Sequenc
 
 
 def in_chunks(program: nn.Module, x: Tensor, samples: int, axes: Sequence[int]) -> Any:
-    """``program(x)`` computed on chunks of ``samples`` samples of ``x``, each output leaf joined along its batch
-    axis (``axes``): for a program whose outputs for a sample depend on that sample alone. One call when compiled or
-    exported (a loop over the batch would put guards on its size)."""
+    """``program(x)`` computed on chunks of equal size (at most ``samples`` samples) of ``x``, each output leaf
+    joined along its batch axis (``axes``): for a program whose outputs for a sample depend on that sample alone. One
+    call when compiled or exported (a loop over the batch would put guards on its size)."""
     if torch.compiler.is_compiling() or x.shape[0] <= samples:
         return program(x)
-    results = [program(part) for part in x.split(samples)]  # type: ignore[no-untyped-call]
+    results = [program(part) for part in x.tensor_split(-(-x.shape[0] // samples))]
     columns = zip(*(_leaves(result) for result in results), strict=True)
     joined = iter([torch.cat(leaves, axis) for leaves, axis in zip(columns, axes, strict=True)])
     return _map_leaves(lambda _: next(joined), results[0])

@@ -1541,8 +1541,8 @@ MATMULS = {torch.matmul, operator.matmul, torch.bmm}
 # members' Linear layers on at least this many rows (at the example's batch size) run one matmul per member, reading
 # and writing each member's block in place; fewer run one batched matmul (measured faster on CPU below ~1000 rows)
 PER_MEMBER_ROWS = 1024
-# a CPU program proven per-sample runs on chunks of the batch whose largest tensor is about this size: glibc hands
-# larger blocks (over 32 MiB) straight back to the system, and every call then page-faults on them afresh
+# a CPU program proven per-sample whose largest tensor exceeds twice this size runs on chunks of the batch where it is
+# about this size: glibc hands blocks over 32 MiB straight back to the system, and every call page-faults on them
 CHUNK_BYTES = 16 * 2**20
 
 
@@ -1629,7 +1629,7 @@ class PackedMasksembles(fx.GraphModule):
         chunk = self.meta["masksembles"].get("chunk")
         return (
             f"members={list(self.members)}"
-            + (f", in chunks of {chunk} samples" if chunk else "")
+            + (f", in chunks of up to {chunk} samples" if chunk else "")
             + f", fallbacks={len(self.fallbacks)}"
             + (f": {shown}" if shown else "")
         )
@@ -1684,7 +1684,8 @@ def _build_eval(
 
 def _samples_per_chunk(capture: _Capture, program: Program, example: Tensor) -> int:
     """How many samples a CPU program runs at a time, so that no tensor it makes is much over ``CHUNK_BYTES`` (large
-    fresh buffers page-fault on every call); 0 for one call on the whole batch. Only a program proven to compute each
+    fresh buffers page-fault on every call); 0 for one call on the whole batch, as when its largest tensor is at most
+    twice that at the example's batch size. Only a program proven to compute each
     sample's outputs from that sample alone is split: nothing falls back, every tensor the input reaches has one axis
     of exactly the batch size or none, no tensor without one is made from one with one (a reduction over the batch),
     none with one from none (a tensor built from the batch size), and every output has one."""
@@ -1721,8 +1722,10 @@ def _samples_per_chunk(capture: _Capture, program: Program, example: Tensor) -> 
             inputs = [follows(capture.seen[n]) for n in node.all_input_nodes if n in capture.dynamic]
             if None in inputs or kind != any(inputs):
                 return 0
-    samples = max(1, CHUNK_BYTES // (largest * len(program.members)))
-    return samples if samples < batch else 0
+    total = largest * len(program.members) * batch  # at most: every member's tensor as wide as the dense one
+    if total <= 2 * CHUNK_BYTES:
+        return 0
+    return -(-batch // -(-total // CHUNK_BYTES))  # the batch in ceil(total / CHUNK_BYTES) chunks of equal size
 
 
 def _in_chunks(packed: PackedMasksembles, example: Tensor, samples: int) -> PackedMasksembles:

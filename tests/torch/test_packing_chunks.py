@@ -39,13 +39,14 @@ def tiled(model: nn.Module, x: torch.Tensor) -> dict[str, object]:
 
 
 def test_a_per_sample_program_runs_in_chunks_and_joins_every_output(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Chunks of 3 samples (the largest tensor, 4 members x 12 x 8 x 8 floats per sample, x 3 = CHUNK_BYTES): equal
-    to the dense model at batches that do and do not divide by 3, dict and tuple outputs joined on their batch axes;
-    one call when exported with a dynamic batch; the extracted member too."""
+    """The largest tensor, 4 members x 12 x 8 x 8 floats per sample, is 10/3 CHUNK_BYTES at the example's batch of
+    10: 4 chunks of up to 3 samples (3, 3, 2, 2). Equal to the dense model at batches that do and do not divide,
+    dict and tuple outputs joined on their batch axes; one call when exported with a dynamic batch; the extracted
+    member too."""
     monkeypatch.setattr(packing, "CHUNK_BYTES", 3 * N * 12 * 8 * 8 * 4)
     model = TwoOutputs().eval()
     packed = mt.pack(model, torch.randn(10, 3, 8, 8), program="packed")
-    assert "in chunks of 3 samples" in repr(packed) and "in_chunks" in packed.code
+    assert "in chunks of up to 3 samples" in repr(packed) and "in_chunks" in packed.code
     exported = torch.export.export(
         packed, (torch.randn(4, 3, 8, 8),), dynamic_shapes=({0: torch.export.Dim("batch", min=2)},)
     ).module()
@@ -57,17 +58,20 @@ def test_a_per_sample_program_runs_in_chunks_and_joins_every_output(monkeypatch:
             assert relative_error(result["more"][0], expected["more"][0]) <= 1e-5
     monkeypatch.setattr(packing, "CHUNK_BYTES", 12 * 8 * 8 * 4)
     member = mt.extract_member(model, 2, torch.randn(10, 3, 8, 8))
-    assert "in chunks of 1 samples" in repr(member)
+    assert "in chunks of up to 1 samples" in repr(member)
     x = torch.randn(5, 3, 8, 8)
     assert relative_error(member(x)["logits"], tiled(model, x)["logits"][2]) <= 1e-5
 
 
-def test_chunks_follow_the_size_and_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
-    """One call when a chunk would hold the whole example batch; the default size leaves small models alone."""
+def test_chunks_follow_the_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One call when the largest tensor at the example's batch is at most twice CHUNK_BYTES; the default size
+    leaves small models alone."""
     model = TwoOutputs().eval()
     assert "in_chunks" not in mt.pack(model, torch.randn(10, 3, 8, 8), program="packed").code
-    monkeypatch.setattr(packing, "CHUNK_BYTES", 10 * N * 12 * 8 * 8 * 4)
+    monkeypatch.setattr(packing, "CHUNK_BYTES", 5 * N * 12 * 8 * 8 * 4)
     assert "in_chunks" not in mt.pack(model, torch.randn(10, 3, 8, 8), program="packed").code
+    monkeypatch.setattr(packing, "CHUNK_BYTES", 4 * N * 12 * 8 * 8 * 4)
+    assert "in chunks of up to 4 samples" in repr(mt.pack(model, torch.randn(10, 3, 8, 8), program="packed"))
 
 
 MIXING: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {

@@ -482,3 +482,38 @@ def test_token_ids_and_a_dict_output() -> None:
         assert set(packed) == {"logits", "probs"}
         for key in packed:
             assert relative_error(packed[key], mt.untile(tiled[key], N)) <= 1e-5
+
+
+class MaskedOutputs(nn.Module):
+    """Returns the logits of a member-major head, the masked features (in a tuple), or both."""
+
+    def __init__(self, returns: str) -> None:
+        super().__init__()
+        self.returns = returns
+        self.stem, self.masks1, self.head = nn.Conv2d(3, 12, 3, padding=1), masks(12, 1), nn.Linear(12, 5)
+
+    def forward(self, x: torch.Tensor) -> object:
+        features = self.masks1(self.stem(x))
+        logits = self.head(features.mean((2, 3)))
+        return {"logits": logits, "features": (features,), "both": (logits, features)}[self.returns]
+
+
+@pytest.mark.parametrize("returns", ["logits", "features", "both"])
+def test_output_leaves_are_the_members_blocks_and_export_with_a_dynamic_batch(returns: str) -> None:
+    """Each output leaf is read from the members' blocks directly (no member-stacked batch, no reshape whose size
+    guards stopped torch.export with a dynamic batch on tuple outputs)."""
+    torch.manual_seed(0)
+    model = MaskedOutputs(returns).eval()
+    packed = mt.pack(model, torch.randn(6, 3, 8, 8), program="packed")
+    assert "to_batch" not in packed.code and "flatten" not in packed.code
+    exported = torch.export.export(
+        packed, (torch.randn(4, 3, 8, 8),), dynamic_shapes=({0: torch.export.Dim("batch", min=2)},)
+    ).module()
+    x = torch.randn(7, 3, 8, 8)
+    with torch.no_grad():
+        expected = model(mt.tile(x, N))
+    for result in (packed(x), exported(x)):
+        leaves = [result] if returns == "logits" else list(result)
+        wanted = [expected] if returns == "logits" else list(expected)
+        for actual, dense in zip(leaves, wanted, strict=True):
+            assert relative_error(actual, mt.untile(dense, N)) <= 1e-5
