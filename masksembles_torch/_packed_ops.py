@@ -89,6 +89,13 @@ def add_shared(member: Tensor, shared: Tensor, members: int, axis: int) -> Tenso
     return (grouped + shared.unsqueeze(axis)).flatten(axis, axis + 1)
 
 
+def add_shared_(member: Tensor, shared: Tensor, members: int, axis: int) -> Tensor:
+    """``add_shared`` written into ``member`` (which must have the result's shape and dtype)."""
+    grouped: Tensor = member.unflatten(axis, (members, -1))  # type: ignore[no-untyped-call]  # a view: one axis split
+    grouped.add_(shared.unsqueeze(axis))
+    return member
+
+
 def concat_members(parts: Sequence[Tensor], members: int, axis: int) -> Tensor:
     """Concatenate the parts member by member: block ``k`` of the result is the parts' blocks ``k``, in order."""
     split = [part.unflatten(axis, (members, -1)) for part in parts]  # type: ignore[no-untyped-call]

@@ -1076,7 +1076,11 @@ class _Emitter:
                 source = self.graph.call_function(ops.gather_channels, (source, axis, self._attribute("index", index)))
             value = self._edge(step, other)
             self._count(step, op)
-            return self.graph.call_function(ops.add_shared, (value, source, self.m, op.axis))
+            result = self.graph.call_function(ops.add_shared, (value, source, self.m, op.axis))
+            seen, member = self.capture.seen, op.tensors[other]
+            if (seen[member].shapes[0], seen[member].dtype) == (seen[node].shapes[0], seen[node].dtype):
+                self.same_shape[result] = (0,)  # it may be computed in place on the members' tensor
+            return result
         return None
 
     def _as_model(self, op: _Op, inputs: list[fx.Node], constants: Callable[[Tensor], Any] | None = None) -> fx.Node:
@@ -1303,6 +1307,9 @@ class _Emitter:
             elif node.op == "call_function" and node.target in INPLACE_KEYWORD:
                 if ("inplace" not in node.kwargs and len(node.args) == 1) or node.kwargs.get("inplace") is False:
                     node.kwargs = {**node.kwargs, "inplace": True}
+            elif node.target is ops.add_shared:
+                if node in self.same_shape and self._owned(node.args[0]):
+                    node.target = ops.add_shared_
             elif node in self.same_shape:
                 for i in self.same_shape[node]:
                     if self._owned(node.args[i]):
@@ -1384,7 +1391,7 @@ class _Emitter:
                 if parts.op == "call_function" and parts.target is tuple:
                     held = parts.args[0][i]
                     unread.append(parts)
-            if held.op == "call_function" and held.target is ops.to_batch and held.args[2] == axis:
+            if held.op == "call_function" and held.target is ops.to_batch and held.args[1:3] == (members, axis):
                 with self.graph.inserting_before(node):
                     direct = self.graph.call_function(ops.members_of_channels, (held.args[0], members, held.args[3]))
             elif (
@@ -1468,7 +1475,8 @@ class _Emitter:
                 return self._owned(value.args[0])
             return isinstance(module, FRESH_MODULES) or _activation(module)
         if value.op == "call_function":
-            if value.target in IN_PLACE_RESULTS or value.kwargs.get("inplace") is True:
+            written = value.target in IN_PLACE_RESULTS or value.target is ops.add_shared_
+            if written or value.kwargs.get("inplace") is True:
                 return self._owned(value.args[0])
             return value.target in FRESH_FUNCTIONS or (
                 value.target in (operator.add, operator.mul) and value in self.same_shape
@@ -1685,10 +1693,10 @@ def _build_eval(
 def _samples_per_chunk(capture: _Capture, program: Program, example: Tensor) -> int:
     """How many samples a CPU program runs at a time, so that no tensor it makes is much over ``CHUNK_BYTES`` (large
     fresh buffers page-fault on every call); 0 for one call on the whole batch, as when its largest tensor is at most
-    twice that at the example's batch size. Only a program proven to compute each
-    sample's outputs from that sample alone is split: nothing falls back, every tensor the input reaches has one axis
-    of exactly the batch size or none, no tensor without one is made from one with one (a reduction over the batch),
-    none with one from none (a tensor built from the batch size), and every output has one."""
+    twice that at the example's batch size. Only a program proven to compute each sample's outputs from that sample
+    alone is split: nothing falls back, every tensor the input reaches has one axis of exactly the batch size or
+    none, no tensor without one is made from one with one (a reduction over the batch), none with one from none (a
+    tensor built from the batch size), and every output has one."""
     if example.device.type != "cpu" or any(name != OUTPUT for name in program.fallbacks):
         return 0
     batch, largest = example.shape[0], 1
@@ -1729,7 +1737,7 @@ def _samples_per_chunk(capture: _Capture, program: Program, example: Tensor) -> 
 
 
 def _in_chunks(packed: PackedMasksembles, example: Tensor, samples: int) -> PackedMasksembles:
-    """``packed`` run on ``samples`` samples at a time by a module that holds it as ``per_chunk``."""
+    """``packed`` run on chunks of at most ``samples`` samples by a module that holds it as ``per_chunk``."""
     with torch.no_grad():
         axes = ops.leaf_batch_axes(packed(example[:1]), packed(example[:2]), 1)
     root = nn.Module()

@@ -517,3 +517,41 @@ def test_output_leaves_are_the_members_blocks_and_export_with_a_dynamic_batch(re
         wanted = [expected] if returns == "logits" else list(expected)
         for actual, dense in zip(leaves, wanted, strict=True):
             assert relative_error(actual, mt.untile(dense, N)) <= 1e-5
+
+
+class SharedResidual(nn.Module):
+    """x + block(x) where x is shared by every member (before the first masks) and the block's output is the
+    members': the sum is written into the block's output when nothing else reads it and it has the result's shape and
+    dtype."""
+
+    def __init__(self, variant: str) -> None:
+        super().__init__()
+        self.variant = variant
+        self.stem, self.masks1 = nn.Conv2d(3, 8, 3, padding=1), masks(8, 1)
+        self.conv, self.head = nn.Conv2d(8, 8, 3, padding=1), nn.Conv2d(8, 5, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shared = self.stem(x)
+        branch = self.conv(self.masks1(shared))
+        if self.variant == "read twice":
+            return self.head(shared + branch) * branch.mean((1, 2, 3), keepdim=True)
+        if self.variant == "float64 shared":
+            return self.head((shared.double() + branch).float())
+        if self.variant == "pooled branch":
+            return self.head(shared + branch.mean((2, 3), keepdim=True))
+        return self.head(shared + branch)
+
+
+@pytest.mark.parametrize(
+    ("variant", "in_place"),
+    [("plain", True), ("read twice", False), ("float64 shared", False), ("pooled branch", False)],
+)
+def test_a_shared_input_is_added_into_the_members_tensor_only_when_that_is_safe(variant: str, in_place: bool) -> None:
+    torch.manual_seed(0)
+    model = SharedResidual(variant).eval()
+    x = torch.randn(5, 3, 6, 6)
+    packed = mt.pack(model, x, program="packed")
+    assert ("add_shared_(" in packed.code) is in_place
+    with torch.no_grad():
+        expected = mt.untile(model(mt.tile(x, N)), N)
+    assert relative_error(packed(x), expected) <= 1e-5
