@@ -33,7 +33,7 @@ import math
 import operator
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -1656,14 +1656,20 @@ def _eval_mode(model: nn.Module) -> Iterator[None]:
 
 
 def _build(
-    model: nn.Module, example_input: Tensor, members: Sequence[int] | None, squeeze: bool, *, dense: bool = False
+    model: nn.Module,
+    example_input: Tensor,
+    members: Sequence[int] | None,
+    squeeze: bool,
+    *,
+    dense: bool = False,
+    chunks: bool = True,
 ) -> PackedMasksembles:
     with _eval_mode(model):
-        return _build_eval(model, example_input, members, squeeze, dense)
+        return _build_eval(model, example_input, members, squeeze, dense, chunks)
 
 
 def _build_eval(
-    model: nn.Module, example_input: Tensor, members: Sequence[int] | None, squeeze: bool, dense: bool
+    model: nn.Module, example_input: Tensor, members: Sequence[int] | None, squeeze: bool, dense: bool, chunks: bool
 ) -> PackedMasksembles:
     try:
         capture = _Capture(model, example_input)
@@ -1675,7 +1681,7 @@ def _build_eval(
     axis = _solve_axes(capture)
     nodes, output = _graph_nodes(capture, axis)
     program = plan_program(nodes, output, chosen)
-    samples = _samples_per_chunk(capture, program, example_input)
+    samples = _samples_per_chunk(capture, program, example_input) if chunks else 0
     emitter = _Emitter(capture, axis, program, squeeze, samples or example_input.shape[0])
     packed = PackedMasksembles(emitter.root, emitter.graph, class_name="PackedMasksembles")
     if samples:
@@ -1782,7 +1788,7 @@ def _whole_model(
     return packed.eval()
 
 
-def _seconds(modules: dict[str, nn.Module], x: Tensor, rounds: int = 5) -> dict[str, float]:
+def _seconds(modules: Mapping[str, nn.Module], x: Tensor, rounds: int = 5) -> dict[str, float]:
     """Median wall time of each module on ``x``, measured in interleaved rounds after one warm-up call."""
     times: dict[str, list[float]] = {name: [] for name in modules}
     with torch.no_grad():
@@ -1810,10 +1816,11 @@ def pack(model: nn.Module, example_input: Tensor, *, program: str = "auto") -> P
     operation on a view read after it) runs whole on the member-stacked batch (``program == "dense"``).
 
     Args:
-        program: ``"packed"`` (compacted where it can), ``"dense"`` (the tiled dense model as one graph: every node
-            as the model runs it, on the member-stacked batch), or ``"auto"`` (the default: both are timed on
-            ``example_input`` and the faster is returned, so packing never loses to tiling; ``seconds`` holds the
-            medians; give an example of the batch size you will run).
+        program: ``"packed"`` (compacted where it can; on CPU, on chunks of the batch where its tensors are large
+            and it is proven per-sample), ``"dense"`` (the tiled dense model as one graph: every node as the model
+            runs it, on the member-stacked batch), or ``"auto"`` (the default: both, and the packed program in one
+            call where it would run in chunks, are timed on ``example_input`` and the fastest is returned, so packing
+            never loses to tiling; ``seconds`` holds the medians; give an example of the batch size you will run).
 
     Raises:
         ValueError: the model cannot be traced, has no Masksembles layer, or holds Masksembles layers of different n.
@@ -1823,9 +1830,11 @@ def pack(model: nn.Module, example_input: Tensor, *, program: str = "auto") -> P
     packed = _build(model, example_input, None, squeeze=False)
     if packed.program == "dense":  # the whole model runs tiled: nothing to choose
         return packed
-    dense = _build(model, example_input, None, squeeze=False, dense=True)
-    seconds = _seconds({"packed": packed, "dense": dense}, example_input)
-    chosen = packed if seconds["packed"] <= seconds["dense"] else dense
+    candidates = {"packed": packed, "dense": _build(model, example_input, None, squeeze=False, dense=True)}
+    if packed.meta["masksembles"]["chunk"]:  # in one call too: faster where freed memory is kept for reuse
+        candidates["packed, one call"] = _build(model, example_input, None, squeeze=False, chunks=False)
+    seconds = _seconds(candidates, example_input)
+    chosen = candidates[min(seconds, key=seconds.__getitem__)]
     chosen.meta["masksembles"]["seconds"] = seconds
     return chosen
 
