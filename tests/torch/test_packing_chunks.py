@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import masksembles_torch as mt
+from tests.torch import zoo
 from tests.torch.test_packing_patterns import Block, masks, relative_error
 
 N = 4
@@ -81,6 +82,11 @@ MIXING: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "the sample index": lambda x: x + torch.arange(x.shape[0], dtype=x.dtype).view(-1, 1, 1, 1),
     "padded and cut batch": lambda x: F.pad(x, (0, 0, 0, 0, 0, 0, 1, 0))[:-1],
     "sum over the batch": lambda x: x * x.sum(),
+    "softmax over the batch": lambda x: x.softmax(0),
+    "reshape that moves the batch": lambda x: x.reshape(x.shape[1], x.shape[0], -1).transpose(0, 1).reshape(x.shape),
+    "attention across the batch": lambda x: (
+        F.scaled_dot_product_attention(*[x.flatten(2).transpose(0, 1)] * 3).transpose(0, 1).reshape(x.shape)
+    ),
 }
 
 
@@ -112,3 +118,18 @@ def test_auto_also_times_the_packed_program_in_one_call(monkeypatch: pytest.Monk
     assert ("in_chunks" in packed.code) is (fastest == "packed")
     result, expected = packed(x), tiled(model, x)
     assert relative_error(result["logits"], expected["logits"]) <= 1e-5
+
+
+@pytest.mark.parametrize("name", ["vit", "vit_fused"])
+def test_a_vit_whose_fallbacks_keep_samples_apart_runs_in_chunks(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its fallbacks (the class token expanded to the batch, the concatenation along the tokens, the reshapes with the
+    batch first that split the heads, unbind, scaled dot-product attention over the tokens) each keep samples apart,
+    so the timm-style ViTs run in chunks and equal the dense model; the torchvision-style one, whose
+    ``nn.MultiheadAttention`` is not among them, runs in one call."""
+    monkeypatch.setattr(packing, "CHUNK_BYTES", 1)
+    for model_name, chunked in ((name, True), ("vit_torch", False)):
+        masked = mt.insert(zoo.build(model_name), N, 2.0, seed=0).eval()
+        x = zoo.images(5)
+        packed = mt.pack(masked, x[:3], program="packed")
+        assert packed.fallbacks and ("in_chunks" in packed.code) is chunked
+        assert relative_error(packed(x), mt.predict(masked, x, N)) <= 1e-5
