@@ -42,6 +42,7 @@ def worker(rank: int, store: str, out: str) -> None:
         },
         Path(out) / f"rank{rank}.pt",
     )
+    dist.barrier()  # both ranks done before gloo's threads are torn down (a rank once aborted in teardown)
     dist.destroy_process_group()
 
 
