@@ -77,12 +77,6 @@ def members_first(x: Tensor, members: int, axis: int) -> Tensor:
     return split.movedim(axis, 0)
 
 
-def members_of_channels(x: Tensor, members: int, channel_axis: int) -> Tensor:
-    """(…B…, m*C…) -> (m, …B…, C…): ``members_first(to_batch(x))`` as one view."""
-    split: Tensor = x.unflatten(channel_axis, (members, -1))  # type: ignore[no-untyped-call]
-    return split.movedim(channel_axis, 0)
-
-
 def add_shared(member: Tensor, shared: Tensor, members: int, axis: int) -> Tensor:
     """``member + shared`` where ``shared`` holds one block that every member's block reads (no repeated copy)."""
     grouped: Tensor = member.unflatten(axis, (members, -1))  # type: ignore[no-untyped-call]

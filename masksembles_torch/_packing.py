@@ -1377,7 +1377,7 @@ class _Emitter:
 
     def _direct_outputs(self) -> None:
         """An output leaf read from the members' blocks by a view of them, without the member-stacked batch in
-        between: ``members_first(to_batch(x))`` becomes the members' blocks of ``x``'s channels, and
+        between: ``members_first(to_batch(x))`` becomes ``members_first`` of ``x``'s channel axis, and
         ``members_first`` of a member-major members' Linear's flattened output that output itself. Fewer copies,
         and no reshape whose size guards stop ``torch.export`` with a dynamic batch."""
         unread: list[fx.Node] = []  # what the outputs read before, erased once nothing reads it
@@ -1393,7 +1393,7 @@ class _Emitter:
                     unread.append(parts)
             if held.op == "call_function" and held.target is ops.to_batch and held.args[1:3] == (members, axis):
                 with self.graph.inserting_before(node):
-                    direct = self.graph.call_function(ops.members_of_channels, (held.args[0], members, held.args[3]))
+                    direct = self.graph.call_function(ops.members_first, (held.args[0], members, held.args[3]))
             elif (
                 held.op == "call_method" and held.target == "flatten" and held.args[1:] == (0, 1) and axis == 0
                 and self._member_linear(held.args[0]) and self._linear(held.args[0]).member_major_out
@@ -1747,14 +1747,18 @@ def _samples_per_chunk(capture: _Capture, program: Program, example: Tensor) -> 
 
 def _batch_axis(capture: _Capture, node: fx.Node) -> int | None:
     seen = capture.seen[node]
-    return seen.batch_axes[0] if node in capture.dynamic and seen.tensor and len(seen.batch_axes) == 1 else None
+    return seen.batch_axis if node in capture.dynamic and seen.tensor and seen.batch_axis >= 0 else None
+
+
+def _called(node: fx.Node) -> str:
+    """The name of the function or method a node calls ("" for a module, whose name says nothing of what it does)."""
+    return "" if node.op == "call_module" else _target_name(node)
 
 
 def _broadcast(capture: _Capture, node: fx.Node) -> bool:
     """``expand``/``broadcast_to`` whose batch axis is a broadcast of its input (a new axis or one of size 1): every
     sample gets the same values, whatever its place in the batch (a class token expanded to the batch)."""
-    name = str(node.target) if node.op == "call_method" else getattr(node.target, "__name__", "")
-    if name not in ("expand", "broadcast_to") or not node.args or not isinstance(node.args[0], fx.Node):
+    if _called(node) not in ("expand", "broadcast_to") or not node.args or not isinstance(node.args[0], fx.Node):
         return False
     axis, source = _batch_axis(capture, node), capture.seen[node.args[0]]
     if axis is None or not source.tensor:
@@ -1770,7 +1774,7 @@ def _keeps_samples(capture: _Capture, node: fx.Node) -> bool:
     broadcast along the batch, a concatenation along another axis, a softmax over another axis, and attention or a
     matmul of two activations of one rank whose batch axes are the same leading one (they mix the last two axes
     only). Anything else is not proven and keeps the whole batch in one call."""
-    name = str(node.target) if node.op == "call_method" else getattr(node.target, "__name__", "")
+    name = _called(node)
     tensors = [n for n in node.all_input_nodes if n in capture.dynamic and capture.seen[n].tensor]
     axes = [_batch_axis(capture, n) for n in tensors]
     out = _batch_axis(capture, node)
