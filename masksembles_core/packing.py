@@ -51,7 +51,9 @@ consumer reads.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+import statistics
+import time
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -621,3 +623,76 @@ def channel_indices(layouts: Sequence[IntArray]) -> tuple[IntArray, BoolArray]:
     """Index and validity that lay a per-channel vector out like ``layouts`` (blocks side by side)."""
     stacked = np.concatenate(list(layouts))
     return np.maximum(stacked, 0), stacked >= 0
+
+
+# ------------------------------------------------------------------------------------------------ checks at pack time
+
+VERIFY_SAMPLES = 4  # samples of the example input a built program is checked on
+AUTO_MARGIN = 0.9  # ``auto`` leaves the preferred program only for one at most this fraction of its median time...
+AUTO_WINS = 0.75  # ...that was faster in at least this fraction of the interleaved rounds
+
+
+def output_mismatch(expected: Sequence[ArrayLike], actual: Sequence[ArrayLike], eps: Sequence[float]) -> str | None:
+    """Why a built program's outputs differ from the dense model's (``predict``), or None when they agree.
+
+    ``expected`` and ``actual`` are the outputs' leaves in the same order (tensors converted to NumPy), ``eps`` the
+    machine epsilon of each leaf's dtype (0 for exact dtypes). A float leaf agrees where ``|actual - expected|`` is at
+    most ``sqrt(eps)`` times its largest finite ``|expected|``: far above the rounding of a reordered sum, far below
+    what a wrong channel or member gives. Where ``expected`` is not finite anything is accepted (a masked inf or NaN
+    is NaN in the dense model and absent from a packed one); where only ``actual`` is not, the leaf differs.
+    """
+    if len(expected) != len(actual):
+        return f"the program returns {len(actual)} outputs where predict returns {len(expected)}"
+    for index, (want, got, epsilon) in enumerate(zip(expected, actual, eps, strict=True)):
+        want, got = np.asarray(want), np.asarray(got)
+        if want.shape != got.shape:
+            return f"output {index} has shape {got.shape} where predict gives {want.shape}"
+        if epsilon == 0:
+            if not np.array_equal(want, got):
+                return f"output {index} differs from predict in {int(np.sum(want != got))} of {want.size} values"
+            continue
+        want, got = want.astype(np.float64), got.astype(np.float64)
+        finite = np.isfinite(want)
+        if not np.isfinite(got[finite]).all():
+            return f"output {index} is not finite where predict is"
+        error = float(np.max(np.abs(got[finite] - want[finite]), initial=0.0))
+        scale = float(np.max(np.abs(want[finite]), initial=0.0))
+        allowed = float(np.sqrt(epsilon)) * (scale if scale > 0 else 1.0)
+        if error > allowed:
+            return f"output {index} differs from predict by up to {error:.3g} (largest |value| {scale:.3g})"
+    return None
+
+
+def timed_rounds(calls: Mapping[str, Callable[[], object]], *, rounds: int, warmup: int = 1) -> dict[str, list[float]]:
+    """Wall time of each call in every round, the calls timed in turn within a round (noise hits all alike), after
+    ``warmup`` untimed rounds. Each call must wait for its own result (synchronize an accelerator)."""
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for counted in [False] * warmup + [True] * rounds:
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            if counted:
+                times[name].append(time.perf_counter() - start)
+    return times
+
+
+def choose_program(times: Mapping[str, Sequence[float]], preferred: str) -> tuple[str, str]:
+    """The program ``auto`` returns, and why, from interleaved timings (``timed_rounds``).
+
+    ``preferred`` (the compacted program: fewest multiply-adds) is kept unless another one took at most
+    ``AUTO_MARGIN`` of its median time and was faster in at least ``AUTO_WINS`` of the rounds, so one noisy
+    measurement never trades it for a program that does several times the work; of several such, the fastest.
+    """
+    medians = {name: statistics.median(values) for name, values in times.items()}
+    base = times[preferred]
+
+    def clearly_faster(name: str) -> bool:
+        wins = sum(a < b for a, b in zip(times[name], base, strict=True))
+        return medians[name] <= AUTO_MARGIN * medians[preferred] and wins >= AUTO_WINS * len(base)
+
+    faster = [name for name in times if name != preferred and clearly_faster(name)]
+    if not faster:
+        return preferred, f"{preferred}: no other program was faster by {1 - AUTO_MARGIN:.0%} in most rounds"
+    chosen = min(faster, key=medians.__getitem__)
+    ratio = medians[chosen] / medians[preferred]
+    return chosen, f"{chosen}: {ratio:.2f}x the time of {preferred} (median of {len(base)} interleaved rounds)"

@@ -262,7 +262,7 @@ def _map_leaves(function: Callable[[Any], Any], tree: Any) -> Any:
     return function(tree)
 
 
-def _leaves(tree: Any) -> list[Any]:
+def leaves(tree: Any) -> list[Any]:
     found: list[Any] = []
     _map_leaves(found.append, tree)
     return found
@@ -272,7 +272,7 @@ def leaf_batch_axes(small: Any, large: Any, batch: int) -> tuple[int, ...]:
     """The batch axis of each tensor leaf of a model's output, from its outputs on ``batch`` member-stacked samples
     (``small``) and on more (``large``); -1 for a leaf that does not follow the batch."""
     axes = []
-    for a, b in zip(_leaves(small), _leaves(large), strict=True):
+    for a, b in zip(leaves(small), leaves(large), strict=True):
         if not isinstance(a, Tensor):
             axes.append(-1)
             continue
@@ -305,7 +305,7 @@ def in_chunks(program: nn.Module, x: Tensor, samples: int, axes: Sequence[int]) 
     if torch.compiler.is_compiling() or x.shape[0] <= samples:
         return program(x)
     results = [program(part) for part in x.tensor_split(-(-x.shape[0] // samples))]
-    columns = zip(*(_leaves(result) for result in results), strict=True)
+    columns = zip(*(leaves(result) for result in results), strict=True)
     joined = iter([torch.cat(leaves, axis) for leaves, axis in zip(columns, axes, strict=True)])
     return _map_leaves(lambda _: next(joined), results[0])
 

@@ -32,7 +32,6 @@ import inspect
 import math
 import operator
 import statistics
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -44,6 +43,7 @@ from torch import Tensor, fx, nn
 
 from masksembles_core.adapter import check_program
 from masksembles_core.packing import (
+    VERIFY_SAMPLES,
     AxisConflict,
     AxisRule,
     GraphNode,
@@ -53,8 +53,11 @@ from masksembles_core.packing import (
     block_indices,
     channel_axes,
     channel_indices,
+    choose_program,
     norm_affine,
+    output_mismatch,
     plan_program,
+    timed_rounds,
 )
 
 from . import _packed_ops as ops
@@ -147,15 +150,45 @@ def _describe(node: fx.Node, root: nn.Module) -> str:
 
 
 def _trace(model: nn.Module) -> fx.GraphModule:
-    """The model's graph, traced in eval mode (so ``self.training`` branches take their eval path)."""
+    """The model's graph, traced in eval mode (so ``self.training`` branches take their eval path), with the
+    arguments of ``forward`` that have defaults fixed at them: the graph takes the input tensor alone."""
+    parameters = list(inspect.signature(model.forward).parameters.values())
+    defaults = {p.name: p.default for p in parameters[1:] if p.default is not inspect.Parameter.empty}
     try:
-        graph = _Tracer().trace(model)
+        graph = _Tracer().trace(model, concrete_args=defaults or None)
     except Exception as error:  # torch.fx raises many types for untraceable Python
         raise ValueError(
             f"{PREFIX} need a model torch.fx can trace in eval mode (no Python control flow on tensor values); "
             f"tracing {type(model).__name__} failed: {type(error).__name__}: {error}"
         ) from error
+    _drop_defaults(graph)
     return fx.GraphModule(model, graph)
+
+
+def _drop_defaults(graph: fx.Graph) -> None:
+    """Remove the placeholders of arguments traced at their defaults and torch.fx's checks of their values (the graph
+    uses the defaults themselves): the packed program takes one input."""
+    placeholders = [node for node in graph.nodes if node.op == "placeholder"]
+    for node in placeholders[1:]:
+        if not node.args:  # no default: a required input, refused by the capture
+            continue
+        compared = [user for user in node.users if user.target is operator.eq]
+        checks = [user for user in node.users if _target_name(user) == "_assert_is_none"]
+        checks += [check for user in compared for check in user.users if check.target is torch._assert]
+        for check in checks:
+            graph.erase_node(check)
+        for user in compared:
+            if not user.users:
+                graph.erase_node(user)
+        for user in list(node.users):  # none left when torch.fx folded the default in everywhere
+            user.args = fx.node.map_arg(user.args, functools.partial(_default_of, node))
+            user.kwargs = fx.node.map_arg(user.kwargs, functools.partial(_default_of, node))
+        graph.erase_node(node)
+
+
+def _default_of(placeholder: fx.Node, argument: fx.Node) -> Any:
+    """``argument``, or the default value of ``placeholder`` where it is that placeholder."""
+    return placeholder.args[0] if argument is placeholder else argument
 
 
 def _bound(node: fx.Node) -> inspect.BoundArguments | None:
@@ -369,7 +402,11 @@ class _Capture:
         self.gm.graph.eliminate_dead_code()
         placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
         if len(placeholders) != 1:
-            raise ValueError(f"{PREFIX} support models with one input tensor; this one takes {len(placeholders)}")
+            names = [str(node.target) for node in placeholders]
+            raise ValueError(
+                f"{PREFIX} support models called with one input tensor (other arguments of forward need defaults); "
+                f"this one requires {len(placeholders)}: {names}"
+            )
         self.input = placeholders[0]
         self.device = example.device
         self.dynamic: set[fx.Node] = set()
@@ -387,6 +424,12 @@ class _Capture:
             if node in self.values and node is not self.input:
                 self.ops[node] = self._classify(node)
         self.n = _members_of([cast(Masksembles, op.module) for op in self.ops.values() if op.kind == "masks"])
+        self.classified = self.ops
+
+    def reset(self, dense: bool) -> None:
+        """Fresh operations for one build (the passes mark fallbacks and axes on them): as classified, or every one
+        as the dense model runs it (the tiled model as one graph)."""
+        self.ops = {node: self.fallback(node) if dense else copy.copy(op) for node, op in self.classified.items()}
 
     def _is_value(self, node: fx.Node) -> bool:
         seen = self.seen[node]
@@ -881,6 +924,8 @@ def _repeatable(seen: _Seen) -> bool:
 
 
 OUTPUT = "__output__"
+VERIFICATION = "verification"  # how the fallback entry that verification writes starts
+AUTO_ROUNDS = 7  # interleaved timing rounds of program="auto"
 
 
 # ------------------------------------------------------------------------------------------------ emission
@@ -934,6 +979,9 @@ class _Emitter:
             module.eval().requires_grad_(False)
             if getattr(module, "inplace", False) is True:
                 module.inplace = False  # type: ignore[assignment]
+            if isinstance(module, Masksembles):  # block j of the member-stacked batch is member members[j]
+                module.masks = module.masks[list(self.program.members)]
+                module.n = len(self.program.members)
             name = f"model_{target}".replace(".", "_")
             self.root.add_module(name, module)
             self.copies[target] = name
@@ -1623,6 +1671,11 @@ class PackedMasksembles(fx.GraphModule):
         return cast(dict[str, float], self.meta["masksembles"]["seconds"])
 
     @property
+    def choice(self) -> str:
+        """Why ``pack(program="auto")`` returned this program, from its interleaved timings; empty otherwise."""
+        return cast(str, self.meta["masksembles"]["choice"])
+
+    @property
     def macs(self) -> dict[str, int]:
         """Multiply-adds per sample of the Linear and convolution layers and of attention (its products, which
         run at full width): ``dense`` (m dense models), ``packed`` (as emitted) and ``fallback`` (the part of
@@ -1656,42 +1709,30 @@ def _eval_mode(model: nn.Module) -> Iterator[None]:
 
 
 def _build(
-    model: nn.Module,
-    example_input: Tensor,
-    members: Sequence[int] | None,
+    capture: _Capture,
+    example: Tensor,
+    chosen: Sequence[int],
     squeeze: bool,
     *,
     dense: bool = False,
     chunks: bool = True,
 ) -> PackedMasksembles:
-    with _eval_mode(model):
-        return _build_eval(model, example_input, members, squeeze, dense, chunks)
-
-
-def _build_eval(
-    model: nn.Module, example_input: Tensor, members: Sequence[int] | None, squeeze: bool, dense: bool, chunks: bool
-) -> PackedMasksembles:
-    try:
-        capture = _Capture(model, example_input)
-    except _SharedInPlace as error:
-        return _whole_model(model, example_input, members, squeeze, str(error))
-    chosen = _chosen(members, capture.n)
-    if dense:  # the tiled dense model itself: every node as the model runs it, on the member-stacked batch
-        capture.ops = {node: capture.fallback(node) for node in capture.ops}
+    """One program from the capture: compacted where it can, or (``dense``) every node at full width."""
+    capture.reset(dense)
     axis = _solve_axes(capture)
     nodes, output = _graph_nodes(capture, axis)
     program = plan_program(nodes, output, chosen)
-    samples = _samples_per_chunk(capture, program, example_input) if chunks else 0
-    emitter = _Emitter(capture, axis, program, squeeze, samples or example_input.shape[0])
+    samples = _samples_per_chunk(capture, program, example) if chunks else 0
+    emitter = _Emitter(capture, axis, program, squeeze, samples or example.shape[0])
     packed = PackedMasksembles(emitter.root, emitter.graph, class_name="PackedMasksembles")
     if samples:
-        packed = _in_chunks(packed, example_input, samples)
+        packed = _in_chunks(packed, example, samples)
     fallbacks = tuple(
         _describe(capture.ops[emitter.by_name[name]].node, capture.gm) for name in program.fallbacks if name != OUTPUT
     )
     packed.meta["masksembles"] = {
         "members": tuple(chosen), "fallbacks": fallbacks, "macs": dict(emitter.macs),
-        "program": "dense" if dense else "packed", "seconds": {}, "chunk": samples,
+        "program": "dense" if dense else "packed", "seconds": {}, "chunk": samples, "choice": "", "squeeze": squeeze,
     }  # fmt: skip
     return packed.eval()
 
@@ -1828,18 +1869,20 @@ def _chosen(members: Sequence[int] | None, n: int) -> list[int]:
     return chosen
 
 
-def _whole_model(
-    model: nn.Module, example_input: Tensor, members: Sequence[int] | None, squeeze: bool, reason: str
-) -> PackedMasksembles:
-    """The model itself (a copy, in eval mode) on the member-stacked batch, for a graph that cannot be rewritten out
-    of place: what ``predict`` computes, with every output leaf's batch axis found by running two batch sizes."""
-    n = _members_of([layer for layer in model.modules() if isinstance(layer, Masksembles)])
-    chosen = _chosen(members, n)
-    whole = copy.deepcopy(model).eval().requires_grad_(False)
+def _member_outputs(model: nn.Module, x: Tensor, n: int) -> tuple[Any, tuple[int, ...]]:
+    """The model's output on ``x`` tiled ``n`` times (what ``predict`` runs) and each output leaf's batch axis (-1 for
+    a leaf without one), found from a second run on one more sample."""
     with torch.no_grad():
-        small = whole(ops.tile(example_input, n, 0))
-        large = whole(ops.tile(torch.cat([example_input, example_input[:1]]), n, 0))
-    axes = ops.leaf_batch_axes(small, large, n * example_input.shape[0])
+        small = model(ops.tile(x, n, 0))
+        large = model(ops.tile(torch.cat([x, x[:1]]), n, 0))
+    return small, ops.leaf_batch_axes(small, large, n * x.shape[0])
+
+
+def _whole_model(model: nn.Module, example: Tensor, chosen: Sequence[int], squeeze: bool, n: int) -> PackedMasksembles:
+    """The model itself (a copy, in eval mode) on the member-stacked batch: what ``predict`` computes, with every
+    output leaf's batch axis found by running two batch sizes. The caller says why in ``fallbacks``."""
+    whole = copy.deepcopy(model).eval().requires_grad_(False)
+    _, axes = _member_outputs(whole, example, n)
     root = nn.Module()
     root.model = whole
     graph = fx.Graph()
@@ -1848,67 +1891,153 @@ def _whole_model(
     graph.output(result)
     packed = PackedMasksembles(root, graph, class_name="PackedMasksembles")
     packed.meta["masksembles"] = {
-        "members": tuple(chosen), "fallbacks": (f"the whole model, tiled: {reason}",), "macs": {},
-        "program": "dense", "seconds": {},
+        "members": tuple(chosen), "fallbacks": (), "macs": {}, "program": "dense", "seconds": {}, "choice": "",
+        "squeeze": squeeze,
     }  # fmt: skip
     return packed.eval()
 
 
-def _seconds(modules: Mapping[str, nn.Module], x: Tensor, rounds: int = 5) -> dict[str, float]:
-    """Median wall time of each module on ``x``, measured in interleaved rounds after one warm-up call."""
-    times: dict[str, list[float]] = {name: [] for name in modules}
-    with torch.no_grad():
-        for module in modules.values():
-            module(x)
-        for _ in range(rounds):
-            for name, module in modules.items():
-                if x.is_cuda:
-                    torch.cuda.synchronize(x.device)
-                start = time.perf_counter()
+def _leaf_arrays(tree: Any) -> tuple[list[np.ndarray], list[float]]:
+    """An output's leaves as NumPy arrays (floats as float64), and each one's machine epsilon (0: compared exactly)."""
+    arrays, eps = [], []
+    for leaf in ops.leaves(tree):
+        if isinstance(leaf, Tensor):
+            floating = leaf.is_floating_point() or leaf.is_complex()
+            arrays.append(leaf.detach().cpu().to(torch.float64 if floating else leaf.dtype).numpy())
+            eps.append(torch.finfo(leaf.dtype).eps if floating else 0.0)
+        else:
+            arrays.append(np.asarray(leaf, dtype=object))
+            eps.append(0.0)
+    return arrays, eps
+
+
+class _Verifier:
+    """Checks built programs against ``predict`` on the first ``VERIFY_SAMPLES`` samples of the example input."""
+
+    def __init__(self, model: nn.Module, example: Tensor, n: int, chosen: Sequence[int], squeeze: bool) -> None:
+        self.x = example[:VERIFY_SAMPLES]
+        output, axes = _member_outputs(model, self.x, n)
+        self.expected = _leaf_arrays(ops.select_members(output, n, axes, chosen, squeeze))
+
+    def mismatch(self, packed: nn.Module) -> str | None:
+        """Why ``packed`` differs from ``predict`` on the sample, or None."""
+        try:
+            with torch.no_grad():
+                actual = _leaf_arrays(packed(self.x))
+        except Exception as error:  # a program that fails where the model runs differs from it
+            return f"it raised {type(error).__name__}: {error}"
+        return output_mismatch(self.expected[0], actual[0], self.expected[1])
+
+
+def _verified(
+    packed: PackedMasksembles,
+    verifier: _Verifier | None,
+    full_width: Callable[[], PackedMasksembles],
+    model: nn.Module,
+    capture: _Capture,
+) -> PackedMasksembles:
+    """``packed`` if it equals ``predict``; otherwise every node at full width (``full_width()``), or the whole model
+    tiled when that differs too, with the reason first in ``fallbacks``."""
+    if verifier is None or (why := verifier.mismatch(packed)) is None:
+        return packed
+    reason = f"{VERIFICATION}: the {packed.program} program differed from predict on the example input ({why})"
+    if packed.program == "packed":
+        dense = full_width()
+        if (also := verifier.mismatch(dense)) is None:
+            dense.meta["masksembles"]["fallbacks"] = (f"{reason}; every node runs at full width", *dense.fallbacks)
+            return dense
+        reason += f"; so did every node at full width ({also})"
+    whole = _whole_model(model, verifier.x, packed.members, packed.meta["masksembles"]["squeeze"], capture.n)
+    whole.meta["masksembles"]["fallbacks"] = (f"{reason}: the whole model runs tiled",)
+    return whole
+
+
+def _seconds(modules: Mapping[str, nn.Module], x: Tensor, rounds: int = AUTO_ROUNDS) -> dict[str, list[float]]:
+    """Wall time of each module on ``x`` in interleaved rounds (``masksembles_core.packing.timed_rounds``)."""
+
+    def call(module: nn.Module) -> Callable[[], None]:
+        def run() -> None:
+            with torch.no_grad():
                 module(x)
-                if x.is_cuda:
-                    torch.cuda.synchronize(x.device)
-                times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in times.items()}
+            if x.is_cuda:
+                torch.cuda.synchronize(x.device)
+
+        return run
+
+    return timed_rounds({name: call(module) for name, module in modules.items()}, rounds=rounds)
 
 
-def pack(model: nn.Module, example_input: Tensor, *, program: str = "auto") -> PackedMasksembles:
+def _packed(
+    model: nn.Module, example_input: Tensor, members: Sequence[int] | None, squeeze: bool, program: str, verify: bool
+) -> PackedMasksembles:
+    """``pack``/``extract_member``: capture once, build the program(s), verify, and choose."""
+    check_program(program)
+    with _eval_mode(model):
+        try:
+            capture = _Capture(model, example_input)
+        except _SharedInPlace as error:
+            n = _members_of([layer for layer in model.modules() if isinstance(layer, Masksembles)])
+            whole = _whole_model(model, example_input, _chosen(members, n), squeeze, n)
+            whole.meta["masksembles"]["fallbacks"] = (f"the whole model, tiled: {error}",)
+            return whole
+        chosen = _chosen(members, capture.n)
+        verifier = _Verifier(model, example_input, capture.n, chosen, squeeze) if verify else None
+
+        def candidate(*, dense: bool = False, chunks: bool = True) -> PackedMasksembles:
+            def build(dense: bool) -> PackedMasksembles:
+                return _build(capture, example_input, chosen, squeeze, dense=dense, chunks=chunks)
+
+            return _verified(build(dense), verifier, functools.partial(build, True), model, capture)
+
+        if program != "auto":
+            return candidate(dense=program == "dense")
+        packed = candidate()
+        if packed.program == "dense":  # verification or the graph left nothing packed: nothing to choose
+            return packed
+        candidates = {"packed": packed, "dense": candidate(dense=True)}
+        if packed.meta["masksembles"]["chunk"]:  # in one call too: faster where freed memory is kept for reuse
+            candidates["packed, one call"] = candidate(chunks=False)
+        times = _seconds(candidates, example_input)
+        name, why = choose_program(times, "packed")
+        result = candidates[name]
+        result.meta["masksembles"]["seconds"] = {key: statistics.median(value) for key, value in times.items()}
+        result.meta["masksembles"]["choice"] = why
+        return result
+
+
+def pack(model: nn.Module, example_input: Tensor, *, program: str = "auto", verify: bool = True) -> PackedMasksembles:
     """All members of ``model`` in one call on compacted weights: (B, ...) -> (n, B, ...).
 
     Equals ``predict(model, x, n)`` (eval semantics) for finite activations, at about the cost the masks' overlap
     allows instead of n dense forward passes. ``example_input`` is run through the traced model to record shapes; any
-    batch size works afterwards. Any model torch.fx can trace in eval mode packs: what this module cannot compact runs
-    at full width (listed in ``fallbacks``); a model whose graph cannot be rewritten out of place (an in-place
-    operation on a view read after it) runs whole on the member-stacked batch (``program == "dense"``).
+    batch size works afterwards. ``forward`` is called with the input tensor alone: its other arguments keep their
+    defaults (a required one is refused). Any model torch.fx can trace in eval mode packs: what this module cannot
+    compact runs at full width (listed in ``fallbacks``); a model whose graph cannot be rewritten out of place (an
+    in-place operation on a view read after it) runs whole on the member-stacked batch (``program == "dense"``).
 
     Args:
         program: ``"packed"`` (compacted where it can; on CPU, on chunks of the batch where its tensors are large
             and it is proven per-sample), ``"dense"`` (the tiled dense model as one graph: every node as the model
             runs it, on the member-stacked batch), or ``"auto"`` (the default: both, and the packed program in one
-            call where it would run in chunks, are timed on ``example_input`` and the fastest is returned, so packing
-            never loses to tiling; ``seconds`` holds the medians; give an example of the batch size you will run).
+            call where it would run in chunks, are timed in interleaved rounds on ``example_input``; the packed
+            program is kept unless another was clearly faster (``masksembles_core.packing.choose_program``);
+            ``seconds`` holds the medians and ``choice`` the reason; give an example of the batch size you will run).
+        verify: compare the program with ``predict`` on the first few samples of ``example_input`` before returning
+            it (the default). One that differs beyond float rounding is never returned: every node then runs at full
+            width, or the whole model tiled, and the first entry of ``fallbacks`` says why. ``False`` skips it.
 
     Raises:
-        ValueError: the model cannot be traced, has no Masksembles layer, or holds Masksembles layers of different n.
+        ValueError: the model cannot be traced, needs more than one input, has no Masksembles layer, or holds
+            Masksembles layers of different n.
     """
-    if check_program(program) != "auto":
-        return _build(model, example_input, None, squeeze=False, dense=program == "dense")
-    packed = _build(model, example_input, None, squeeze=False)
-    if packed.program == "dense":  # the whole model runs tiled: nothing to choose
-        return packed
-    candidates = {"packed": packed, "dense": _build(model, example_input, None, squeeze=False, dense=True)}
-    if packed.meta["masksembles"]["chunk"]:  # in one call too: faster where freed memory is kept for reuse
-        candidates["packed, one call"] = _build(model, example_input, None, squeeze=False, chunks=False)
-    seconds = _seconds(candidates, example_input)
-    chosen = candidates[min(seconds, key=seconds.__getitem__)]
-    chosen.meta["masksembles"]["seconds"] = seconds
-    return chosen
+    return _packed(model, example_input, None, False, program, verify)
 
 
-def extract_member(model: nn.Module, k: int, example_input: Tensor) -> PackedMasksembles:
+def extract_member(model: nn.Module, k: int, example_input: Tensor, *, verify: bool = True) -> PackedMasksembles:
     """Member ``k`` of ``model`` as a standalone dense model: (B, ...) -> (B, ...).
 
     Every layer next to a Masksembles layer is physically shrunk to member ``k``'s live channels; the output equals
-    group ``k``'s output of the masked model (eval semantics, finite values). Same support and errors as ``pack``.
+    group ``k``'s output of the masked model (eval semantics, finite values), verified as in ``pack``. Same support and
+    errors as ``pack``.
     """
-    return _build(model, example_input, [k], squeeze=True)
+    return _packed(model, example_input, [k], True, "packed", verify)

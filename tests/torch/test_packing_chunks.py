@@ -107,15 +107,15 @@ def test_a_program_that_mixes_samples_is_not_split(name: str, monkeypatch: pytes
 
 def test_auto_also_times_the_packed_program_in_one_call(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the packed program would run in chunks, ``program="auto"`` times it in chunks, in one call and tiled,
-    and returns the fastest, which equals the dense model."""
+    and returns its choice, which equals the dense model."""
     monkeypatch.setattr(packing, "CHUNK_BYTES", 3 * N * 12 * 8 * 8 * 4)
     model = TwoOutputs().eval()
     x = torch.randn(10, 3, 8, 8)
     packed = mt.pack(model, x)
     assert set(packed.seconds) == {"packed", "packed, one call", "dense"}
-    fastest = min(packed.seconds, key=packed.seconds.__getitem__)
-    assert packed.program == ("dense" if fastest == "dense" else "packed")
-    assert ("in_chunks" in packed.code) is (fastest == "packed")
+    chosen = packed.choice.split(":")[0]  # the packed program unless another was clearly faster
+    assert packed.program == ("dense" if chosen == "dense" else "packed")
+    assert ("in_chunks" in packed.code) is (chosen == "packed")
     result, expected = packed(x), tiled(model, x)
     assert relative_error(result["logits"], expected["logits"]) <= 1e-5
 

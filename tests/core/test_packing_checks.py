@@ -1,0 +1,68 @@
+"""The checks every adapter's pack runs: a built program against predict, and auto's choice of program."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from masksembles_core.packing import AUTO_MARGIN, choose_program, output_mismatch, timed_rounds
+
+F32 = float(np.finfo(np.float32).eps)
+
+
+def test_outputs_that_agree_to_rounding_pass_and_nonfinite_expectations_are_not_compared() -> None:
+    expected = [np.array([[1.0, np.nan], [np.inf, 2.0]]), np.array([3, 4])]
+    actual = [np.array([[1.0 + 1e-6, 5.0], [0.0, 2.0]]), np.array([3, 4])]
+    assert output_mismatch(expected, actual, [F32, 0.0]) is None
+
+
+@pytest.mark.parametrize(
+    ("actual", "message"),
+    [
+        ([np.array([[1.1, 0.0], [0.0, 2.0]]), np.array([3, 4])], "output 0 differs from predict by up to 0.1"),
+        ([np.array([[1.0, 0.0], [0.0, 2.0]]), np.array([3, 5])], "output 1 differs from predict in 1 of 2 values"),
+        ([np.array([[1.0, 0.0], [0.0, np.nan]]), np.array([3, 4])], "output 0 is not finite where predict is"),
+        ([np.zeros(4), np.array([3, 4])], "output 0 has shape (4,) where predict gives (2, 2)"),
+        ([np.zeros(4)], "the program returns 1 outputs where predict returns 2"),
+    ],
+)
+def test_outputs_that_differ_are_named(actual: list[np.ndarray], message: str) -> None:
+    expected = [np.array([[1.0, np.nan], [np.inf, 2.0]]), np.array([3, 4])]
+    assert message in str(output_mismatch(expected, actual, [F32, 0.0]))
+
+
+def test_the_tolerance_follows_the_dtype_and_the_outputs_scale() -> None:
+    expected = [np.array([1000.0, -2000.0])]
+    assert output_mismatch(expected, [np.array([1000.5, -2000.0])], [F32]) is None  # 2.5e-4 of the scale
+    assert output_mismatch(expected, [np.array([1002.0, -2000.0])], [F32]) is not None
+    bfloat16 = 2.0**-7
+    assert output_mismatch(expected, [np.array([1100.0, -2000.0])], [bfloat16]) is None
+
+
+@pytest.mark.parametrize(
+    ("dense", "chosen"),
+    [
+        ([0.95] * 7, "packed"),  # faster in every round, by less than the margin
+        ([0.5] * 3 + [2.0] * 4, "packed"),  # much faster in 3 of 7 rounds: noise
+        ([0.5] * 5 + [2.0] * 2, "packed"),  # faster in 5 of 7 rounds: below AUTO_WINS
+        ([0.5] * 6 + [2.0], "dense"),  # twice as fast in 6 of 7 rounds
+    ],
+)
+def test_auto_keeps_the_preferred_program_unless_another_is_clearly_faster(dense: list[float], chosen: str) -> None:
+    name, why = choose_program({"packed": [1.0] * 7, "dense": dense}, "packed")
+    assert name == chosen and why.startswith(chosen)
+
+
+def test_auto_takes_the_fastest_of_several_clearly_faster_programs() -> None:
+    times = {"packed": [1.0] * 5, "dense": [0.8] * 5, "packed, one call": [0.5] * 5}
+    name, why = choose_program(times, "packed")
+    assert name == "packed, one call" and "0.50x the time of packed" in why
+    assert AUTO_MARGIN < 1
+
+
+def test_timed_rounds_interleave_the_calls_after_the_warmup() -> None:
+    order: list[str] = []
+    times = timed_rounds({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, rounds=3, warmup=1)
+    assert order == ["a", "b"] * 4
+    assert {name: len(values) for name, values in times.items()} == {"a": 3, "b": 3}
+    assert all(t >= 0 for values in times.values() for t in values)

@@ -1,0 +1,152 @@
+"""pack/extract_member verify what they built against predict before returning it, take forward's optional
+arguments at their defaults, and choose a program in ``auto`` only on a clear, repeated measurement."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import masksembles_torch as mt
+from masksembles_torch import _packing as packing
+
+N = 4
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual - expected).norm() / expected.norm().clamp_min(1e-12)).item()
+
+
+class SigmoidBetweenMasks(nn.Module):
+    """conv -> masks -> sigmoid (1/2 at zero: a dropped channel is live again) -> masks -> head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 12, 3, padding=1)
+        self.masks1 = mt.Masksembles2D(12, N, 2.0, seed=1)
+        self.masks2 = mt.Masksembles2D(12, N, 2.0, seed=2)
+        self.head = nn.Conv2d(12, 5, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.masks2(torch.sigmoid(self.masks1(self.stem(x)))))
+
+
+def wrong_zero_proof(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A broken proof: every elementwise operation 'maps zero to zero' (sigmoid does not)."""
+    monkeypatch.setattr(
+        packing, "_zero_map", lambda capture, op: np.ones(capture.seen[op.node].shapes[0][op.axis], bool)
+    )
+
+
+@pytest.mark.parametrize("program", ["packed", "auto"])
+def test_a_wrong_program_is_never_returned(program: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The safety net: a program built on a wrong proof differs from predict, so every node runs at full width
+    instead, and the first fallback says why."""
+    torch.manual_seed(0)
+    model = SigmoidBetweenMasks().eval()
+    x = torch.randn(6, 3, 5, 5)
+    expected = mt.predict(model, x, N)
+    wrong_zero_proof(monkeypatch)
+    assert relative_error(mt.pack(model, x, program="packed", verify=False)(x), expected) > 1e-2  # the bug is real
+    packed = mt.pack(model, x, program=program)
+    assert packed.program == "dense"
+    assert packed.fallbacks[0].startswith("verification: the packed program differed from predict on the example")
+    assert packed.fallbacks[0].endswith("every node runs at full width")
+    assert "verification" in repr(packed)
+    assert relative_error(packed(x), expected) <= 1e-6
+    member = mt.extract_member(model, 2, x)
+    assert member.fallbacks[0].startswith("verification: ")
+    assert relative_error(member(x), expected[2]) <= 1e-6
+
+
+def test_when_the_full_width_graph_differs_too_the_whole_model_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    model = SigmoidBetweenMasks().eval()
+    x = torch.randn(5, 3, 5, 5)
+    expected = mt.predict(model, x, N)
+    wrong_zero_proof(monkeypatch)
+    original = packing._build
+
+    def broken_dense(*args: object, dense: bool, chunks: bool) -> packing.PackedMasksembles:
+        packed = original(*args, dense=dense, chunks=chunks)  # type: ignore[arg-type]
+        if dense:  # a broken full-width program too
+            forward = packed.forward
+            packed.forward = lambda x: forward(x) * 0.0  # type: ignore[method-assign]
+        return packed
+
+    monkeypatch.setattr(packing, "_build", broken_dense)
+    packed = mt.pack(model, x, program="packed")
+    assert packed.program == "dense" and packed.fallbacks[0].endswith("the whole model runs tiled")
+    assert "so did every node at full width" in packed.fallbacks[0]
+    assert relative_error(packed(x), expected) <= 1e-6
+
+
+def test_verify_false_skips_the_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = SigmoidBetweenMasks().eval()
+    x = torch.randn(3, 3, 5, 5)
+    calls: list[int] = []
+    monkeypatch.setattr(packing._Verifier, "mismatch", lambda self, packed: calls.append(1))
+    mt.pack(model, x, program="packed", verify=False)
+    mt.extract_member(model, 0, x, verify=False)
+    assert calls == []
+    mt.pack(model, x, program="packed")
+    assert calls == [1]
+
+
+class OptionalArguments(nn.Module):
+    """A timm-style forward: optional arguments that change nothing at their defaults."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.masks = mt.Masksembles1D(16, N, 2.0, seed=0)
+        self.fc2 = nn.Linear(16, 3)
+
+    def forward(
+        self, x: torch.Tensor, mask: torch.Tensor | None = None, pre_logits: bool = False, *, scale: float = 1.0
+    ) -> torch.Tensor:
+        if mask is not None:
+            x = x * mask
+        hidden = self.masks(F.relu(self.fc1(x)))
+        return hidden if pre_logits else self.fc2(hidden) * scale
+
+
+def test_a_forward_with_optional_arguments_packs_at_their_defaults() -> None:
+    torch.manual_seed(0)
+    model = OptionalArguments().eval()
+    x = torch.randn(5, 8)
+    expected = mt.predict(model, x, N)
+    for program in ("packed", "dense", "auto"):
+        packed = mt.pack(model, x, program=program)
+        assert relative_error(packed(x), expected) <= 1e-6
+        assert packed.program == "dense" or not packed.fallbacks
+    assert relative_error(mt.extract_member(model, 1, x)(x), expected[1]) <= 1e-6
+
+
+class TwoRequired(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.masks = mt.Masksembles1D(8, N, 2.0, seed=0)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.masks(x + y)
+
+
+def test_a_second_required_input_is_refused_by_name() -> None:
+    with pytest.raises(
+        ValueError, match=r"other arguments of forward need defaults\); this one requires 2: \['x', 'y'\]"
+    ):
+        mt.pack(TwoRequired(), torch.randn(2, 8))
+
+
+def test_auto_reports_its_choice() -> None:
+    torch.manual_seed(0)
+    model = SigmoidBetweenMasks().eval()
+    x = torch.randn(4, 3, 5, 5)
+    packed = mt.pack(model, x)
+    assert set(packed.seconds) == {"packed", "dense"} and all(t > 0 for t in packed.seconds.values())
+    assert packed.choice.startswith(f"{'packed' if packed.program == 'packed' else 'dense'}")
+    assert relative_error(packed(x), mt.predict(model, x, N)) <= 1e-6
+    assert mt.pack(model, x, program="packed").choice == ""
