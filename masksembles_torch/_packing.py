@@ -674,6 +674,11 @@ def _checked_axes(capture: _Capture, maps: dict[tuple[fx.Node, int], int | None]
                      dim % capture.seen[op.node].rank, mapped)
         )  # fmt: skip
     axis = cast(dict[fx.Node, int], channel_axes(rules, lambda node: capture.seen[cast(fx.Node, node)].rank))
+    for op in compact:  # a flattened tensor that no other rule reads (the input): channels first, as nn.Flatten
+        if op.kind == "flatten" and op.tensors[0] not in axis:
+            if capture.seen[op.tensors[0]].rank < 2:
+                raise AxisConflict(op.node)
+            axis[op.tensors[0]] = 1
     for op in compact:
         for node in [op.node, *op.tensors]:
             seen = capture.seen[node]
@@ -978,7 +983,7 @@ class _Emitter:
         seen = self.capture.seen[tensor]
         dense = step.placement.dense
         factor = 1 if dense and not step.placement.shared else self.m
-        channel_axis = -1 if dense else self.axis[tensor]
+        channel_axis = -1 if dense or tensor is self.capture.input else self.axis[tensor]  # the input: every channel
         channels = seen.shapes[0][channel_axis] if channel_axis >= 0 else 0
         size = self.graph.call_function(ops.frame_size, (value, seen.batch_axes, factor, channel_axis, channels))
         if name in ("numel", "nelement") or node.target is torch.numel:

@@ -1,0 +1,44 @@
+"""pack/extract_member on small models that once failed: each equals predict, in every program and for every member."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import masksembles_torch as mt
+
+N = 4
+
+
+def assert_packs_like_predict(model: nn.Module, x: torch.Tensor) -> None:
+    """Every program of ``pack`` and every extracted member equal ``predict``, on the example and on a batch that n
+    does not divide; nothing falls back for lack of verification."""
+    model.eval()
+    for batch in (x, x[:3]):
+        expected = mt.predict(model, batch, N)
+        for program in ("packed", "dense", "auto"):
+            packed = mt.pack(model, x, program=program)
+            assert not any(reason.startswith("verification") for reason in packed.fallbacks)
+            torch.testing.assert_close(packed(batch), expected, rtol=1e-5, atol=1e-5)
+        for k in range(N):
+            torch.testing.assert_close(mt.extract_member(model, k, x)(batch), expected[k], rtol=1e-5, atol=1e-5)
+
+
+class FlattenFirst(nn.Module):
+    """``x.view(x.size(0), -1)`` at the top of ``forward``: the input is read by the flatten only."""
+
+    def __init__(self, activation: bool) -> None:
+        super().__init__()
+        self.activation = activation
+        self.masks, self.fc = mt.Masksembles(48, N, 2.0, seed=0), nn.Linear(48, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.view(x.size(0), -1)
+        return self.fc(self.masks(x.relu() if self.activation else x))
+
+
+@pytest.mark.parametrize("activation", [False, True], ids=["masks", "relu-masks"])
+def test_flatten_of_the_input_by_view_of_its_batch_size(activation: bool) -> None:
+    torch.manual_seed(0)
+    assert_packs_like_predict(FlattenFirst(activation), torch.randn(8, 3, 4, 4))
