@@ -1112,6 +1112,8 @@ class _Emitter:
         target: Any = node.target
         if node.op == "call_module":
             target = self._module(str(node.target))
+        elif node.op == "call_method" and target in RESHAPING_VIEWS and not _dtype_view(node):
+            target = RESHAPING_VIEWS[target]  # the values a view gives, on tensors laid out unlike the dense model's
         elif node.op == "call_function" and target in IN_PLACE_OPERATORS and constants is not None:
             target = IN_PLACE_OPERATORS[target]
         elif (
@@ -1569,6 +1571,16 @@ IN_PLACE_FUNCTIONS = {torch.relu: torch.relu_, torch.sigmoid: torch.sigmoid_, to
 IN_PLACE_RESULTS = {*IN_PLACE_FUNCTIONS.values(), torch.ops.aten.gelu_}  # return their first argument, written
 VIEW_METHODS = ("permute", "transpose", "view", "reshape", "flatten", "unflatten", "movedim", "contiguous")
 INPLACE_KEYWORD = {F.relu, F.relu6, F.silu, F.hardswish, F.hardsigmoid, F.leaky_relu, F.elu, F.selu, F.celu, F.mish}
+
+
+# views whose strides the packed program does not keep as the dense model has them (channels-last convolutions, the
+# member-stacked batch): reshapes give the same values, copying where a view cannot
+RESHAPING_VIEWS = {"view": "reshape", "view_as": "reshape_as"}
+
+
+def _dtype_view(node: fx.Node) -> bool:
+    """``x.view(torch.float16)``: a reinterpretation of the bits, not a reshape."""
+    return any(isinstance(a, torch.dtype) for a in (*node.args[1:], *node.kwargs.values()))
 
 
 def _activation(module: nn.Module | None) -> bool:

@@ -42,3 +42,21 @@ class FlattenFirst(nn.Module):
 def test_flatten_of_the_input_by_view_of_its_batch_size(activation: bool) -> None:
     torch.manual_seed(0)
     assert_packs_like_predict(FlattenFirst(activation), torch.randn(8, 3, 4, 4))
+
+
+class ViewAfterConvolution(nn.Module):
+    """LeNet's ``x.view(-1, 400)`` after a masked convolution (the packed convolution runs channels-last)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.masks1 = nn.Conv2d(3, 16, 5), mt.Masksembles2D(16, N, 2.0, seed=0)
+        self.masks2, self.fc = mt.Masksembles1D(400, N, 2.0, seed=1), nn.Linear(400, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.masks1(self.conv(x)).relu()
+        return self.fc(self.masks2(x.view(-1, 400)))
+
+
+def test_view_of_a_convolution_output() -> None:
+    torch.manual_seed(0)
+    assert_packs_like_predict(ViewAfterConvolution(), torch.randn(8, 3, 9, 9))
