@@ -1056,6 +1056,8 @@ class _Emitter:
         node = self.by_name[step.name]
         op = self.capture.ops[node]
         self._count(step, op)
+        if step.placement.dense and op.kind == "flatten":  # (B, ...) -> (B, features) on the frame's batch, which
+            return self.graph.call_function(torch.flatten, (inputs[0], 1))  # the model's view(B, -1) does not know
         if step.placement.dense:
             return self._as_model(op, inputs)
         return self._compact(step, op, inputs)

@@ -60,3 +60,20 @@ class ViewAfterConvolution(nn.Module):
 def test_view_of_a_convolution_output() -> None:
     torch.manual_seed(0)
     assert_packs_like_predict(ViewAfterConvolution(), torch.randn(8, 3, 9, 9))
+
+
+class FlattenAfterFallback(nn.Module):
+    """``h.view(h.size(0), -1)`` of a tensor computed at full width before any masks (``cumsum`` falls back)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.masks, self.fc = mt.Masksembles(48, N, 2.0, seed=0), nn.Linear(48, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.cumsum(1)
+        return self.fc(self.masks(h.view(h.size(0), -1)))
+
+
+def test_flatten_by_view_of_a_shared_tensor_computed_at_full_width() -> None:
+    torch.manual_seed(0)
+    assert_packs_like_predict(FlattenAfterFallback(), torch.randn(8, 3, 4, 4))
