@@ -895,10 +895,13 @@ class _Emitter:
     """Writes the program as an fx graph over a root module that holds the compacted layers and the moves' indices."""
 
     def __init__(
-        self, capture: _Capture, axis: dict[fx.Node, int], program: Program, squeeze: bool, samples: int
-    ) -> None:
+        self, capture: _Capture, axis: dict[fx.Node, int], program: Program, squeeze: bool, samples: int,
+        chosen: Sequence[int],
+    ) -> None:  # fmt: skip
         self.capture, self.axis, self.program, self.samples = capture, axis, program, samples
         self.m = len(program.members)
+        # the members returned, as positions in the program's (None: all of them, in order)
+        self.returned = None if list(chosen) == list(program.members) else [program.members.index(k) for k in chosen]
         self.root = nn.Module()
         self.graph = fx.Graph()
         self.by_name = {node.name: node for node in capture.gm.graph.nodes}
@@ -1511,7 +1514,8 @@ class _Emitter:
             return
         if final.placement.shared:
             if not squeeze:
-                value = self.graph.call_function(ops.repeat_members, (value, self.m))
+                members = self.m if self.returned is None else len(self.returned)
+                value = self.graph.call_function(ops.repeat_members, (value, members))
         else:
             node = self.by_name[program.output]
             axis = capture.seen[node].batch_axis if final.placement.dense else self.axis[node]
@@ -1519,6 +1523,10 @@ class _Emitter:
         self.graph.output(value)
 
     def _members_first(self, value: fx.Node, axis: int, squeeze: bool) -> fx.Node:
+        if self.returned is not None:  # computed for every member, some returned
+            first = self.graph.call_function(ops.members_first, (value, self.m, axis))
+            picked = self.graph.call_function(operator.getitem, (first, self.returned))
+            return self.graph.call_function(operator.getitem, (picked, 0)) if squeeze else picked
         if squeeze:
             return value
         return self.graph.call_function(ops.members_first, (value, self.m, axis))
@@ -1699,9 +1707,9 @@ def _build_eval(
         capture.ops = {node: capture.fallback(node) for node in capture.ops}
     axis = _solve_axes(capture)
     nodes, output = _graph_nodes(capture, axis)
-    program = plan_program(nodes, output, chosen)
+    program = plan_program(nodes, output, _planned(capture, chosen))
     samples = _samples_per_chunk(capture, program, example_input) if chunks else 0
-    emitter = _Emitter(capture, axis, program, squeeze, samples or example_input.shape[0])
+    emitter = _Emitter(capture, axis, program, squeeze, samples or example_input.shape[0], chosen)
     packed = PackedMasksembles(emitter.root, emitter.graph, class_name="PackedMasksembles")
     if samples:
         packed = _in_chunks(packed, example_input, samples)
@@ -1713,6 +1721,14 @@ def _build_eval(
         "program": "dense" if dense else "packed", "seconds": {}, "chunk": samples,
     }  # fmt: skip
     return packed.eval()
+
+
+def _planned(capture: _Capture, chosen: list[int]) -> list[int]:
+    """The members to compute for ``chosen``: every member where a node runs per member on the member-stacked batch
+    (it reads the batch size, as ``x.shape[0]``, ``arange(B)`` or a mean over the batch, or it is a Masksembles layer
+    that groups the batch): in the dense model that batch holds every member's copy."""
+    per_member = any(op.kind == "fallback" and op.batch_dependent for op in capture.ops.values())
+    return list(range(capture.n)) if per_member else chosen
 
 
 def _samples_per_chunk(capture: _Capture, program: Program, example: Tensor) -> int:

@@ -77,3 +77,48 @@ class FlattenAfterFallback(nn.Module):
 def test_flatten_by_view_of_a_shared_tensor_computed_at_full_width() -> None:
     torch.manual_seed(0)
     assert_packs_like_predict(FlattenAfterFallback(), torch.randn(8, 3, 4, 4))
+
+
+class WindowAttention(nn.Module):
+    """Swin's pattern: roll, windows folded into the batch, masks on the windows' tokens before qkv and before the
+    projection (they fall back: their batch axis holds B x windows), attention inside each window, and back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.masks_in = nn.Linear(6, 16), mt.Masksembles(16, N, 2.0, seed=0, channel_axis=-1)
+        self.masks_qkv, self.qkv = mt.Masksembles(16, N, 2.0, seed=1, channel_axis=-1), nn.Linear(16, 48)
+        self.masks_proj, self.proj = mt.Masksembles(16, N, 2.0, seed=2, channel_axis=-1), nn.Linear(16, 16)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, length, _ = x.shape
+        h = self.masks_in(self.embed(x))
+        windows = torch.roll(h, 2, dims=1).view(-1, 4, 16)  # (B * length/4, 4, 16)
+        q, k, v = self.qkv(self.masks_qkv(windows)).chunk(3, dim=-1)
+        attended = (q @ k.transpose(-2, -1) * 0.25).softmax(-1) @ v
+        y = torch.roll(self.proj(self.masks_proj(attended)).view(b, length, 16), -2, dims=1)
+        return self.head(h + y).mean(1)
+
+
+def test_window_attention_with_masks_on_the_windows() -> None:
+    """extract_member(k) once ran those masks on member k's batch alone, which Masksembles groups into n members."""
+    torch.manual_seed(0)
+    assert_packs_like_predict(WindowAttention(), torch.randn(8, 8, 6))
+
+
+class BatchPosition(nn.Module):
+    """Each sample scaled by its place in the batch, ``arange(B) / B``, after the masks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.masks, self.fc2 = nn.Linear(6, 12), mt.Masksembles(12, N, 2.0, seed=0), nn.Linear(12, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.masks(self.fc1(x))
+        position = torch.arange(h.shape[0], dtype=h.dtype) / h.shape[0]
+        return self.fc2(h * (1 + position.view(-1, 1)))
+
+
+def test_a_model_that_reads_the_batch_size() -> None:
+    torch.manual_seed(0)
+    assert_packs_like_predict(BatchPosition(), torch.randn(8, 6))
