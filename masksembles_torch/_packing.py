@@ -123,6 +123,11 @@ VIEW_FUNCTIONS = {
 }  # fmt: skip
 METADATA = {"dim", "ndimension", "ndim", "dtype", "device", "is_contiguous", "requires_grad", "layout", "is_cuda"}
 SIZES = {"size", "shape", "numel", "nelement"}
+# layers that compute each sample from that sample alone (in eval)
+PER_SAMPLE_MODULES = (
+    nn.Linear, *CONV_TYPES, *BATCHNORM_TYPES, nn.LayerNorm, nn.GroupNorm, *POOL_TYPES, *ELEMENTWISE_MODULES,
+    *DROPOUT_TYPES, nn.Embedding, nn.MultiheadAttention,
+)  # fmt: skip
 
 
 class _Tracer(fx.Tracer):
@@ -383,6 +388,7 @@ class _Capture:
             if node in self.dynamic and node.op not in ("placeholder", "output") and self._is_value(node):
                 self.values.add(node)
         self.ops: dict[fx.Node, _Op] = {}
+        self.mixing: dict[fx.Node, bool] = {}  # mixes_samples, evaluated once per node
         for node in self.gm.graph.nodes:
             if node in self.values and node is not self.input:
                 self.ops[node] = self._classify(node)
@@ -438,9 +444,54 @@ class _Capture:
         )
 
     def fallback(self, node: fx.Node) -> _Op:
-        """``node`` as the dense model runs it; per member when it uses the batch size or is a Masksembles layer."""
+        """``node`` as the dense model runs it; per member when it uses the batch size, mixes the samples or is a
+        Masksembles layer."""
         masks = node.op == "call_module" and isinstance(self.gm.get_submodule(str(node.target)), Masksembles)
-        return _Op(node, "fallback", self.inputs(node), rule="none", batch_dependent=masks or self.batch_args(node))
+        per_member = masks or self.batch_args(node) or self.mixes_samples(node)
+        return _Op(node, "fallback", self.inputs(node), rule="none", batch_dependent=per_member)
+
+    def mixes_samples(self, node: fx.Node) -> bool:
+        """Whether one sample's result depends on the other samples (a mean over the batch, ``flip(0)``, a cumsum
+        along it): evaluated at the probe's larger batch on random inputs, then again with the last sample changed;
+        the other samples' rows must stay the same. Layers known to work per sample are not evaluated."""
+        if node not in self.mixing:
+            self.mixing[node] = self._mixes_samples(node)
+        return self.mixing[node]
+
+    def _mixes_samples(self, node: fx.Node) -> bool:
+        if node.op == "call_module" and isinstance(self.gm.get_submodule(str(node.target)), PER_SAMPLE_MODULES):
+            return False
+        seen, tensors = self.seen[node], self.inputs(node)
+        batch = self.seen[self.input].shapes[1][0]
+        if not seen.tensor or len(seen.batch_axes) != 1 or not tensors:
+            return False  # no batch axis to compare along (a reduction over it makes one per member: batch_args)
+        if any(not self.seen[t].tensor or len(self.seen[t].batch_axes) != 1 for t in (node, *tensors)):
+            return True
+        sizes = {t: self.seen[t].shapes[1][self.seen[t].batch_axes[0]] for t in (node, *tensors)}
+        if any(size % batch for size in sizes.values()):
+            return True
+        generator = torch.Generator(device=self.device).manual_seed(0)
+        given = {t: _random_like(self.seen[t], self.device, generator) for t in tensors}
+        try:
+            before = _evaluate(self, node, given, run=1)
+            for sample in (0, batch - 1):  # the first and the last sample drawn again: the others' rows must stay
+                changed = {}
+                for t in tensors:
+                    axis, rows = self.seen[t].batch_axes[0], sizes[t] // batch
+                    redrawn = _random_like(self.seen[t], self.device, generator).narrow(axis, sample * rows, rows)
+                    changed[t] = given[t].index_copy(
+                        axis, torch.arange(sample * rows, (sample + 1) * rows, device=self.device), redrawn
+                    )
+                after = _evaluate(self, node, changed, run=1)
+                axis, rows = seen.batch_axes[0], sizes[node] // batch
+                others = [i for i in range(sizes[node]) if i // rows != sample]
+                index = torch.as_tensor(others, device=self.device)
+                first, second = before.index_select(axis, index), after.index_select(axis, index)
+                if not bool(((first == second) | (first.isnan() & second.isnan())).all()):
+                    return True
+        except Exception:  # it does not apply to random inputs (indices out of range): not shown to keep samples apart
+            return True
+        return False
 
     def _classify(self, node: fx.Node) -> _Op:
         tensors = self.inputs(node)
@@ -735,6 +786,14 @@ def _evaluate_map(capture: _Capture, op: _Op, source_axis: int) -> int | None:
     return channel
 
 
+def _random_like(seen: _Seen, device: torch.device, generator: torch.Generator) -> Tensor:
+    """Random values of the shape and dtype the probe saw at its larger batch (0s and 1s for integers and bools)."""
+    shape, dtype = seen.shapes[1], seen.dtype or torch.float32
+    if dtype.is_floating_point or dtype.is_complex:
+        return torch.randn(shape, dtype=dtype, device=device, generator=generator)
+    return torch.randint(0, 2, shape, device=device, generator=generator).to(dtype)
+
+
 def _takes_whole(index: Any, rank: int, axes: Sequence[int]) -> bool:
     """A ``getitem`` index made of slices, ints, None and one Ellipsis that takes all of ``axes``."""
     entries = index if isinstance(index, tuple) else (index,)
@@ -767,8 +826,9 @@ def _whole_axis(out: Any, ids: Tensor) -> int | None:
     return None
 
 
-def _evaluate(capture: _Capture, node: fx.Node, values: dict[fx.Node, Any]) -> Any:
-    """Run one node of the traced graph on given values for its model inputs (other arguments as the probe saw)."""
+def _evaluate(capture: _Capture, node: fx.Node, values: dict[fx.Node, Any], run: int = 0) -> Any:
+    """Run one node of the traced graph on given values for its model inputs (other arguments as the probe saw them
+    in ``run``: 0 at the example's batch size, 1 at one more)."""
 
     def value(a: Any) -> Any:
         if not isinstance(a, fx.Node):
@@ -776,7 +836,7 @@ def _evaluate(capture: _Capture, node: fx.Node, values: dict[fx.Node, Any]) -> A
         if a in values:
             return values[a]
         if a in capture.dynamic:
-            return capture.seen[a].values[0]
+            return capture.seen[a].values[run]
         return capture.constants.get(a)
 
     args = fx.node.map_aggregate(node.args, value)

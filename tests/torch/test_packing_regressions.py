@@ -122,3 +122,26 @@ class BatchPosition(nn.Module):
 def test_a_model_that_reads_the_batch_size() -> None:
     torch.manual_seed(0)
     assert_packs_like_predict(BatchPosition(), torch.randn(8, 6))
+
+
+class BatchMixing(nn.Module):
+    """Operations along the batch after the masks: a mean over it, or a cumulative sum along it."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.fc1 = nn.Linear(6, 12)
+        self.masks = mt.Masksembles(12, N, 2.0, seed=0, channel_axis=-1)
+        self.fc2 = nn.Linear(12, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.masks(self.fc1(x))
+        mixed = h - h.mean(0, keepdim=True) if self.how == "mean" else h.cumsum(0)
+        return self.fc2(mixed)
+
+
+@pytest.mark.parametrize("how", ["mean", "cumsum"])
+def test_operations_along_the_batch(how: str) -> None:
+    """extract_member(k) once ran them on member k's batch alone; in the dense model the batch holds every member."""
+    torch.manual_seed(0)
+    assert_packs_like_predict(BatchMixing(how), torch.randn(8, 6))
