@@ -126,6 +126,11 @@ VIEW_FUNCTIONS = {
 }  # fmt: skip
 METADATA = {"dim", "ndimension", "ndim", "dtype", "device", "is_contiguous", "requires_grad", "layout", "is_cuda"}
 SIZES = {"size", "shape", "numel", "nelement"}
+# layers that compute each sample from that sample alone (in eval)
+PER_SAMPLE_MODULES = (
+    nn.Linear, *CONV_TYPES, *BATCHNORM_TYPES, nn.LayerNorm, nn.GroupNorm, *POOL_TYPES, *ELEMENTWISE_MODULES,
+    *DROPOUT_TYPES, nn.Embedding, nn.MultiheadAttention,
+)  # fmt: skip
 
 
 class _Tracer(fx.Tracer):
@@ -420,6 +425,7 @@ class _Capture:
             if node in self.dynamic and node.op not in ("placeholder", "output") and self._is_value(node):
                 self.values.add(node)
         self.ops: dict[fx.Node, _Op] = {}
+        self.mixing: dict[fx.Node, bool] = {}  # mixes_samples, evaluated once per node
         for node in self.gm.graph.nodes:
             if node in self.values and node is not self.input:
                 self.ops[node] = self._classify(node)
@@ -481,9 +487,57 @@ class _Capture:
         )
 
     def fallback(self, node: fx.Node) -> _Op:
-        """``node`` as the dense model runs it; per member when it uses the batch size or is a Masksembles layer."""
-        masks = node.op == "call_module" and isinstance(self.gm.get_submodule(str(node.target)), Masksembles)
-        return _Op(node, "fallback", self.inputs(node), rule="none", batch_dependent=masks or self.batch_args(node))
+        """``node`` as the dense model runs it; per member when it uses the batch size, mixes the samples or is a
+        Masksembles layer."""
+        per_member = self.is_masksembles(node) or self.batch_args(node) or self.mixes_samples(node)
+        return _Op(node, "fallback", self.inputs(node), rule="none", batch_dependent=per_member)
+
+    def is_masksembles(self, node: fx.Node) -> bool:
+        """Whether ``node`` calls a Masksembles layer."""
+        return node.op == "call_module" and isinstance(self.gm.get_submodule(str(node.target)), Masksembles)
+
+    def mixes_samples(self, node: fx.Node) -> bool:
+        """Whether one sample's result depends on the other samples (a mean over the batch, ``flip(0)``, a cumsum
+        along it): evaluated at the probe's larger batch on random inputs, then again with the last sample changed;
+        the other samples' rows must stay the same. Layers known to work per sample are not evaluated."""
+        if node not in self.mixing:
+            self.mixing[node] = self._mixes_samples(node)
+        return self.mixing[node]
+
+    def _mixes_samples(self, node: fx.Node) -> bool:
+        if node.op == "call_module" and isinstance(self.gm.get_submodule(str(node.target)), PER_SAMPLE_MODULES):
+            return False
+        seen, tensors = self.seen[node], self.inputs(node)
+        batch = self.seen[self.input].shapes[1][0]
+        if not seen.tensor or len(seen.batch_axes) != 1 or not tensors:
+            return False  # no batch axis to compare along (a reduction over it makes one per member: batch_args)
+        if any(not self.seen[t].tensor or len(self.seen[t].batch_axes) != 1 for t in (node, *tensors)):
+            return True
+        sizes = {t: self.seen[t].shapes[1][self.seen[t].batch_axes[0]] for t in (node, *tensors)}
+        if any(size % batch for size in sizes.values()):
+            return True
+        generator = torch.Generator(device=self.device).manual_seed(0)
+        given = {t: _random_like(self.seen[t], self.device, generator) for t in tensors}
+        try:
+            before = _evaluate(self, node, given, run=1)
+            for sample in (0, batch - 1):  # the first and the last sample drawn again: the others' rows must stay
+                changed = {}
+                for t in tensors:
+                    axis, rows = self.seen[t].batch_axes[0], sizes[t] // batch
+                    redrawn = _random_like(self.seen[t], self.device, generator).narrow(axis, sample * rows, rows)
+                    changed[t] = given[t].index_copy(
+                        axis, torch.arange(sample * rows, (sample + 1) * rows, device=self.device), redrawn
+                    )
+                after = _evaluate(self, node, changed, run=1)
+                axis, rows = seen.batch_axes[0], sizes[node] // batch
+                others = [i for i in range(sizes[node]) if i // rows != sample]
+                index = torch.as_tensor(others, device=self.device)
+                first, second = before.index_select(axis, index), after.index_select(axis, index)
+                if not bool(((first == second) | (first.isnan() & second.isnan())).all()):
+                    return True
+        except Exception:  # it does not apply to random inputs (indices out of range): not shown to keep samples apart
+            return True
+        return False
 
     def _classify(self, node: fx.Node) -> _Op:
         tensors = self.inputs(node)
@@ -717,6 +771,11 @@ def _checked_axes(capture: _Capture, maps: dict[tuple[fx.Node, int], int | None]
                      dim % capture.seen[op.node].rank, mapped)
         )  # fmt: skip
     axis = cast(dict[fx.Node, int], channel_axes(rules, lambda node: capture.seen[cast(fx.Node, node)].rank))
+    for op in compact:  # a flattened tensor that no other rule reads (the input): channels first, as nn.Flatten
+        if op.kind == "flatten" and op.tensors[0] not in axis:
+            if capture.seen[op.tensors[0]].rank < 2:
+                raise AxisConflict(op.node)
+            axis[op.tensors[0]] = 1
     for op in compact:
         for node in [op.node, *op.tensors]:
             seen = capture.seen[node]
@@ -773,6 +832,14 @@ def _evaluate_map(capture: _Capture, op: _Op, source_axis: int) -> int | None:
     return channel
 
 
+def _random_like(seen: _Seen, device: torch.device, generator: torch.Generator) -> Tensor:
+    """Random values of the shape and dtype the probe saw at its larger batch (0s and 1s for integers and bools)."""
+    shape, dtype = seen.shapes[1], seen.dtype or torch.float32
+    if dtype.is_floating_point or dtype.is_complex:
+        return torch.randn(shape, dtype=dtype, device=device, generator=generator)
+    return torch.randint(0, 2, shape, device=device, generator=generator).to(dtype)
+
+
 def _takes_whole(index: Any, rank: int, axes: Sequence[int]) -> bool:
     """A ``getitem`` index made of slices, ints, None and one Ellipsis that takes all of ``axes``."""
     entries = index if isinstance(index, tuple) else (index,)
@@ -805,8 +872,9 @@ def _whole_axis(out: Any, ids: Tensor) -> int | None:
     return None
 
 
-def _evaluate(capture: _Capture, node: fx.Node, values: dict[fx.Node, Any]) -> Any:
-    """Run one node of the traced graph on given values for its model inputs (other arguments as the probe saw)."""
+def _evaluate(capture: _Capture, node: fx.Node, values: dict[fx.Node, Any], run: int = 0) -> Any:
+    """Run one node of the traced graph on given values for its model inputs (other arguments as the probe saw them
+    in ``run``: 0 at the example's batch size, 1 at one more)."""
 
     def value(a: Any) -> Any:
         if not isinstance(a, fx.Node):
@@ -814,7 +882,7 @@ def _evaluate(capture: _Capture, node: fx.Node, values: dict[fx.Node, Any]) -> A
         if a in values:
             return values[a]
         if a in capture.dynamic:
-            return capture.seen[a].values[0]
+            return capture.seen[a].values[run]
         return capture.constants.get(a)
 
     args = fx.node.map_aggregate(node.args, value)
@@ -935,10 +1003,13 @@ class _Emitter:
     """Writes the program as an fx graph over a root module that holds the compacted layers and the moves' indices."""
 
     def __init__(
-        self, capture: _Capture, axis: dict[fx.Node, int], program: Program, squeeze: bool, samples: int
-    ) -> None:
+        self, capture: _Capture, axis: dict[fx.Node, int], program: Program, squeeze: bool, samples: int,
+        chosen: Sequence[int],
+    ) -> None:  # fmt: skip
         self.capture, self.axis, self.program, self.samples = capture, axis, program, samples
         self.m = len(program.members)
+        # the members returned, as positions in the program's (None: all of them, in order)
+        self.returned = None if list(chosen) == list(program.members) else [program.members.index(k) for k in chosen]
         self.root = nn.Module()
         self.graph = fx.Graph()
         self.by_name = {node.name: node for node in capture.gm.graph.nodes}
@@ -1026,7 +1097,7 @@ class _Emitter:
         seen = self.capture.seen[tensor]
         dense = step.placement.dense
         factor = 1 if dense and not step.placement.shared else self.m
-        channel_axis = -1 if dense else self.axis[tensor]
+        channel_axis = -1 if dense or tensor is self.capture.input else self.axis[tensor]  # the input: every channel
         channels = seen.shapes[0][channel_axis] if channel_axis >= 0 else 0
         size = self.graph.call_function(ops.frame_size, (value, seen.batch_axes, factor, channel_axis, channels))
         if name in ("numel", "nelement") or node.target is torch.numel:
@@ -1099,6 +1170,8 @@ class _Emitter:
         node = self.by_name[step.name]
         op = self.capture.ops[node]
         self._count(step, op)
+        if step.placement.dense and op.kind == "flatten":  # (B, ...) -> (B, features) on the frame's batch, which
+            return self.graph.call_function(torch.flatten, (inputs[0], 1))  # the model's view(B, -1) does not know
         if step.placement.dense:
             return self._as_model(op, inputs)
         return self._compact(step, op, inputs)
@@ -1155,6 +1228,8 @@ class _Emitter:
         target: Any = node.target
         if node.op == "call_module":
             target = self._module(str(node.target))
+        elif node.op == "call_method" and target in RESHAPING_VIEWS and not _dtype_view(node):
+            target = RESHAPING_VIEWS[target]  # the values a view gives, on tensors laid out unlike the dense model's
         elif node.op == "call_function" and target in IN_PLACE_OPERATORS and constants is not None:
             target = IN_PLACE_OPERATORS[target]
         elif (
@@ -1550,7 +1625,8 @@ class _Emitter:
             return
         if final.placement.shared:
             if not squeeze:
-                value = self.graph.call_function(ops.repeat_members, (value, self.m))
+                members = self.m if self.returned is None else len(self.returned)
+                value = self.graph.call_function(ops.repeat_members, (value, members))
         else:
             node = self.by_name[program.output]
             axis = capture.seen[node].batch_axis if final.placement.dense else self.axis[node]
@@ -1558,6 +1634,10 @@ class _Emitter:
         self.graph.output(value)
 
     def _members_first(self, value: fx.Node, axis: int, squeeze: bool) -> fx.Node:
+        if self.returned is not None:  # computed for every member, some returned
+            first = self.graph.call_function(ops.members_first, (value, self.m, axis))
+            picked = self.graph.call_function(operator.getitem, (first, self.returned))
+            return self.graph.call_function(operator.getitem, (picked, 0)) if squeeze else picked
         if squeeze:
             return value
         return self.graph.call_function(ops.members_first, (value, self.m, axis))
@@ -1612,6 +1692,16 @@ IN_PLACE_FUNCTIONS = {torch.relu: torch.relu_, torch.sigmoid: torch.sigmoid_, to
 IN_PLACE_RESULTS = {*IN_PLACE_FUNCTIONS.values(), torch.ops.aten.gelu_}  # return their first argument, written
 VIEW_METHODS = ("permute", "transpose", "view", "reshape", "flatten", "unflatten", "movedim", "contiguous")
 INPLACE_KEYWORD = {F.relu, F.relu6, F.silu, F.hardswish, F.hardsigmoid, F.leaky_relu, F.elu, F.selu, F.celu, F.mish}
+
+
+# views whose strides the packed program does not keep as the dense model has them (channels-last convolutions, the
+# member-stacked batch): reshapes give the same values, copying where a view cannot
+RESHAPING_VIEWS = {"view": "reshape", "view_as": "reshape_as"}
+
+
+def _dtype_view(node: fx.Node) -> bool:
+    """``x.view(torch.float16)``: a reinterpretation of the bits, not a reshape."""
+    return any(isinstance(a, torch.dtype) for a in (*node.args[1:], *node.kwargs.values()))
 
 
 def _activation(module: nn.Module | None) -> bool:
@@ -1721,9 +1811,9 @@ def _build(
     capture.reset(dense)
     axis = _solve_axes(capture)
     nodes, output = _graph_nodes(capture, axis)
-    program = plan_program(nodes, output, chosen)
+    program = plan_program(nodes, output, _planned(capture, chosen))
     samples = _samples_per_chunk(capture, program, example) if chunks else 0
-    emitter = _Emitter(capture, axis, program, squeeze, samples or example.shape[0])
+    emitter = _Emitter(capture, axis, program, squeeze, samples or example.shape[0], chosen)
     packed = PackedMasksembles(emitter.root, emitter.graph, class_name="PackedMasksembles")
     if samples:
         packed = _in_chunks(packed, example, samples)
@@ -1735,6 +1825,18 @@ def _build(
         "program": "dense" if dense else "packed", "seconds": {}, "chunk": samples, "choice": "", "squeeze": squeeze,
     }  # fmt: skip
     return packed.eval()
+
+
+def _planned(capture: _Capture, chosen: Sequence[int]) -> list[int]:
+    """The members to compute for ``chosen``: every member where a node runs per member on the member-stacked batch
+    because it reads the batch (its size, as ``x.shape[0]`` or ``arange(B)``, or other samples, as a mean over the
+    batch): in the dense model that batch holds every member's copy. A Masksembles layer that falls back needs no
+    other member (the program's copy of it holds the computed members' masks, ``_Emitter._module``)."""
+    per_member = any(
+        op.kind == "fallback" and op.batch_dependent and not capture.is_masksembles(op.node)
+        for op in capture.ops.values()
+    )
+    return list(range(capture.n)) if per_member else list(chosen)
 
 
 def _samples_per_chunk(capture: _Capture, program: Program, example: Tensor) -> int:

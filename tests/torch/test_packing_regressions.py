@@ -1,0 +1,147 @@
+"""pack/extract_member on small models that once failed: each equals predict, in every program and for every member."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import masksembles_torch as mt
+
+N = 4
+
+
+def assert_packs_like_predict(model: nn.Module, x: torch.Tensor) -> None:
+    """Every program of ``pack`` and every extracted member equal ``predict``, on the example and on a batch that n
+    does not divide; nothing falls back for lack of verification."""
+    model.eval()
+    for batch in (x, x[:3]):
+        expected = mt.predict(model, batch, N)
+        for program in ("packed", "dense", "auto"):
+            packed = mt.pack(model, x, program=program)
+            assert not any(reason.startswith("verification") for reason in packed.fallbacks)
+            torch.testing.assert_close(packed(batch), expected, rtol=1e-5, atol=1e-5)
+        for k in range(N):
+            torch.testing.assert_close(mt.extract_member(model, k, x)(batch), expected[k], rtol=1e-5, atol=1e-5)
+
+
+class FlattenFirst(nn.Module):
+    """``x.view(x.size(0), -1)`` at the top of ``forward``: the input is read by the flatten only."""
+
+    def __init__(self, activation: bool) -> None:
+        super().__init__()
+        self.activation = activation
+        self.masks, self.fc = mt.Masksembles(48, N, 2.0, seed=0), nn.Linear(48, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.view(x.size(0), -1)
+        return self.fc(self.masks(x.relu() if self.activation else x))
+
+
+@pytest.mark.parametrize("activation", [False, True], ids=["masks", "relu-masks"])
+def test_flatten_of_the_input_by_view_of_its_batch_size(activation: bool) -> None:
+    torch.manual_seed(0)
+    assert_packs_like_predict(FlattenFirst(activation), torch.randn(8, 3, 4, 4))
+
+
+class ViewAfterConvolution(nn.Module):
+    """LeNet's ``x.view(-1, 400)`` after a masked convolution (the packed convolution runs channels-last)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.masks1 = nn.Conv2d(3, 16, 5), mt.Masksembles2D(16, N, 2.0, seed=0)
+        self.masks2, self.fc = mt.Masksembles1D(400, N, 2.0, seed=1), nn.Linear(400, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.masks1(self.conv(x)).relu()
+        return self.fc(self.masks2(x.view(-1, 400)))
+
+
+def test_view_of_a_convolution_output() -> None:
+    torch.manual_seed(0)
+    assert_packs_like_predict(ViewAfterConvolution(), torch.randn(8, 3, 9, 9))
+
+
+class FlattenAfterFallback(nn.Module):
+    """``h.view(h.size(0), -1)`` of a tensor computed at full width before any masks (``cumsum`` falls back)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.masks, self.fc = mt.Masksembles(48, N, 2.0, seed=0), nn.Linear(48, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.cumsum(1)
+        return self.fc(self.masks(h.view(h.size(0), -1)))
+
+
+def test_flatten_by_view_of_a_shared_tensor_computed_at_full_width() -> None:
+    torch.manual_seed(0)
+    assert_packs_like_predict(FlattenAfterFallback(), torch.randn(8, 3, 4, 4))
+
+
+class WindowAttention(nn.Module):
+    """Swin's pattern: roll, windows folded into the batch, masks on the windows' tokens before qkv and before the
+    projection (they fall back: their batch axis holds B x windows), attention inside each window, and back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.masks_in = nn.Linear(6, 16), mt.Masksembles(16, N, 2.0, seed=0, channel_axis=-1)
+        self.masks_qkv, self.qkv = mt.Masksembles(16, N, 2.0, seed=1, channel_axis=-1), nn.Linear(16, 48)
+        self.masks_proj, self.proj = mt.Masksembles(16, N, 2.0, seed=2, channel_axis=-1), nn.Linear(16, 16)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, length, _ = x.shape
+        h = self.masks_in(self.embed(x))
+        windows = torch.roll(h, 2, dims=1).view(-1, 4, 16)  # (B * length/4, 4, 16)
+        q, k, v = self.qkv(self.masks_qkv(windows)).chunk(3, dim=-1)
+        attended = (q @ k.transpose(-2, -1) * 0.25).softmax(-1) @ v
+        y = torch.roll(self.proj(self.masks_proj(attended)).view(b, length, 16), -2, dims=1)
+        return self.head(h + y).mean(1)
+
+
+def test_window_attention_with_masks_on_the_windows() -> None:
+    """extract_member(k) once ran those masks on member k's batch alone, which Masksembles groups into n members."""
+    torch.manual_seed(0)
+    assert_packs_like_predict(WindowAttention(), torch.randn(8, 8, 6))
+
+
+class BatchPosition(nn.Module):
+    """Each sample scaled by its place in the batch, ``arange(B) / B``, after the masks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.masks, self.fc2 = nn.Linear(6, 12), mt.Masksembles(12, N, 2.0, seed=0), nn.Linear(12, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.masks(self.fc1(x))
+        position = torch.arange(h.shape[0], dtype=h.dtype) / h.shape[0]
+        return self.fc2(h * (1 + position.view(-1, 1)))
+
+
+def test_a_model_that_reads_the_batch_size() -> None:
+    torch.manual_seed(0)
+    assert_packs_like_predict(BatchPosition(), torch.randn(8, 6))
+
+
+class BatchMixing(nn.Module):
+    """Operations along the batch after the masks: a mean over it, or a cumulative sum along it."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.fc1 = nn.Linear(6, 12)
+        self.masks = mt.Masksembles(12, N, 2.0, seed=0, channel_axis=-1)
+        self.fc2 = nn.Linear(12, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.masks(self.fc1(x))
+        mixed = h - h.mean(0, keepdim=True) if self.how == "mean" else h.cumsum(0)
+        return self.fc2(mixed)
+
+
+@pytest.mark.parametrize("how", ["mean", "cumsum"])
+def test_operations_along_the_batch(how: str) -> None:
+    """extract_member(k) once ran them on member k's batch alone; in the dense model the batch holds every member."""
+    torch.manual_seed(0)
+    assert_packs_like_predict(BatchMixing(how), torch.randn(8, 6))
