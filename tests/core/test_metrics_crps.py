@@ -49,7 +49,7 @@ def mixture_crps_by_quadrature(means: np.ndarray, variances: np.ndarray, y: np.n
         class Mixture:
             @staticmethod
             def cdf(x: np.ndarray, parts: list[stats.rv_continuous] = components) -> np.ndarray:
-                return np.mean([part.cdf(x) for part in parts], axis=0)
+                return np.asarray(np.mean([part.cdf(x) for part in parts], axis=0), dtype=np.float64)
 
         stds = np.sqrt(variances[:, b])
         low, high = float((means[:, b] - 12 * stds).min()), float((means[:, b] + 12 * stds).max())

@@ -24,7 +24,8 @@ def member_logits(n: int, batch: int, classes: int, seed: int, scale: float = 3.
 
 def softmax(logits: np.ndarray) -> np.ndarray:
     shifted = np.exp(logits - logits.max(axis=-1, keepdims=True))
-    return shifted / shifted.sum(axis=-1, keepdims=True)
+    probs: np.ndarray = shifted / shifted.sum(axis=-1, keepdims=True)
+    return probs
 
 
 LOGITS, LABELS = member_logits(4, 50, 5, seed=0)
@@ -68,7 +69,9 @@ TAKES_PROBABILITIES: dict[str, tuple[Callable[[np.ndarray], object], str]] = {
 @pytest.mark.parametrize("name", list(TAKES_PROBABILITIES))
 def test_logits_given_as_probabilities_are_refused_with_what_to_do(name: str) -> None:
     call, advice = TAKES_PROBABILITIES[name]
-    with pytest.raises(ValueError, match=r"must be probabilities in \[0, 1\]; received values from -\d.*look like logits"):
+    with pytest.raises(
+        ValueError, match=r"must be probabilities in \[0, 1\]; received values from -\d.*look like logits"
+    ):
         call(LOGITS)
     with pytest.raises(ValueError, match=advice):
         call(LOGITS)
@@ -183,15 +186,18 @@ def test_apply_temperature_keeps_the_layout_of_member_axis() -> None:
 def test_regression_members_take_member_axis() -> None:
     rng = np.random.default_rng(3)
     means, variances, y = rng.normal(size=(4, 30, 2)), rng.uniform(0.5, 2.0, (4, 30, 2)), rng.normal(size=(30, 2))
-    moved = {"member_axis": 2}
     last = (means.transpose(1, 2, 0), variances.transpose(1, 2, 0))
-    np.testing.assert_array_equal(metrics.member_mean(last[0], **moved), metrics.member_mean(means))
-    np.testing.assert_array_equal(metrics.member_variance(last[0], **moved), metrics.member_variance(means))
-    np.testing.assert_array_equal(metrics.gaussian_mixture(*last, **moved), metrics.gaussian_mixture(means, variances))
-    np.testing.assert_array_equal(metrics.uncertainty_split(*last, **moved), metrics.uncertainty_split(means, variances))
-    assert metrics.mixture_nll(*last, y, **moved) == metrics.mixture_nll(means, variances, y)
-    assert metrics.crps_mixture(*last, y, **moved) == pytest.approx(metrics.crps_mixture(means, variances, y))
-    assert metrics.summary(last[0], y, variances=last[1], **moved) == pytest.approx(
+    np.testing.assert_array_equal(metrics.member_mean(last[0], member_axis=2), metrics.member_mean(means))
+    np.testing.assert_array_equal(metrics.member_variance(last[0], member_axis=2), metrics.member_variance(means))
+    np.testing.assert_array_equal(
+        metrics.gaussian_mixture(*last, member_axis=2), metrics.gaussian_mixture(means, variances)
+    )
+    np.testing.assert_array_equal(
+        metrics.uncertainty_split(*last, member_axis=2), metrics.uncertainty_split(means, variances)
+    )
+    assert metrics.mixture_nll(*last, y, member_axis=2) == metrics.mixture_nll(means, variances, y)
+    assert metrics.crps_mixture(*last, y, member_axis=2) == pytest.approx(metrics.crps_mixture(means, variances, y))
+    assert metrics.summary(last[0], y, variances=last[1], member_axis=2) == pytest.approx(
         metrics.summary(means, y, variances=variances)
     )
 
@@ -304,7 +310,10 @@ ERRORS: dict[str, tuple[Callable[[], object], str]] = {
         lambda: metrics.summary(MEANS, Y, variances=VARIANCES * np.inf),
         r"variances must be finite",
     ),
-    "bounds-one": (lambda: metrics.fit_temperature(LOGITS, LABELS, bounds=(0.5,)), r"bounds must be two temperatures"),
+    "bounds-one": (
+        lambda: metrics.fit_temperature(LOGITS, LABELS, bounds=(0.5,)),  # type: ignore[arg-type]
+        r"bounds must be two temperatures",
+    ),
     "bounds-text": (
         lambda: metrics.fit_temperature(LOGITS, LABELS, bounds=("a", "b")),  # type: ignore[arg-type]
         r"bounds must be two temperatures \(low, high\); received \('a', 'b'\)",

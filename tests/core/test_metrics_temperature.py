@@ -172,8 +172,14 @@ WITH_NAN = GOOD_LOGITS.copy()
 WITH_NAN[1, 2, 0] = np.nan
 
 ERRORS: dict[str, tuple[Callable[[], object], str]] = {
-    "nan": (lambda: metrics.fit_temperature(WITH_NAN, [0, 1, 2]), r"logits must be finite \(−inf, a masked class, is allowed\); received 1 NaN"),
-    "1d": (lambda: metrics.fit_temperature(np.zeros(3), [0, 1, 2]), r"logits must have shape \(n, B, K\) .* or \(B, K\) \(one member\)"),
+    "nan": (
+        lambda: metrics.fit_temperature(WITH_NAN, [0, 1, 2]),
+        r"logits must be finite \(−inf, a masked class, is allowed\); received 1 NaN",
+    ),
+    "1d": (
+        lambda: metrics.fit_temperature(np.zeros(3), [0, 1, 2]),
+        r"logits must have shape \(n, B, K\) .* or \(B, K\) \(one member\)",
+    ),
     "empty": (lambda: metrics.fit_temperature(np.zeros((0, 4)), []), r"logits needs n >= 1 members and B >= 1 samples"),
     "labels-range": (lambda: metrics.fit_temperature(GOOD_LOGITS, [0, 1, 4]), r"labels must lie in \[0, 4\)"),
     "binary-labels-range": (
