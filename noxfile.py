@@ -135,7 +135,9 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def typecheck(session: nox.Session) -> None:
     """mypy, strict on masksembles_core and the PyTorch, Keras and Flax adapters (their frameworks installed)."""
-    session.install(*CONSTRAINTS, "-e", ".[torch,keras,flax]", *nox.project.dependency_groups(PYPROJECT, "typecheck"))
+    session.install(
+        *CONSTRAINTS, "-e", ".[torch,keras,flax,plots]", *nox.project.dependency_groups(PYPROJECT, "typecheck")
+    )
     packages = ("masksembles_core", "masksembles_torch", "masksembles_keras", "masksembles_flax")
     session.run("mypy", *packages, "tests/core", "tests/golden")
 
@@ -228,6 +230,7 @@ def bench(session: nox.Session) -> None:
     """Benchmarks against the official masksembles 1.1.1; results go to BENCHMARKS.md."""
     session.install(*CONSTRAINTS, "-e", ".[torch,keras,flax]", "tensorflow-cpu>=2.21", "masksembles==1.1.1")
     session.install("--no-deps", "torch-uncertainty==0.13.0")  # only its masking layers are timed
-    scripts = ("generation", "torch", "packing", "keras", "flax", "flax_barrier", "flax_packing")
+    session.install(*CONSTRAINTS, *METRICS_TEST, "netcal==1.4.0")  # the metrics' references (netcal needs torch)
+    scripts = ("generation", "torch", "packing", "keras", "flax", "flax_barrier", "flax_packing", "metrics")
     for script in scripts:
         session.run("python", f"benchmarks/bench_{script}.py")

@@ -18,7 +18,8 @@ from matplotlib.patches import Rectangle
 from numpy.typing import NDArray
 
 import masksembles_core as mc
-from masksembles_core.metrics import DiversityPoints, RegressionCalibration, ReliabilityDiagram
+from masksembles_core import plots
+from masksembles_core.metrics import DiversityPoints, RegressionCalibration
 
 FloatArray = NDArray[np.float64]
 MODEL_COLORS = {
@@ -146,40 +147,28 @@ def plot_corruptions(path: Path, results: Mapping[str, NDArray[np.float64]], cor
     save(figure, path)
 
 
-def plot_reliability(
-    path: Path, diagrams: Mapping[str, ReliabilityDiagram], by_scale: Mapping[float, ReliabilityDiagram]
-) -> None:
+class Pooled(NamedTuple):
+    """A model's test-set member logits (n, seeds · B, K) of every seed together, and the labels (seeds · B,)."""
+
+    logits: FloatArray
+    labels: NDArray[np.int64]
+
+
+def plot_reliability(path: Path, pooled: Mapping[str, Pooled], by_scale: Mapping[float, Pooled], *, bins: int) -> None:
     """Reliability diagrams of the final models (pooled over seeds), and Masksembles for every S swept."""
-    figure, axes = plt.subplots(1, len(diagrams) + 1, figsize=(3.3 * (len(diagrams) + 1), 3.5), sharey=True)
-    for axis, (name, diagram) in zip(axes, diagrams.items(), strict=False):
-        centers = (diagram.edges[:-1] + diagram.edges[1:]) / 2
-        filled = diagram.counts > 0
-        axis.bar(
-            centers[filled],
-            diagram.accuracy[filled],
-            width=np.diff(diagram.edges)[filled],
-            color=MODEL_COLORS[name.split(" (")[0]],
-            edgecolor="black",
-            linewidth=0.5,
-        )
-        for center, accuracy, count in zip(
-            centers[filled], diagram.accuracy[filled], diagram.counts[filled], strict=True
-        ):
-            axis.text(center, min(accuracy, 0.93) + 0.02, str(count), ha="center", fontsize=6)
-        axis.set_title(f"{name}\nECE {diagram.ece:.3f} (pooled)", fontsize=9)
+    figure, axes = plt.subplots(1, len(pooled) + 1, figsize=(3.3 * (len(pooled) + 1), 3.5), sharey=True)
+    for axis, (name, model) in zip(axes, pooled.items(), strict=False):
+        color = MODEL_COLORS[name.split(" (")[0]]
+        plots.reliability(*model, logits=True, bins=bins, show_counts=True, color=color, label=name, ax=axis)
+        axis.set_title(axis.get_title().replace(": ", "\n") + " (pooled)", fontsize=9)
     last = axes[-1]
     colors = plt.get_cmap("copper")(np.linspace(0.1, 0.9, max(len(by_scale), 1)))
-    for color, (scale, diagram) in zip(colors, by_scale.items(), strict=False):
-        filled = diagram.counts > 0
-        last.plot(
-            diagram.confidence[filled], diagram.accuracy[filled], "o-", color=color, markersize=3, label=f"S={scale:g}"
-        )
+    for color, (scale, model) in zip(colors, by_scale.items(), strict=False):
+        plots.reliability(*model, logits=True, bins=bins, style="line", label=f"S={scale:g}", color=color, ax=last)
     last.set_title("Masksembles by S", fontsize=9)
     last.legend(fontsize=7)
-    for axis in axes:
-        axis.plot([0, 1], [0, 1], "k--", linewidth=0.8)
-        axis.set(xlim=(0, 1), ylim=(0, 1), xlabel="confidence")
-    axes[0].set_ylabel("accuracy")
+    for axis in axes[1:]:
+        axis.set_ylabel("")
     figure.suptitle("Reliability on the digits test set, all seeds pooled (numbers: samples per bin)", fontsize=10)
     figure.tight_layout()
     save(figure, path)
@@ -211,11 +200,10 @@ def plot_diversity(
 
 
 class RegressionCurves(NamedTuple):
-    """One model's prediction on a grid: the mixture's mean and its aleatoric and epistemic variances, each (G,)."""
+    """One model's members on a grid: their means and variances, each (n, G)."""
 
-    mean: FloatArray
-    aleatoric: FloatArray
-    epistemic: FloatArray
+    means: FloatArray
+    variances: FloatArray
 
 
 def plot_regression_toy(
@@ -227,28 +215,23 @@ def plot_regression_toy(
     *,
     truth: FloatArray,
     gap: tuple[float, float],
-    half_width: float,
+    level: float,
     ratios: Mapping[str, float],
 ) -> None:
     """Per model: the data, the true function, the mean, the total and the epistemic interval, the gap shaded."""
     figure, axes = plt.subplots(1, len(curves), figsize=(4.0 * len(curves), 3.6), sharey=True, squeeze=False)
     for axis, (name, curve) in zip(axes[0], curves.items(), strict=True):
-        color = MODEL_COLORS[name]
-        total = half_width * np.sqrt(curve.aleatoric + curve.epistemic)
-        epistemic = half_width * np.sqrt(curve.epistemic)
         axis.axvspan(*gap, color="0.92", zorder=0)
-        axis.fill_between(grid, curve.mean - total, curve.mean + total, color=color, alpha=0.25, linewidth=0)
-        axis.fill_between(grid, curve.mean - epistemic, curve.mean + epistemic, color=color, alpha=0.7, linewidth=0)
+        plots.regression(grid, *curve, level=level, show_members=False, color=MODEL_COLORS[name], ax=axis)
         axis.plot(x, y, ".", color="0.35", markersize=2)
         axis.plot(grid, truth, "k--", linewidth=0.8)
-        axis.plot(grid, curve.mean, color="black", linewidth=1.0)
         ratio = ratios[name]
         axis.set_title(name + ("" if math.isnan(ratio) else f"\nepistemic std gap ÷ data: {ratio:.2f}"), fontsize=9)
-        axis.set_xlabel("x")
         axis.set_ylim(-4.0, 5.0)
-    axes[0, 0].set_ylabel("y")
+    for axis in axes[0, 1:]:
+        axis.set_ylabel("")
     figure.suptitle(
-        "Gaussian members: 90 % interval of the mixture (light) and its epistemic part (dark); "
+        f"Gaussian members: {level:.0%} interval of the mixture (light) and its epistemic part (dark); "
         "dashed: true function, grey: no training data",
         fontsize=9,
     )

@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,14 +107,14 @@ def run_regression_toy(
                 scores[f"{where}_nll"] = metrics.gaussian_nll(mean, variance, targets)
                 scores[f"{where}_coverage"] = metrics.interval_coverage(mean, variance, targets, level=LEVEL)
             means, variances = gaussians(model.predict(grid[:, None] / REGRESSION_INPUT_SCALE))
-            aleatoric, epistemic = metrics.uncertainty_split(means, variances)
+            epistemic = metrics.uncertainty_split(means, variances)[1]
             spread = {where: float(np.sqrt(epistemic[inside]).mean()) for where, inside in regions.items()}
             for where in ("gap", "beyond"):  # one member has no spread: no ratio
                 scores[f"{where}_ratio"] = spread[where] / spread["data"] if means.shape[0] > 1 else math.nan
             scores |= {f"{where}_spread": value for where, value in spread.items()}
             per_seed[name].append(scores)
             if seed == seeds[0]:
-                curves[name] = RegressionCurves(means.mean(axis=0), aleatoric, epistemic)
+                curves[name] = RegressionCurves(means, variances)
     plot_regression_toy(
         output / "regression_toy.png",
         grid,
@@ -124,7 +123,7 @@ def run_regression_toy(
         first_y,
         truth=regression_mean(grid),
         gap=REGRESSION_GAP,
-        half_width=statistics.NormalDist().inv_cdf((1.0 + LEVEL) / 2.0),
+        level=LEVEL,
         ratios={name: float(np.mean([s["gap_ratio"] for s in per_seed[name]])) for name in MODELS},
     )
     columns = (

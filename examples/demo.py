@@ -53,7 +53,15 @@ from _demo_data import (
     toy_grid,
     toy_points,
 )
-from _demo_plots import plot_corruptions, plot_diversity, plot_masks, plot_reliability, plot_theory, plot_toy
+from _demo_plots import (
+    Pooled,
+    plot_corruptions,
+    plot_diversity,
+    plot_masks,
+    plot_reliability,
+    plot_theory,
+    plot_toy,
+)
 from _demo_regression import run_diabetes, run_regression_toy
 from _demo_tables import Cell, Stat, Table, seed_stat
 from numpy.typing import NDArray
@@ -369,12 +377,12 @@ def run_digits(framework: Framework, preset: Preset, base_seed: int, output: Pat
     sweep_table = sweep_table_of(sweep, picks, data, seeds)
     ood_table = ood_scores_table(final, seeds)
     shift = corruption_study(final, data, output)
-    diagrams = {name: pooled_reliability([run.test for run in runs], data, len(seeds)) for name, runs in final.items()}
+    pooled = {name: pooled_test_set([run.test for run in runs], data) for name, runs in final.items()}
     by_scale = {
-        scale: pooled_reliability([run.test for run in sweep[f"Masksembles (S={scale:g})"]], data, len(seeds))
+        scale: pooled_test_set([run.test for run in sweep[f"Masksembles (S={scale:g})"]], data)
         for scale in preset.scales
     }
-    plot_reliability(output / "reliability.png", diagrams, by_scale)
+    plot_reliability(output / "reliability.png", pooled, by_scale, bins=ECE_BINS)
     diversity = {f"Masksembles (S={s:g})": sweep[f"Masksembles (S={s:g})"] for s in preset.scales}
     diversity[f"{SIZE_ROW} ({picks[SIZE_ROW][0]})"] = final[SIZE_ROW]
     diversity["MC-Dropout (picked p)"] = final["MC-Dropout"]
@@ -390,12 +398,9 @@ def run_digits(framework: Framework, preset: Preset, base_seed: int, output: Pat
     return main, sweep_table, ood_table, shift
 
 
-def pooled_reliability(
-    members: Sequence[NDArray[np.float64]], data: DigitsSplit, seeds: int
-) -> metrics.ReliabilityDiagram:
-    """Reliability over the test sets of all seeds together."""
-    probs = np.concatenate([metrics.predictive_mean(m, logits=True) for m in members])
-    return metrics.reliability_diagram(probs, np.tile(data.y_test, seeds), bins=ECE_BINS)
+def pooled_test_set(members: Sequence[NDArray[np.float64]], data: DigitsSplit) -> Pooled:
+    """The member logits of the test sets of all seeds together (n, seeds · B, K), and their labels."""
+    return Pooled(np.concatenate(members, axis=1), np.tile(data.y_test, len(members)))
 
 
 METRIC_COLUMNS = (  # (summary key, title, factor)

@@ -1,13 +1,21 @@
 """Uncertainty and evaluation metrics for ensemble outputs (NumPy only).
 
-Classification members have shape (n, B, K): ``n`` members (masks, dropout samples or ensemble
-members), ``B`` samples, ``K`` classes; probabilities by default, logits with ``logits=True``
-(a single logit column, K = 1, is a binary sigmoid logit: ``softmax([0, z]) = [1 - σ(z), σ(z)]``).
-Scoring functions take the predictive distribution (B, K) (``predictive_mean``) and integer
-labels (B,). Regression members predict a Gaussian: means and variances of shape (n, B, ...).
-Entropies and log-likelihoods are in nats. Everything is computed in float64, so float16 or
-bfloat16 outputs cast to float32 are accepted (probabilities must sum to 1 within
-``PROBABILITY_TOLERANCE`` and are renormalized).
+Members: classification members have shape (n, B, K): ``n`` members (masks, dropout samples or
+ensemble members), ``B`` samples, ``K`` classes; probabilities by default, logits with
+``logits=True`` (a single logit column, K = 1, is a binary sigmoid logit:
+``softmax([0, z]) = [1 - σ(z), σ(z)]``; a masked class may have the logit −inf). A (B, K) array is
+one member. Every function that takes members has ``member_axis`` (default 0) for other layouts,
+e.g. ``member_axis=1`` for torch-uncertainty's (B, n, K). Regression members are (n, B, ...):
+means and variances of each member's Gaussian (always with the member axis, as (n, B) is also a
+2-D array). Scoring functions take the predictive distribution (B, K) (``predictive_mean``) and
+integer labels (B,). Entropies and log-likelihoods are in nats. Everything is computed in
+float64, so float16 or bfloat16 outputs cast to float32 are accepted.
+
+Probabilities must lie in [0, 1] and sum to 1 within ``PROBABILITY_TOLERANCE``; they are
+renormalized, with a ``RenormalizationWarning`` when a row's sum is further from 1 than rounding
+to the coarsest precision holding every value (bfloat16, float16, float32 or float64) explains.
+Logits passed as probabilities (values outside [0, 1]) and probabilities passed as logits (every
+row in [0, 1] summing to 1) are refused.
 
 Conventions:
 
@@ -17,7 +25,7 @@ Conventions:
   likely correct (the negative of any OOD score is a confidence).
 
 Degenerate input (NaN, wrong shapes, fewer than two classes, labels out of range, an empty set
-of scores) raises ``ValueError`` with a message that says what was received.
+of scores) raises ``ValueError`` with a message that names the argument and says what was received.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ import statistics
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal, NamedTuple, overload
+from typing import Any, Literal, NamedTuple, overload
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
@@ -41,17 +49,31 @@ BoolArray = NDArray[np.bool_]
 PROBABILITY_TOLERANCE = 1e-2  # a bfloat16 softmax rounds each probability by up to 2**-8 relative
 TEMPERATURE_BOUNDS = (1e-2, 1e2)
 
+
+class RenormalizationWarning(UserWarning):
+    """Probabilities whose rows sum to 1 only within ``PROBABILITY_TOLERANCE``, not within their rounding."""
+
+
 # --- validation ------------------------------------------------------------------------------
 
 
-def _finite_float_array(name: str, values: ArrayLike) -> FloatArray:
+def _real_array(name: str, values: ArrayLike) -> NDArray[Any]:
     array = np.asarray(values)
     if not (np.issubdtype(array.dtype, np.number) or array.dtype == np.bool_) or np.iscomplexobj(array):
         raise ValueError(f"{name} must be a real numeric array; received dtype {array.dtype}")
-    result = array.astype(np.float64)
-    if not np.isfinite(result).all():
-        bad = int((~np.isfinite(result)).sum())
-        raise ValueError(f"{name} must be finite; received {bad} NaN or infinite value(s) in shape {array.shape}")
+    return array
+
+
+def _not_finite(name: str, array: FloatArray, allowed: str = "") -> ValueError:
+    bad = int((~np.isfinite(array)).sum())
+    return ValueError(f"{name} must be finite{allowed}; received {bad} NaN or infinite value(s) in shape {array.shape}")
+
+
+def _finite_float_array(name: str, values: ArrayLike) -> FloatArray:
+    """``values`` as float64 (no copy when it already is), checked finite by two reductions (NaN propagates)."""
+    result: FloatArray = np.asarray(_real_array(name, values), dtype=np.float64)
+    if result.size and not (math.isfinite(result.min()) and math.isfinite(result.max())):
+        raise _not_finite(name, result)
     return result
 
 
@@ -75,9 +97,9 @@ def _labels(labels: ArrayLike, *, classes: int, against: str, shape: tuple[int, 
     batch = shape[-2]
     if label_array.shape != (batch,):
         raise ValueError(f"labels must have shape ({batch},) to match {against} {shape}; received {label_array.shape}")
-    if ((label_array < 0) | (label_array >= classes)).any():
+    if label_array.size and (label_array.min() < 0 or label_array.max() >= classes):
         raise ValueError(f"labels must lie in [0, {classes}) for {classes} classes; received values outside")
-    return label_array.astype(np.int64)
+    return label_array.astype(np.int64, copy=False)
 
 
 def _same_shape(names: Sequence[str], arrays: Sequence[FloatArray]) -> None:
@@ -87,10 +109,20 @@ def _same_shape(names: Sequence[str], arrays: Sequence[FloatArray]) -> None:
         raise ValueError(f"{', '.join(names)} must have the same shape; received {listed}")
 
 
+def _member_axis_first(name: str, array: NDArray[Any], member_axis: int, layout: str) -> NDArray[Any]:
+    """``array`` with its member axis ``member_axis`` moved to the front; ``layout`` names the axes, e.g. (n, B, K)."""
+    if isinstance(member_axis, bool) or not isinstance(member_axis, int | np.integer):
+        raise TypeError(f"member_axis must be an integer; received {member_axis!r} ({type(member_axis).__name__})")
+    if not -array.ndim <= member_axis < array.ndim:
+        raise ValueError(f"member_axis {member_axis} is out of range for {name} {layout} of shape {array.shape}")
+    return np.moveaxis(array, member_axis, 0) if member_axis % array.ndim else array
+
+
 # --- members: probabilities and logits -------------------------------------------------------
 
 
 def _log_softmax(logits: FloatArray) -> FloatArray:
+    """Log-softmax over the last axis; a −inf logit (a masked class) gives −inf (every row has a finite logit)."""
     shifted = logits - logits.max(axis=-1, keepdims=True)
     result: FloatArray = shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
     return result
@@ -109,80 +141,159 @@ def _binary_expanded(logits: FloatArray) -> FloatArray:
     return logits
 
 
-def _check_probabilities(name: str, probs: FloatArray) -> FloatArray:
-    """``probs`` validated as distributions over the last axis and renormalized to sum to 1."""
+_UNIT_ROUNDOFF = {"bfloat16": 2.0**-9, "float16": 2.0**-11, "float32": 2.0**-24}
+_FLOAT64_SUM_TOLERANCE = 1e-12  # a float64 softmax of 10⁴ classes sums to 1 within about 1e-13
+
+
+def _rounding_tolerance(probs: FloatArray) -> tuple[float, str]:
+    """How far from 1 rounding alone moves a row's sum: 4 units of the coarsest precision holding every value."""
+    as_float32 = probs.astype(np.float32)
+    if not np.array_equal(as_float32, probs):
+        return _FLOAT64_SUM_TOLERANCE, "float64"
+    if not (as_float32.view(np.uint32) & np.uint32(0xFFFF)).any():
+        precision = "bfloat16"
+    elif np.array_equal(as_float32.astype(np.float16), as_float32):
+        precision = "float16"
+    else:
+        precision = "float32"
+    return 4.0 * _UNIT_ROUNDOFF[precision], precision
+
+
+def _probabilities(name: str, values: ArrayLike, *, hint: str) -> FloatArray:
+    """``values`` (..., K) checked as distributions over the last axis and renormalized to sum to 1.
+
+    ``hint`` says what to do with logits (``pass logits=True``, or where the function has no such flag,
+    what to pass instead).
+    """
+    probs = np.asarray(_real_array(name, values), dtype=np.float64)
     if probs.shape[-1] < 2:
         raise ValueError(f"{name} needs at least 2 classes on the last axis; received shape {probs.shape}")
-    if (probs < 0).any() or (probs > 1).any():
-        raise ValueError(f"{name} must lie in [0, 1] (pass logits=True for logits); received values outside")
+    low, high = (probs.min(), probs.max()) if probs.size else (0.0, 1.0)
+    if not (low >= 0.0 and high <= 1.0):  # NaN fails both
+        if not (math.isfinite(low) and math.isfinite(high)):
+            raise _not_finite(name, probs)
+        raise ValueError(
+            f"{name} must be probabilities in [0, 1]; received values from {low:.4g} to {high:.4g}, "
+            f"which look like logits ({hint})"
+        )
     sums = probs.sum(axis=-1, keepdims=True)
-    error = np.abs(sums - 1.0).max(initial=0.0)
+    error = float(np.abs(sums - 1.0).max(initial=0.0))
     if error > PROBABILITY_TOLERANCE:
         raise ValueError(
             f"{name} must sum to 1 over the last axis (within {PROBABILITY_TOLERANCE}); "
-            f"a row's sum differs from 1 by {error:.3g} (pass logits=True for logits)"
+            f"a row's sum differs from 1 by {error:.3g} (logits: {hint})"
+        )
+    if error <= _FLOAT64_SUM_TOLERANCE:
+        return probs
+    tolerance, precision = _rounding_tolerance(probs)
+    if error > tolerance:
+        warnings.warn(
+            f"{name}: a row sums to 1 ± {error:.3g}, more than rounding to {precision} explains "
+            f"(± {tolerance:.2g}); the rows are renormalized to sum to 1",
+            RenormalizationWarning,
+            stacklevel=3,
         )
     result: FloatArray = probs / sums
     return result
 
 
-def _members(members: ArrayLike) -> FloatArray:
-    array = _finite_float_array("members", members)
-    if array.ndim != 3:
-        raise ValueError(f"members must have shape (n, B, K) (members, samples, classes); received shape {array.shape}")
+def _logits(name: str, values: ArrayLike, *, hint: str) -> FloatArray:
+    """``values`` (..., K) checked as logits: no NaN or +inf, −inf (a masked class) only beside a finite logit.
+
+    With K >= 2, rows that all lie in [0, 1] and sum to 1 are probabilities, refused with ``hint``.
+    """
+    logits = np.asarray(_real_array(name, values), dtype=np.float64)
+    if not logits.size:
+        return logits
+    low, high = logits.min(), logits.max()
+    if math.isnan(low) or math.isnan(high) or high == math.inf:
+        raise _not_finite(name, logits, " (−inf, a masked class, is allowed)")
+    if low == -math.inf and (logits.max(axis=-1) == -math.inf).any():
+        raise ValueError(f"{name} has a row whose logits are all −inf: no class is possible there")
+    if logits.shape[-1] >= 2 and low >= 0.0 and high <= 1.0:
+        error = float(np.abs(logits.sum(axis=-1) - 1.0).max())
+        if error <= PROBABILITY_TOLERANCE:
+            raise ValueError(
+                f"{name} look like probabilities, not logits: every row lies in [0, 1] and sums to 1 ({hint})"
+            )
+    return logits
+
+
+_AS_LOGITS = "pass logits=True"
+_AS_PROBABILITIES = "pass logits=False"
+
+
+def _members(name: str, values: ArrayLike, *, logits: bool, member_axis: int, hint: str | None = None) -> FloatArray:
+    """Validated classification members as float64 (n, B, K): (B, K) is one member; ``member_axis`` is moved first.
+
+    Probabilities are renormalized; logits keep their K (see ``_member_logits`` for K = 1).
+    """
+    array = _real_array(name, values)
+    if array.ndim not in (2, 3):
+        raise ValueError(
+            f"{name} must have shape (n, B, K) (members, samples, classes; member_axis picks the members' axis) "
+            f"or (B, K) (one member); received shape {array.shape}"
+        )
     if 0 in array.shape:
         raise ValueError(
-            f"members needs n >= 1 members and B >= 1 samples (and K >= 1 classes); received shape {array.shape}"
+            f"{name} needs n >= 1 members and B >= 1 samples (and K >= 1 classes); received shape {array.shape}"
         )
-    return array
+    array = _member_axis_first(name, array, member_axis, "(n, B, K)") if array.ndim == 3 else array[None]
+    if logits:
+        return _logits(name, array, hint=hint or _AS_PROBABILITIES)
+    return _probabilities(name, array, hint=hint or _AS_LOGITS)
 
 
-def _member_logits(logits: ArrayLike) -> FloatArray:
-    """Validated member logits (n, B, K) -> float64 (n, B, max(K, 2))."""
-    return _binary_expanded(_members(logits))
+def _member_logits(name: str, values: ArrayLike, *, member_axis: int, hint: str | None = None) -> FloatArray:
+    """Validated member logits (n, B, K) (or (B, K)) -> float64 (n, B, max(K, 2))."""
+    return _binary_expanded(_members(name, values, logits=True, member_axis=member_axis, hint=hint))
 
 
-def member_probabilities(members: ArrayLike, *, logits: bool = False) -> FloatArray:
-    """Validated member probabilities: (n, B, K) probabilities or logits -> (n, B, K) float64.
+def member_probabilities(members: ArrayLike, *, logits: bool = False, member_axis: int = 0) -> FloatArray:
+    """Validated member probabilities: (n, B, K) probabilities or logits -> (n, B, K) float64; (B, K) -> (1, B, K).
 
     With ``logits=True`` a softmax over the last axis is applied first (K = 1: a sigmoid, giving
     (n, B, 2)). Probabilities are checked to sum to 1 and renormalized.
     """
     if logits:
-        return np.exp(_log_softmax(_member_logits(members)))
-    return _check_probabilities("members", _members(members))
+        return np.exp(_log_softmax(_member_logits("members", members, member_axis=member_axis)))
+    return _members("members", members, logits=False, member_axis=member_axis)
 
 
 def _entropy(probs: FloatArray) -> FloatArray:
     """Entropy in nats over the last axis, with 0 log 0 = 0."""
     logs = np.log(np.where(probs > 0, probs, 1.0))
-    result: FloatArray = -(probs * logs).sum(axis=-1)
+    result: FloatArray = -np.einsum("...k,...k->...", probs, logs)
     return result
 
 
-def predictive_mean(members: ArrayLike, *, logits: bool = False) -> FloatArray:
+def predictive_mean(members: ArrayLike, *, logits: bool = False, member_axis: int = 0) -> FloatArray:
     """The ensemble's predictive distribution: the mean of the member probabilities, (n, B, K) -> (B, K)."""
-    result: FloatArray = member_probabilities(members, logits=logits).mean(axis=0)
+    result: FloatArray = member_probabilities(members, logits=logits, member_axis=member_axis).mean(axis=0)
     return result
 
 
-def predictive_entropy(members: ArrayLike, *, logits: bool = False) -> FloatArray:
+def predictive_entropy(members: ArrayLike, *, logits: bool = False, member_axis: int = 0) -> FloatArray:
     """Total uncertainty: the entropy of the predictive mean, (n, B, K) -> (B,). An OOD score."""
-    return _entropy(predictive_mean(members, logits=logits))
+    return _entropy(predictive_mean(members, logits=logits, member_axis=member_axis))
 
 
-def expected_entropy(members: ArrayLike, *, logits: bool = False) -> FloatArray:
+def expected_entropy(members: ArrayLike, *, logits: bool = False, member_axis: int = 0) -> FloatArray:
     """Aleatoric uncertainty: the mean of the members' entropies, (n, B, K) -> (B,)."""
-    result: FloatArray = _entropy(member_probabilities(members, logits=logits)).mean(axis=0)
+    probs = member_probabilities(members, logits=logits, member_axis=member_axis)
+    result: FloatArray = _entropy(probs).mean(axis=0)
     return result
 
 
-def mutual_information(members: ArrayLike, *, logits: bool = False) -> FloatArray:
+def mutual_information(members: ArrayLike, *, logits: bool = False, member_axis: int = 0) -> FloatArray:
     """Epistemic uncertainty: predictive entropy minus expected entropy (>= 0), (n, B, K) -> (B,).
 
-    Zero when all members agree; it measures how much the members disagree. An OOD score.
+    Zero when all members agree (and for one member); it measures how much the members disagree. An OOD score.
     """
-    probs = member_probabilities(members, logits=logits)
+    return _mutual_information(member_probabilities(members, logits=logits, member_axis=member_axis))
+
+
+def _mutual_information(probs: FloatArray) -> FloatArray:
     total = _entropy(probs.mean(axis=0))
     aleatoric = _entropy(probs).mean(axis=0)
     result: FloatArray = np.maximum(total - aleatoric, 0.0)  # Jensen: >= 0 up to rounding
@@ -192,53 +303,55 @@ def mutual_information(members: ArrayLike, *, logits: bool = False) -> FloatArra
 # --- regression: members with a Gaussian head -------------------------------------------------
 
 
-def _regression_outputs(outputs: ArrayLike, name: str = "outputs") -> FloatArray:
+def _regression_outputs(name: str, outputs: ArrayLike, member_axis: int) -> FloatArray:
     array = _finite_float_array(name, outputs)
     if array.ndim < 2 or 0 in array.shape[:2]:
         raise ValueError(f"{name} must have shape (n, B, ...) with n >= 1 and B >= 1; received shape {array.shape}")
-    return array
+    return _member_axis_first(name, array, member_axis, "(n, B, ...)")
 
 
-def member_mean(outputs: ArrayLike) -> FloatArray:
+def member_mean(outputs: ArrayLike, *, member_axis: int = 0) -> FloatArray:
     """Regression prediction: the mean of the member outputs, (n, B, ...) -> (B, ...)."""
-    result: FloatArray = _regression_outputs(outputs).mean(axis=0)
+    result: FloatArray = _regression_outputs("outputs", outputs, member_axis).mean(axis=0)
     return result
 
 
-def member_variance(outputs: ArrayLike) -> FloatArray:
+def member_variance(outputs: ArrayLike, *, member_axis: int = 0) -> FloatArray:
     """Regression uncertainty: the variance of the member outputs (ddof=0), (n, B, ...) -> (B, ...)."""
-    result: FloatArray = _regression_outputs(outputs).var(axis=0)
+    result: FloatArray = _regression_outputs("outputs", outputs, member_axis).var(axis=0)
     return result
 
 
-def _member_gaussians(means: ArrayLike, variances: ArrayLike) -> tuple[FloatArray, FloatArray]:
-    mean_array = _regression_outputs(means, "means")
-    variance_array = _regression_outputs(variances, "variances")
-    _same_shape(("means", "variances"), (mean_array, variance_array))
-    if (variance_array < 0).any():
-        raise ValueError(f"variances must be >= 0; received a minimum of {variance_array.min():.3g}")
+def _member_gaussians(
+    means: ArrayLike, variances: ArrayLike, member_axis: int, names: tuple[str, str] = ("means", "variances")
+) -> tuple[FloatArray, FloatArray]:
+    mean_array = _regression_outputs(names[0], means, member_axis)
+    variance_array = _regression_outputs(names[1], variances, member_axis)
+    _same_shape(names, (mean_array, variance_array))
+    if variance_array.min() < 0:
+        raise ValueError(f"{names[1]} must be >= 0; received a minimum of {variance_array.min():.3g}")
     return mean_array, variance_array
 
 
-def uncertainty_split(means: ArrayLike, variances: ArrayLike) -> tuple[FloatArray, FloatArray]:
+def uncertainty_split(means: ArrayLike, variances: ArrayLike, *, member_axis: int = 0) -> tuple[FloatArray, FloatArray]:
     """Aleatoric and epistemic variance of Gaussian members, (n, B, ...) each -> two (B, ...).
 
     Aleatoric: the mean of the member variances (the noise the members predict). Epistemic:
     the variance of the member means (ddof=0; how much the members disagree). Their sum is the
     variance of the members' equal-weight mixture (the law of total variance).
     """
-    mean_array, variance_array = _member_gaussians(means, variances)
+    mean_array, variance_array = _member_gaussians(means, variances, member_axis)
     return variance_array.mean(axis=0), mean_array.var(axis=0)
 
 
-def gaussian_mixture(means: ArrayLike, variances: ArrayLike) -> tuple[FloatArray, FloatArray]:
+def gaussian_mixture(means: ArrayLike, variances: ArrayLike, *, member_axis: int = 0) -> tuple[FloatArray, FloatArray]:
     """Mean and variance of the equal-weight mixture of the members' Gaussians, (n, B, ...) -> two (B, ...).
 
     ``mean = mean_k means[k]``; ``variance = mean_k variances[k] + var_k means[k]`` (aleatoric +
     epistemic, see ``uncertainty_split``). ``gaussian_nll`` and ``interval_coverage`` of this
     moment-matched Gaussian are the usual ensemble regression scores (Lakshminarayanan et al. 2017).
     """
-    mean_array, variance_array = _member_gaussians(means, variances)
+    mean_array, variance_array = _member_gaussians(means, variances, member_axis)
     return mean_array.mean(axis=0), variance_array.mean(axis=0) + mean_array.var(axis=0)
 
 
@@ -247,7 +360,7 @@ def _gaussian(mean: ArrayLike, variance: ArrayLike, targets: ArrayLike) -> tuple
     _same_shape(("mean", "variance", "y"), arrays)
     if arrays[0].size == 0:
         raise ValueError("mean, variance and y must hold at least one value; received empty arrays")
-    if (arrays[1] <= 0).any():
+    if arrays[1].min() <= 0:
         raise ValueError(f"variance must be > 0; received a minimum of {arrays[1].min():.3g}")
     return arrays[0], arrays[1], arrays[2]
 
@@ -263,24 +376,76 @@ def gaussian_nll(mean: ArrayLike, variance: ArrayLike, y: ArrayLike) -> float:
     return float(per_element.mean())
 
 
-def mixture_nll(means: ArrayLike, variances: ArrayLike, y: ArrayLike) -> float:
+def _targets_of_members(y: ArrayLike, mean_array: FloatArray) -> FloatArray:
+    y_array = _finite_float_array("y", y)
+    if y_array.shape != mean_array.shape[1:]:
+        raise ValueError(
+            f"y must have shape {mean_array.shape[1:]} to match means {mean_array.shape}; received {y_array.shape}"
+        )
+    return y_array
+
+
+def _positive_member_gaussians(
+    means: ArrayLike, variances: ArrayLike, y: ArrayLike, member_axis: int
+) -> tuple[FloatArray, FloatArray, FloatArray]:
+    mean_array, variance_array = _member_gaussians(means, variances, member_axis)
+    y_array = _targets_of_members(y, mean_array)
+    if variance_array.min() <= 0:
+        raise ValueError(f"variances must be > 0; received a minimum of {variance_array.min():.3g}")
+    return mean_array, variance_array, y_array
+
+
+def mixture_nll(means: ArrayLike, variances: ArrayLike, y: ArrayLike, *, member_axis: int = 0) -> float:
     """Mean negative log-likelihood of ``y`` (B, ...) under the exact equal-weight mixture of the members' Gaussians.
 
     ``-log((1/n) sum_k N(y; means[k], variances[k]))``, averaged over every element; means and
     variances (n, B, ...), variances > 0. Never larger than the members' mean ``gaussian_nll``
     (Jensen); unlike ``gaussian_nll`` of ``gaussian_mixture``, it keeps a multimodal mixture's shape.
     """
-    mean_array, variance_array = _member_gaussians(means, variances)
-    y_array = _finite_float_array("y", y)
-    if y_array.shape != mean_array.shape[1:]:
-        raise ValueError(
-            f"y must have shape {mean_array.shape[1:]} to match means {mean_array.shape}; received {y_array.shape}"
-        )
-    if (variance_array <= 0).any():
-        raise ValueError(f"variances must be > 0; received a minimum of {variance_array.min():.3g}")
+    mean_array, variance_array, y_array = _positive_member_gaussians(means, variances, y, member_axis)
     log_densities = -0.5 * (np.log(2.0 * np.pi * variance_array) + (y_array - mean_array) ** 2 / variance_array)
     log_mixture = _logsumexp(log_densities, axis=0) - math.log(mean_array.shape[0])
     return float(-log_mixture.mean())
+
+
+_erfc = np.frompyfunc(math.erfc, 1, 1)  # the C library's erfc, exact to rounding (NumPy has no erf)
+
+
+def _mean_absolute_gaussian(mean: FloatArray, std: FloatArray) -> FloatArray:
+    """``E|X|`` for X ~ N(mean, std²), std > 0: ``mean (2Φ(mean/std) − 1) + 2 std φ(mean/std)``."""
+    z = mean / std
+    two_cdf_minus_one = 1.0 - np.asarray(_erfc(z / math.sqrt(2.0)), dtype=np.float64)  # 2Φ(z) − 1 = erf(z/√2)
+    result: FloatArray = mean * two_cdf_minus_one + std * math.sqrt(2.0 / math.pi) * np.exp(-0.5 * z * z)
+    return result
+
+
+def crps_gaussian(mean: ArrayLike, variance: ArrayLike, y: ArrayLike) -> float:
+    """Mean continuous ranked probability score of ``y`` under N(mean, variance), all (B, ...); lower is better.
+
+    ``CRPS(F, y) = E|X − y| − ½ E|X − X'|`` (X, X' independent draws from F), in the units of ``y``; for a Gaussian,
+    ``σ (z (2Φ(z) − 1) + 2φ(z) − 1/√π)`` with ``z = (y − mean) / σ`` (Gneiting & Raftery 2007), averaged over every
+    element. For an ensemble pass ``gaussian_mixture``'s mean and variance, or use ``crps_mixture``.
+    """
+    mean_array, variance_array, y_array = _gaussian(mean, variance, y)
+    std = np.sqrt(variance_array)
+    return float((_mean_absolute_gaussian(y_array - mean_array, std) - std / math.sqrt(math.pi)).mean())
+
+
+def crps_mixture(means: ArrayLike, variances: ArrayLike, y: ArrayLike, *, member_axis: int = 0) -> float:
+    """Mean CRPS of ``y`` (B, ...) under the exact equal-weight mixture of the members' Gaussians (n, B, ...).
+
+    ``(1/n) sum_k A(y − μ_k, σ_k²) − (1/2n²) sum_k,l A(μ_k − μ_l, σ_k² + σ_l²)`` with ``A(μ, σ²) = E|N(μ, σ²)|``
+    (Grimit et al. 2006), averaged over every element; variances > 0. With one member it is ``crps_gaussian``.
+    """
+    mean_array, variance_array, y_array = _positive_member_gaussians(means, variances, y, member_axis)
+    std = np.sqrt(variance_array)
+    members = mean_array.shape[0]
+    to_target = _mean_absolute_gaussian(y_array - mean_array, std).mean(axis=0)
+    between = std.sum(axis=0) * (2.0 / math.sqrt(math.pi))  # k = l: A(0, 2σ²) = 2σ/√π
+    for k in range(members - 1):  # k < l, counted twice; one row of pairs at a time bounds the memory
+        pair_std = np.sqrt(variance_array[k] + variance_array[k + 1 :])
+        between += 2.0 * _mean_absolute_gaussian(mean_array[k] - mean_array[k + 1 :], pair_std).sum(axis=0)
+    return float((to_target - between / (2.0 * members**2)).mean())
 
 
 def _coverage(mean: ArrayLike, variance: ArrayLike, y: ArrayLike, levels: FloatArray) -> FloatArray:
@@ -335,14 +500,16 @@ def regression_calibration(
 # --- scores of the predictive distribution ----------------------------------------------------
 
 
+_PREDICTIVE_HINT = "pass the predictive distribution, e.g. metrics.predictive_mean(logits, logits=True)"
+
+
 def _probs_and_labels(probs: ArrayLike, labels: ArrayLike) -> tuple[FloatArray, IntArray]:
-    array = _finite_float_array("probs", probs)
-    if array.ndim != 2 or array.shape[0] == 0:
+    shape = np.shape(probs)
+    if len(shape) != 2 or shape[0] == 0:
         raise ValueError(
-            f"probs must have shape (B, K) with B >= 1 (use predictive_mean for member outputs); "
-            f"received shape {array.shape}"
+            f"probs must have shape (B, K) with B >= 1 (use predictive_mean for member outputs); received shape {shape}"
         )
-    array = _check_probabilities("probs", array)
+    array = _probabilities("probs", probs, hint=_PREDICTIVE_HINT)
     return array, _labels(labels, classes=array.shape[1], against="probs", shape=array.shape)
 
 
@@ -352,18 +519,43 @@ def accuracy(probs: ArrayLike, labels: ArrayLike) -> float:
     return float((array.argmax(axis=1) == label_array).mean())
 
 
+def _true_class_log_probabilities(
+    logits: ArrayLike, labels: ArrayLike, member_axis: int, name: str = "logits"
+) -> tuple[FloatArray, IntArray]:
+    """Members' log-probabilities of the labels (n, B), from logits (n, B, K) or (B, K), and the labels."""
+    array = _member_logits(name, logits, member_axis=member_axis)
+    label_array = _labels(labels, classes=array.shape[2], against=name, shape=array.shape)
+    true_class = _log_softmax(array)[:, np.arange(array.shape[1]), label_array]
+    return true_class, label_array
+
+
 def negative_log_likelihood(
-    probs: ArrayLike, labels: ArrayLike, *, eps: float = float(np.finfo(np.float64).eps)
+    probs: ArrayLike, labels: ArrayLike, *, logits: bool = False, member_axis: int = 0, eps: float | None = None
 ) -> float:
-    """Mean negative log-likelihood of the labels (nats); probabilities are clipped to [eps, 1 - eps].
+    """Mean negative log-likelihood of the labels (nats).
 
     Args:
-        probs: (B, K) predictive distribution.
+        probs: (B, K) predictive distribution, clipped to [eps, 1 - eps] before the log. With
+            ``logits=True``: logits of one model (B, K) or of n members (n, B, K) (``member_axis``);
+            the log of the predictive distribution ``mean_k softmax(logits[k])`` is computed by a
+            log-softmax and a log-sum-exp, without clipping (a label on a −inf logit gives inf).
         labels: (B,) integer class labels.
-        eps: clipping bound (the default is scikit-learn's ``log_loss`` bound for float64).
+        eps: for probabilities, the clipping bound in (0, 1/K) (default: float64's machine
+            epsilon, scikit-learn's ``log_loss`` bound); not used for logits.
     """
+    if logits:
+        if eps is not None:
+            raise ValueError("eps clips probabilities; the NLL of logits is computed without clipping (leave eps out)")
+        true_class, _ = _true_class_log_probabilities(probs, labels, member_axis, name="probs")
+        return float(-(_logsumexp(true_class, axis=0) - math.log(true_class.shape[0])).mean())
     array, label_array = _probs_and_labels(probs, labels)
-    true_class = np.clip(array[np.arange(array.shape[0]), label_array], eps, 1.0 - eps)
+    bound = float(np.finfo(np.float64).eps) if eps is None else eps
+    classes = array.shape[1]
+    if isinstance(bound, bool) or not isinstance(bound, int | float | np.floating) or not 0.0 < bound < 1.0 / classes:
+        raise ValueError(
+            f"eps must lie in (0, 1/K) = (0, {1.0 / classes:.4g}) for K = {classes} classes; received {eps!r}"
+        )
+    true_class = np.clip(array[np.arange(array.shape[0]), label_array], bound, 1.0 - bound)
     return float(-np.log(true_class).mean())
 
 
@@ -376,62 +568,113 @@ def brier_score(probs: ArrayLike, labels: ArrayLike) -> float:
 
 # --- temperature scaling -----------------------------------------------------------------------
 
-_TEMPERATURE_GRID = 41  # log-spaced starting points; the golden-section search refines the best one
-_GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0
+_GRID_PER_DECADE = 4  # starting points per decade of temperature for an ensemble, whose NLL may have two minima
+_NEWTON_TOLERANCE = 1e-10  # relative step of 1/T at which the search stops
 
 
-def _golden_section(function: Callable[[float], float], low: float, high: float, tolerance: float) -> float:
-    """A minimizer of a unimodal ``function`` on [low, high], to within ``tolerance``."""
-    left, right = high - _GOLDEN * (high - low), low + _GOLDEN * (high - low)
-    f_left, f_right = function(left), function(right)
-    while high - low > tolerance:
-        if f_left <= f_right:
-            high, right, f_right = right, left, f_left
-            left = high - _GOLDEN * (high - low)
-            f_left = function(left)
-        else:
-            low, left, f_left = left, right, f_right
-            right = low + _GOLDEN * (high - low)
-            f_right = function(right)
-    return (low + high) / 2.0
-
-
-def _temperature_bounds(bounds: tuple[float, float]) -> tuple[float, float]:
-    low, high = (float(b) for b in bounds)
+def _temperature_bounds(bounds: object) -> tuple[float, float]:
+    pair = tuple(bounds) if isinstance(bounds, Sequence | np.ndarray) else ()
+    numbers_given = all(not isinstance(b, bool) and isinstance(b, int | float | np.integer | np.floating) for b in pair)
+    if len(pair) != 2 or not numbers_given:
+        raise ValueError(f"bounds must be two temperatures (low, high); received {bounds!r}")
+    low, high = float(pair[0]), float(pair[1])
     if not (math.isfinite(low) and math.isfinite(high) and 0.0 < low < high):
         raise ValueError(f"bounds must be two finite temperatures 0 < low < high; received {bounds!r}")
     return low, high
 
 
-def _fit_one_temperature(logits: FloatArray, labels: IntArray, bounds: tuple[float, float]) -> float:
-    """The temperature minimizing the NLL of the mean of softmax(logits[k] / T), logits (n, B, K).
+class _EnsembleNLL:
+    """The NLL of ``mean_k softmax(s · logits[k])`` as a function of the inverse temperature s = 1/T.
 
-    The NLL is scanned on a log-spaced grid of T over ``bounds`` and the best grid point's bracket
-    refined by golden-section search on log T; for one member the NLL is convex in 1/T, so this
-    finds the global minimum. A minimum within 1e-9 (relative) of a bound returns that bound.
+    ``evaluate(s)`` gives the NLL and its first two derivatives in s in one pass over the logits
+    (n, B, K). For one member the NLL is convex in s (a log-sum-exp of functions linear in s).
     """
-    members, batch, _ = logits.shape
-    rows = np.arange(batch)
 
-    def nll(log_temperature: float) -> float:
-        true_class = _log_softmax(logits * math.exp(-log_temperature))[:, rows, labels]  # (n, B)
-        return float(-(_logsumexp(true_class, axis=0) - math.log(members)).mean())
+    def __init__(self, logits: FloatArray, labels: IntArray) -> None:
+        shifted = logits - logits.max(axis=2, keepdims=True)  # <= 0; the NLL does not change
+        self.masked = np.isneginf(shifted)
+        self.has_masked = bool(self.masked.any())
+        self.shifted = np.where(self.masked, 0.0, shifted) if self.has_masked else shifted
+        self.squared = self.shifted * self.shifted
+        rows = np.arange(logits.shape[1])
+        self.true_masked = self.masked[:, rows, labels]  # (n, B): the label is masked for that member
+        self.true = self.shifted[:, rows, labels]
+        self.members = logits.shape[0]
 
-    low, high = math.log(bounds[0]), math.log(bounds[1])
-    grid = np.linspace(low, high, _TEMPERATURE_GRID)
-    values = np.array([nll(float(u)) for u in grid])
-    if values.max() - values.min() <= 1e-12 * max(1.0, abs(values.min())):
+    def evaluate(self, s: float) -> tuple[float, float, float]:
+        weights = np.exp(s * self.shifted)
+        if self.has_masked:
+            weights[self.masked] = 0.0
+        total = weights.sum(axis=2)
+        expected = np.einsum("nbk,nbk->nb", weights, self.shifted) / total  # E_p[z]
+        variance = np.maximum(np.einsum("nbk,nbk->nb", weights, self.squared) / total - expected**2, 0.0)
+        slope = self.true - expected  # d/ds of log p(label)
+        log_likelihood = s * self.true - np.log(total)
+        if self.members == 1:
+            return float(-log_likelihood.mean()), float(-slope.mean()), float(variance.mean())
+        if self.has_masked:
+            log_likelihood[self.true_masked] = -math.inf
+        mixture = _logsumexp(log_likelihood, axis=0)  # log sum_k p_k(label)
+        posterior = np.exp(log_likelihood - mixture)  # each member's share of the likelihood
+        first = (posterior * slope).sum(axis=0)
+        second = (posterior * (slope * slope - variance)).sum(axis=0) - first * first
+        nll = -(mixture - math.log(self.members)).mean()
+        return float(nll), float(-first.mean()), float(-second.mean())
+
+
+def _newton_minimum(objective: _EnsembleNLL, low: float, high: float, start: float) -> tuple[float, float]:
+    """A local minimum (s, NLL) of the objective in [low, high], whose slope is < 0 at low and > 0 at high.
+
+    Newton steps on s, kept inside the bracket (a bisection where a step would leave it or the
+    curvature is not positive).
+    """
+    s, best = start, (math.inf, start)
+    for _ in range(200):
+        value, slope, curvature = objective.evaluate(s)
+        best = min(best, (value, s))
+        if slope < 0:
+            low = s
+        else:
+            high = s
+        step = -slope / curvature if curvature > 0 else math.inf
+        following = s + step if low < s + step < high else (low + high) / 2.0
+        if abs(following - s) <= _NEWTON_TOLERANCE * s or high - low <= _NEWTON_TOLERANCE * s:
+            return following, value
+        s = following
+    return best[1], best[0]
+
+
+def _fit_one_temperature(logits: FloatArray, labels: IntArray, bounds: tuple[float, float]) -> float:
+    """The temperature in ``bounds`` minimizing the NLL of the mean of softmax(logits[k] / T), logits (n, B, K).
+
+    One member: the NLL is convex in 1/T, so its slope at the two bounds says whether the minimum
+    lies inside, where Newton's method finds it. Several members: the NLL may have several minima;
+    its value and slope on a log-spaced grid of T (``_GRID_PER_DECADE`` points per decade) locate
+    every minimum between grid points, Newton refines each, and the lowest wins. A minimum at a
+    bound returns that bound; an NLL that does not depend on T returns 1 (clipped to ``bounds``).
+    """
+    objective = _EnsembleNLL(logits, labels)
+    s_low, s_high = 1.0 / bounds[1], 1.0 / bounds[0]
+    decades = math.log10(s_high / s_low)
+    points = 2 if logits.shape[0] == 1 else max(3, math.ceil(_GRID_PER_DECADE * decades) + 1)
+    grid = np.exp(np.linspace(math.log(s_low), math.log(s_high), points))
+    grid[0], grid[-1] = s_low, s_high
+    evaluated = [objective.evaluate(float(s)) for s in grid]
+    values, slopes = np.array([e[0] for e in evaluated]), np.array([e[1] for e in evaluated])
+    if np.abs(slopes).max() * (s_high - s_low) <= 1e-12 * max(1.0, abs(values[0])):
         return min(max(1.0, bounds[0]), bounds[1])  # the NLL does not depend on T (e.g. equal logits)
-    best = int(values.argmin())
-    tolerance = 1e-10
-    log_temperature = _golden_section(
-        nll, float(grid[max(best - 1, 0)]), float(grid[min(best + 1, grid.size - 1)]), tolerance
-    )
-    if log_temperature - low < 10 * tolerance:
+    candidates = [(float(v), float(s)) for v, s in zip(values, grid, strict=True)]
+    for i in np.flatnonzero((slopes[:-1] < 0) & (slopes[1:] > 0)):
+        low, high = float(grid[i]), float(grid[i + 1])
+        start = 1.0 if points == 2 and low < 1.0 < high else (low if values[i] <= values[i + 1] else high)
+        s, value = _newton_minimum(objective, low, high, start)
+        candidates.append((value, s))
+    value, s = min(candidates)
+    if s == s_high:
         return bounds[0]
-    if high - log_temperature < 10 * tolerance:
+    if s == s_low:
         return bounds[1]
-    return math.exp(log_temperature)
+    return 1.0 / s
 
 
 @overload
@@ -441,12 +684,18 @@ def fit_temperature(
     *,
     per_member: Literal[False] = False,
     bounds: tuple[float, float] = TEMPERATURE_BOUNDS,
+    member_axis: int = 0,
 ) -> float: ...
 
 
 @overload
 def fit_temperature(
-    logits: ArrayLike, labels: ArrayLike, *, per_member: Literal[True], bounds: tuple[float, float] = TEMPERATURE_BOUNDS
+    logits: ArrayLike,
+    labels: ArrayLike,
+    *,
+    per_member: Literal[True],
+    bounds: tuple[float, float] = TEMPERATURE_BOUNDS,
+    member_axis: int = 0,
 ) -> FloatArray: ...
 
 
@@ -456,34 +705,39 @@ def fit_temperature(
     *,
     per_member: bool = False,
     bounds: tuple[float, float] = TEMPERATURE_BOUNDS,
+    member_axis: int = 0,
 ) -> float | FloatArray:
     """Temperature scaling (Guo et al. 2017) fitted on validation logits, for one model or an ensemble.
 
     One temperature T for every member: the T in ``bounds`` that minimizes the NLL of the
     ensemble's prediction ``mean_k softmax(logits[k] / T)`` (for (B, K) logits, of the single
-    model). Apply it with ``apply_temperature`` to the test logits before averaging. The search is
-    a log-spaced grid refined by golden-section search on log T: no gradients, no SciPy, never a
-    NaN. When the NLL is lowest at a bound (separable validation logits make it fall as T -> 0)
-    the bound is returned with a ``UserWarning``; when it does not depend on T, 1 is returned.
+    model). Apply it with ``apply_temperature`` to the test logits before averaging. The search
+    uses Newton steps on 1/T inside a bracket (one model: the NLL is convex in 1/T; an ensemble: a
+    log-spaced grid first finds every minimum, the lowest wins): no SciPy, never a NaN. When the
+    NLL is lowest at a bound (separable validation logits make it fall as T -> 0) the bound is
+    returned with a ``UserWarning``; when it does not depend on T, 1 is returned.
 
     Args:
         logits: (B, K) logits of one model or (n, B, K) of n members; K = 1 is a binary
-            sigmoid logit.
+            sigmoid logit; −inf marks a masked class.
         labels: (B,) integer labels in [0, K) (in {0, 1} for K = 1).
         per_member: fit each member's own temperature on that member's own NLL instead.
         bounds: the range (low, high) searched, 0 < low < high.
+        member_axis: the members' axis of 3-D logits.
 
     Returns:
         T (a float), or with ``per_member`` a (n,) array (n = 1 for (B, K) logits).
     """
-    array = _finite_float_array("logits", logits)
-    if array.ndim == 2:
-        array = array[None]
-    if array.ndim != 3 or 0 in array.shape:
-        raise ValueError(f"logits must have shape (B, K) or (n, B, K) with n, B, K >= 1; received {np.shape(logits)}")
-    array = _binary_expanded(array)
-    label_array = _labels(labels, classes=array.shape[2], against="logits", shape=np.shape(logits))
     bounds = _temperature_bounds(bounds)
+    array = _member_logits("logits", logits, member_axis=member_axis)
+    label_array = _labels(labels, classes=array.shape[2], against="logits", shape=array.shape)
+    rows = np.arange(array.shape[1])
+    impossible = np.flatnonzero(np.isneginf(array[:, rows, label_array]).all(axis=0))
+    if impossible.size:
+        raise ValueError(
+            f"labels fall on a masked class (logit −inf in every member) for samples {impossible[:5].tolist()}: "
+            "the NLL is infinite at every temperature"
+        )
     groups = [array[k : k + 1] for k in range(array.shape[0])] if per_member else [array]
     temperatures = np.array([_fit_one_temperature(group, label_array, bounds) for group in groups])
     reasons = (
@@ -501,19 +755,29 @@ def fit_temperature(
     return temperatures if per_member else float(temperatures[0])
 
 
-def apply_temperature(logits: ArrayLike, temperature: ArrayLike) -> FloatArray:
-    """``logits / temperature`` in float64: logits (..., K) and T > 0, or (n, B, K) and one T per member (n,)."""
-    array = _finite_float_array("logits", logits)
+def apply_temperature(logits: ArrayLike, temperature: ArrayLike, *, member_axis: int = 0) -> FloatArray:
+    """``logits / temperature`` in float64, in the layout of ``logits``.
+
+    One T > 0 for logits of any shape (..., K), or one T per member (n,) for (n, B, K) logits (the
+    members on ``member_axis``) or n = 1 for (B, K) logits (as ``fit_temperature(per_member=True)`` returns).
+    """
+    array = _logits("logits", logits, hint="temperature scaling divides logits")
     temperatures = _finite_float_array("temperature", temperature)
-    if (temperatures <= 0).any():
+    if temperatures.size and temperatures.min() <= 0:
         raise ValueError(f"temperature must be > 0; received {temperatures.tolist()}")
     if temperatures.ndim == 0 and array.ndim >= 1:
-        return array / temperatures
-    if temperatures.ndim == 1 and array.ndim == 3 and temperatures.shape[0] == array.shape[0]:
-        result: FloatArray = array / temperatures[:, None, None]
+        result: FloatArray = array / temperatures
         return result
+    if temperatures.ndim == 1 and array.ndim == 2 and temperatures.shape == (1,):
+        one_member: FloatArray = array / temperatures[0]
+        return one_member
+    if temperatures.ndim == 1 and array.ndim == 3:
+        moved = _member_axis_first("logits", array, member_axis, "(n, B, K)")
+        if temperatures.shape[0] == moved.shape[0]:
+            scaled: FloatArray = np.moveaxis(moved / temperatures[:, None, None], 0, member_axis)
+            return scaled
     raise ValueError(
-        f"temperature must be a number, or one per member (n,) for (n, B, K) logits; "
+        f"temperature must be a number, or one per member (n,) for (n, B, K) logits (member_axis={member_axis}); "
         f"received temperature shape {temperatures.shape} for logits {array.shape}"
     )
 
@@ -572,49 +836,105 @@ def expected_calibration_error(probs: ArrayLike, labels: ArrayLike, *, bins: int
 # --- OOD scores: higher means more likely out-of-distribution ----------------------------------
 
 
-def msp_score(members: ArrayLike, *, logits: bool = False) -> FloatArray:
+def msp_score(members: ArrayLike, *, logits: bool = False, member_axis: int = 0) -> FloatArray:
     """One minus the maximum softmax probability of the predictive mean (Hendrycks & Gimpel 2017), (n, B, K) -> (B,)."""
-    result: FloatArray = 1.0 - predictive_mean(members, logits=logits).max(axis=1)
+    result: FloatArray = 1.0 - predictive_mean(members, logits=logits, member_axis=member_axis).max(axis=1)
     return result
 
 
-def max_logit_score(logits: ArrayLike) -> FloatArray:
+_LOGIT_SCORE_HINT = "{} takes logits; for probabilities use msp_score or predictive_entropy"
+
+
+def max_logit_score(logits: ArrayLike, *, member_axis: int = 0) -> FloatArray:
     """Minus the largest logit (Hendrycks et al. 2022), averaged over members: (n, B, K) logits -> (B,).
 
     Unlike probabilities, logits keep the magnitude of the evidence; a K = 1 sigmoid logit z
     counts as the logits (0, z).
     """
-    result: FloatArray = -_member_logits(logits).max(axis=2).mean(axis=0)
+    array = _member_logits("members", logits, member_axis=member_axis, hint=_LOGIT_SCORE_HINT.format("max_logit_score"))
+    result: FloatArray = -array.max(axis=2).mean(axis=0)
     return result
 
 
-def energy_score(logits: ArrayLike) -> FloatArray:
+def energy_score(logits: ArrayLike, *, member_axis: int = 0) -> FloatArray:
     """The free energy ``-logsumexp_k z_k`` (Liu et al. 2020), averaged over members: (n, B, K) logits -> (B,)."""
-    result: FloatArray = -_logsumexp(_member_logits(logits), axis=2).mean(axis=0)
+    array = _member_logits("members", logits, member_axis=member_axis, hint=_LOGIT_SCORE_HINT.format("energy_score"))
+    result: FloatArray = -_logsumexp(array, axis=2).mean(axis=0)
     return result
 
 
-def variation_ratio(members: ArrayLike, *, logits: bool = False) -> FloatArray:
+def variation_ratio(members: ArrayLike, *, logits: bool = False, member_axis: int = 0) -> FloatArray:
     """Fraction of members that do not vote for the most voted class, (n, B, K) -> (B,), in [0, 1 - 1/n].
 
     Each member votes for its most probable class; 0 when every member votes alike. Coarse
     (n + 1 distinct values at most), so ranking metrics see many ties.
     """
-    probs = member_probabilities(members, logits=logits)
+    return _variation_ratio(member_probabilities(members, logits=logits, member_axis=member_axis))
+
+
+def _variation_ratio(probs: FloatArray) -> FloatArray:
     votes = probs.argmax(axis=2)  # (n, B)
     counts = (votes[:, :, None] == np.arange(probs.shape[2])).sum(axis=0)  # (B, K)
     result: FloatArray = 1.0 - counts.max(axis=1) / probs.shape[0]
     return result
 
 
-def probability_variance(members: ArrayLike, *, logits: bool = False) -> FloatArray:
+def probability_variance(members: ArrayLike, *, logits: bool = False, member_axis: int = 0) -> FloatArray:
     """Variance of the member probabilities (ddof=0) summed over the classes, (n, B, K) -> (B,).
 
     The mean squared distance of the members' probability vectors from their mean: 0 when all
     members agree.
     """
-    result: FloatArray = member_probabilities(members, logits=logits).var(axis=0).sum(axis=1)
+    probs = member_probabilities(members, logits=logits, member_axis=member_axis)
+    result: FloatArray = probs.var(axis=0).sum(axis=1)
     return result
+
+
+_PROBABILITY_SCORES: dict[str, Callable[[FloatArray], FloatArray]] = {  # of validated member probabilities
+    "entropy": lambda probs: _entropy(probs.mean(axis=0)),
+    "msp": lambda probs: 1.0 - probs.mean(axis=0).max(axis=1),
+    "mutual_information": _mutual_information,
+    "variation_ratio": _variation_ratio,
+    "probability_variance": lambda probs: probs.var(axis=0).sum(axis=1),
+}
+_LOGIT_SCORES: dict[str, Callable[[FloatArray], FloatArray]] = {  # of validated member logits
+    "max_logit": lambda logits: -logits.max(axis=2).mean(axis=0),
+    "energy": lambda logits: -_logsumexp(logits, axis=2).mean(axis=0),
+}
+OOD_SCORES = (*_PROBABILITY_SCORES, *_LOGIT_SCORES)
+
+
+class _ValidatedMembers:
+    """Members validated once: their probabilities (n, B, K) and, for logits, the logits; every OOD score of them."""
+
+    def __init__(self, name: str, members: ArrayLike, *, logits: bool, member_axis: int) -> None:
+        self.logits = _member_logits(name, members, member_axis=member_axis) if logits else None
+        self.probs = (
+            np.exp(_log_softmax(self.logits))
+            if self.logits is not None
+            else _members(name, members, logits=False, member_axis=member_axis)
+        )
+
+    def score(self, name: str) -> FloatArray:
+        if name in _LOGIT_SCORES:
+            if self.logits is None:
+                raise ValueError(f"the {name} score needs logits (logits=True)")
+            return _LOGIT_SCORES[name](self.logits)
+        if name not in _PROBABILITY_SCORES:
+            raise ValueError(f"score must be one of {OOD_SCORES}; received {name!r}")
+        return _PROBABILITY_SCORES[name](self.probs)
+
+
+def ood_score(
+    name: str, members: ArrayLike, *, logits: bool = False, member_axis: int = 0, argument: str = "members"
+) -> FloatArray:
+    """The OOD score ``name`` of members (n, B, K) -> (B,), higher = more likely OOD.
+
+    ``name`` is one of ``OOD_SCORES``: entropy, msp, mutual_information, variation_ratio,
+    probability_variance (the functions of the same names), max_logit and energy (logits only).
+    ``argument`` names the array in error messages (e.g. ``"ood_members"``).
+    """
+    return _ValidatedMembers(argument, members, logits=logits, member_axis=member_axis).score(name)
 
 
 # --- OOD detection from scores -----------------------------------------------------------------
@@ -713,11 +1033,23 @@ def fpr_at_tpr(in_scores: ArrayLike, out_scores: ArrayLike, tpr: float = 0.95, *
         tpr: the true-positive rate to reach, in (0, 1].
         positive: which class the true-positive rate is about, ``"in"`` or ``"ood"``.
     """
+    return fpr_threshold(in_scores, out_scores, tpr, positive=positive)[0]
+
+
+def fpr_threshold(
+    in_scores: ArrayLike, out_scores: ArrayLike, tpr: float = 0.95, *, positive: Positive = "in"
+) -> tuple[float, float]:
+    """``fpr_at_tpr`` and the threshold it uses, in the scores' units: (FPR, threshold).
+
+    ``positive="in"``: in-distribution samples are accepted when their score is <= the threshold;
+    ``positive="ood"``: samples are flagged as OOD when their score is >= the threshold.
+    """
     tpr = _fraction("tpr", tpr)
     scores, is_positive = _oriented(in_scores, out_scores, positive)
     positives = np.sort(scores[is_positive])[::-1]
-    threshold = positives[_smallest_count(tpr, positives.size) - 1]
-    return float((scores[~is_positive] >= threshold).mean())
+    threshold = float(positives[_smallest_count(tpr, positives.size) - 1])
+    false_positive_rate = float((scores[~is_positive] >= threshold).mean())
+    return false_positive_rate, (threshold if positive == "ood" else -threshold)
 
 
 # --- selective prediction: higher confidence means more likely correct -------------------------
@@ -836,13 +1168,15 @@ class DiversityPoints(NamedTuple):
     diversity: FloatArray  # (P,) ``diversity`` of the two members
 
 
-def pairwise_diversity(members: ArrayLike, labels: ArrayLike, *, logits: bool = False) -> DiversityPoints:
+def pairwise_diversity(
+    members: ArrayLike, labels: ArrayLike, *, logits: bool = False, member_axis: int = 0
+) -> DiversityPoints:
     """``diversity`` and mean accuracy of every pair of members; members (n, B, K) with n >= 2, labels (B,)."""
-    probs = member_probabilities(members, logits=logits)
+    probs = member_probabilities(members, logits=logits, member_axis=member_axis)
     if probs.shape[0] < 2:
         raise ValueError(f"pairwise_diversity needs at least 2 members; received shape {probs.shape}")
     predictions = probs.argmax(axis=2)
-    label_array = _probs_and_labels(probs[0], labels)[1]
+    label_array = _labels(labels, classes=probs.shape[2], against="members", shape=probs.shape)
     first, second = np.triu_indices(probs.shape[0], k=1)
     member_accuracy = (predictions == label_array).mean(axis=1)
     values = [diversity(predictions[i], predictions[j], label_array) for i, j in zip(first, second, strict=True)]
@@ -870,20 +1204,11 @@ def _add_detection(result: Summary, name: str, inside: FloatArray, outside: Floa
     result[f"ood_fpr{100 * tpr:g}_{name}"] = fpr_at_tpr(inside, outside, tpr)
 
 
-def _classification_scores(members: int, logits: bool) -> dict[str, Callable[[ArrayLike], FloatArray]]:
+def _classification_scores(members: int, logits: bool) -> tuple[str, ...]:
     """The OOD scores that mean something for ``members`` members (logit scores only for logits)."""
-    scores: dict[str, Callable[[ArrayLike], FloatArray]] = {
-        "entropy": lambda m: predictive_entropy(m, logits=logits),
-        "msp": lambda m: msp_score(m, logits=logits),
-    }
-    if members > 1:  # with one member these are 0 for every sample
-        scores["mutual_information"] = lambda m: mutual_information(m, logits=logits)
-        scores["variation_ratio"] = lambda m: variation_ratio(m, logits=logits)
-        scores["probability_variance"] = lambda m: probability_variance(m, logits=logits)
-    if logits:
-        scores["max_logit"] = max_logit_score
-        scores["energy"] = energy_score
-    return scores
+    with_one_member = ("entropy", "msp")
+    disagreement = ("mutual_information", "variation_ratio", "probability_variance")  # 0 for one member
+    return (*with_one_member, *(disagreement if members > 1 else ()), *(tuple(_LOGIT_SCORES) if logits else ()))
 
 
 def _classification_summary(
@@ -892,16 +1217,23 @@ def _classification_summary(
     ood_members: ArrayLike | None,
     *,
     logits: bool,
+    member_axis: int,
     bins: int,
     coverage: float,
     tpr: float,
 ) -> Summary:
-    member_array = _members(members)
-    probs, label_array = _probs_and_labels(predictive_mean(member_array, logits=logits), labels)
+    validated = _ValidatedMembers("members", members, logits=logits, member_axis=member_axis)
+    probs = validated.probs.mean(axis=0)
+    label_array = _labels(labels, classes=probs.shape[1], against="members", shape=validated.probs.shape)
     confidence, correct = probs.max(axis=1), probs.argmax(axis=1) == label_array
+    if validated.logits is not None:  # log-softmax and log-sum-exp: no clipping, no cap
+        true_class = _log_softmax(validated.logits)[:, np.arange(probs.shape[0]), label_array]
+        nll = float(-(_logsumexp(true_class, axis=0) - math.log(true_class.shape[0])).mean())
+    else:
+        nll = negative_log_likelihood(probs, label_array)
     result = Summary(
         accuracy=accuracy(probs, label_array),
-        nll=negative_log_likelihood(probs, label_array),
+        nll=nll,
         brier=brier_score(probs, label_array),
         ece=expected_calibration_error(probs, label_array, bins=bins),
         aurc=aurc(confidence, correct),
@@ -909,14 +1241,14 @@ def _classification_summary(
     )
     result[f"accuracy_at_coverage_{coverage:g}"] = accuracy_at_coverage(confidence, correct, coverage)
     if ood_members is not None:
-        ood_array = _members(ood_members)
-        if ood_array.shape[::2] != member_array.shape[::2]:
+        ood = _ValidatedMembers("ood_members", ood_members, logits=logits, member_axis=member_axis)
+        if ood.probs.shape[::2] != validated.probs.shape[::2]:
             raise ValueError(
-                f"ood_members must have the members and classes of members (n, ·, K) = {member_array.shape}; "
-                f"received {ood_array.shape}"
+                f"ood_members must have the members and classes of members (n, ·, K) = {validated.probs.shape}; "
+                f"received {ood.probs.shape} (members first)"
             )
-        for name, score in _classification_scores(member_array.shape[0], logits).items():
-            _add_detection(result, name, score(member_array), score(ood_array), tpr)
+        for name in _classification_scores(validated.probs.shape[0], logits):
+            _add_detection(result, name, validated.score(name), ood.score(name), tpr)
     return result
 
 
@@ -929,18 +1261,30 @@ def _per_sample(values: FloatArray) -> FloatArray:
 def _regression_summary(
     means: ArrayLike,
     variances: ArrayLike,
-    y: ArrayLike,
+    targets: ArrayLike,
     ood_means: ArrayLike | None,
     ood_variances: ArrayLike | None,
     *,
+    member_axis: int,
     level: float,
     tpr: float,
 ) -> Summary:
-    mean, variance = gaussian_mixture(means, variances)
-    aleatoric, epistemic = uncertainty_split(means, variances)
+    mean_array, variance_array = _member_gaussians(means, variances, member_axis, names=("members", "variances"))
+    y = _finite_float_array("targets", targets)
+    if y.shape != mean_array.shape[1:]:
+        raise ValueError(
+            f"targets must have shape {mean_array.shape[1:]} to match members {mean_array.shape} (members first); "
+            f"received {y.shape}"
+        )
+    if variance_array.min() <= 0:
+        raise ValueError(f"variances must be > 0; received a minimum of {variance_array.min():.3g}")
+    aleatoric, epistemic = variance_array.mean(axis=0), mean_array.var(axis=0)
+    mean, variance = mean_array.mean(axis=0), aleatoric + epistemic
     result = Summary(nll=gaussian_nll(mean, variance, y))
-    result["rmse"] = float(np.sqrt(((_finite_float_array("y", y) - mean) ** 2).mean()))
-    result["mixture_nll"] = mixture_nll(means, variances, y)
+    result["rmse"] = float(np.sqrt(((y - mean) ** 2).mean()))
+    result["mixture_nll"] = mixture_nll(mean_array, variance_array, y)
+    result["crps"] = crps_gaussian(mean, variance, y)
+    result["mixture_crps"] = crps_mixture(mean_array, variance_array, y)
     result[f"interval_coverage_{level:g}"] = interval_coverage(mean, variance, y, level=level)
     result["calibration_error"] = regression_calibration(mean, variance, y).error
     result["aleatoric_variance"] = float(aleatoric.mean())
@@ -948,13 +1292,16 @@ def _regression_summary(
     if ood_means is not None:
         if ood_variances is None:
             raise ValueError("ood_members of a regression summary need ood_variances")
-        ood_aleatoric, ood_epistemic = uncertainty_split(ood_means, ood_variances)
-        if ood_epistemic.shape[1:] != epistemic.shape[1:]:
+        ood_mean_array, ood_variance_array = _member_gaussians(
+            ood_means, ood_variances, member_axis, names=("ood_members", "ood_variances")
+        )
+        if ood_mean_array.shape[2:] != mean_array.shape[2:]:
             raise ValueError(
-                f"ood_members must have the output shape of members {epistemic.shape[1:]}; "
-                f"received {ood_epistemic.shape[1:]}"
+                f"ood_members must have the output shape of members {mean_array.shape[2:]}; "
+                f"received {ood_mean_array.shape[2:]} (members first)"
             )
-        totals = (_per_sample(aleatoric + epistemic), _per_sample(ood_aleatoric + ood_epistemic))
+        ood_aleatoric, ood_epistemic = ood_variance_array.mean(axis=0), ood_mean_array.var(axis=0)
+        totals = (_per_sample(variance), _per_sample(ood_aleatoric + ood_epistemic))
         _add_detection(result, "total_variance", *totals, tpr)
         _add_detection(result, "epistemic_variance", _per_sample(epistemic), _per_sample(ood_epistemic), tpr)
     return result
@@ -968,6 +1315,7 @@ def summary(
     variances: ArrayLike | None = None,
     ood_members: ArrayLike | None = None,
     ood_variances: ArrayLike | None = None,
+    member_axis: int = 0,
     bins: int = 15,
     coverage: float = 0.9,
     level: float = 0.9,
@@ -975,20 +1323,23 @@ def summary(
 ) -> Summary:
     """Every metric of this module from member outputs, as a dict that prints as a Markdown table.
 
-    Classification (``variances`` None): members (n, B, K) probabilities (logits with ``logits``),
-    ``targets`` (B,) integer labels. Keys: accuracy, nll, brier, ece, aurc, e_aurc and
-    ``accuracy_at_coverage_{coverage}`` of the predictive mean (confidence: its maximum);
-    with ``ood_members`` (n, B_ood, K), ``ood_auroc_{score}``, ``ood_aupr_{score}`` (OOD
-    positive) and ``ood_fpr{100·tpr}_{score}`` (in-distribution positive) for the scores entropy,
-    msp, and for n > 1 mutual_information, variation_ratio, probability_variance, and for logits
-    max_logit, energy.
+    Classification (``variances`` None): members (n, B, K) (or (B, K), one member) probabilities
+    (logits with ``logits``), ``targets`` (B,) integer labels. Keys: accuracy, nll, brier, ece,
+    aurc, e_aurc and ``accuracy_at_coverage_{coverage}`` of the predictive mean (confidence: its
+    maximum; the NLL of logits without clipping); with ``ood_members`` (n, B_ood, K),
+    ``ood_auroc_{score}``, ``ood_aupr_{score}`` (OOD positive) and ``ood_fpr{100·tpr}_{score}``
+    (in-distribution positive) for the scores entropy, msp, and for n > 1 mutual_information,
+    variation_ratio, probability_variance, and for logits max_logit, energy.
 
     Regression (``variances`` given): members are the member means (n, B, ...), ``variances``
-    their variances, ``targets`` (B, ...). Keys: nll (of ``gaussian_mixture``), rmse,
-    mixture_nll, ``interval_coverage_{level}``, calibration_error (``regression_calibration``),
+    their variances (> 0), ``targets`` (B, ...). Keys: nll and crps (of the moment-matched
+    ``gaussian_mixture``), rmse, mixture_nll and mixture_crps (of the exact mixture),
+    ``interval_coverage_{level}``, calibration_error (``regression_calibration``),
     aleatoric_variance and epistemic_variance (means over samples); with ``ood_members`` and
     ``ood_variances``, the OOD metrics for the scores total_variance and epistemic_variance
     (per sample, averaged over its outputs).
+
+    ``member_axis`` is the members' axis of ``members``, ``variances``, ``ood_members`` and ``ood_variances``.
     """
     bins = check_int("bins", bins, minimum=1)
     coverage, level, tpr = (
@@ -1000,8 +1351,17 @@ def summary(
         if ood_variances is not None:
             raise ValueError("ood_variances is for regression: pass variances too")
         return _classification_summary(
-            members, targets, ood_members, logits=logits, bins=bins, coverage=coverage, tpr=tpr
+            members,
+            targets,
+            ood_members,
+            logits=logits,
+            member_axis=member_axis,
+            bins=bins,
+            coverage=coverage,
+            tpr=tpr,
         )
     if logits:
         raise ValueError("logits=True is for classification; a regression summary takes means and variances")
-    return _regression_summary(members, variances, targets, ood_members, ood_variances, level=level, tpr=tpr)
+    return _regression_summary(
+        members, variances, targets, ood_members, ood_variances, member_axis=member_axis, level=level, tpr=tpr
+    )

@@ -300,11 +300,15 @@ WITH_NAN[0, 1, 2] = np.nan
 
 ERRORS: dict[str, tuple[Callable[[], object], str]] = {
     "members-nan": (lambda: metrics.predictive_entropy(WITH_NAN), r"members must be finite; received 1 NaN"),
-    "members-2d": (lambda: metrics.predictive_mean(GOOD_PROBS), r"members must have shape \(n, B, K\)"),
+    "members-1d": (lambda: metrics.predictive_mean(GOOD_PROBS[0]), r"members must have shape \(n, B, K\)"),
     "members-empty": (lambda: metrics.predictive_mean(np.ones((0, 3, 2))), r"n >= 1 members and B >= 1 samples"),
     "one-class": (lambda: metrics.mutual_information(np.ones((2, 3, 1))), r"at least 2 classes"),
     "not-normalized": (lambda: metrics.predictive_mean(GOOD_MEMBERS * 0.5), r"must sum to 1 .*pass logits=True"),
-    "negative": (lambda: metrics.expected_entropy(GOOD_MEMBERS - 0.5), r"must lie in \[0, 1\]"),
+    "negative": (
+        lambda: metrics.expected_entropy(GOOD_MEMBERS - 0.5),
+        r"members must be probabilities in \[0, 1\]; received values from -0.\d+ to 0.\d+, which look like logits "
+        r"\(pass logits=True\)",
+    ),
     "strings": (lambda: metrics.predictive_mean(np.array([[["a", "b"]]])), r"real numeric array"),
     "regression-1d": (lambda: metrics.member_variance(np.ones(3)), r"outputs must have shape \(n, B, \.\.\.\)"),
     "regression-inf": (lambda: metrics.member_mean(np.array([[np.inf]])), r"outputs must be finite"),

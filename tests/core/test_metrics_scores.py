@@ -104,7 +104,7 @@ def test_low_precision_outputs_are_accepted_and_scored_in_float64(kind: str) -> 
 
 
 ERRORS: dict[str, tuple[Callable[[], object], str]] = {
-    "energy-2d": (lambda: metrics.energy_score(np.zeros((3, 4))), r"members must have shape \(n, B, K\)"),
+    "energy-4d": (lambda: metrics.energy_score(np.zeros((2, 3, 4, 1))), r"members must have shape \(n, B, K\)"),
     "max-logit-nan": (lambda: metrics.max_logit_score(np.full((1, 2, 3), np.nan)), r"members must be finite"),
     "max-logit-empty": (lambda: metrics.max_logit_score(np.zeros((1, 2, 0))), r"K >= 1 classes"),
     "msp-one-class": (lambda: metrics.msp_score(np.ones((2, 3, 1))), r"at least 2 classes"),

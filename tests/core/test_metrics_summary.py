@@ -86,6 +86,8 @@ def test_regression_summary_holds_every_metric() -> None:
         "nll": metrics.gaussian_nll(mean, variance, y),
         "rmse": float(np.sqrt(np.mean((mean - y) ** 2))),
         "mixture_nll": metrics.mixture_nll(means, variances, y),
+        "crps": metrics.crps_gaussian(mean, variance, y),
+        "mixture_crps": metrics.crps_mixture(means, variances, y),
         "interval_coverage_0.8": metrics.interval_coverage(mean, variance, y, level=0.8),
         "calibration_error": metrics.regression_calibration(mean, variance, y).error,
         "aleatoric_variance": float(aleatoric.mean()),

@@ -106,7 +106,7 @@ def test_separable_and_tiny_sets_return_a_bound_with_a_warning() -> None:
     with pytest.warns(UserWarning, match="decreases to the lower bound"):
         assert metrics.fit_temperature(separable, np.array([0, 1])) == 0.01
     with pytest.warns(UserWarning, match="decreases to the lower bound"):
-        assert metrics.fit_temperature(np.array([[[1.0, 0.0]]]), np.array([0]), bounds=(0.5, 2.0)) == 0.5
+        assert metrics.fit_temperature(np.array([[[2.0, 0.0]]]), np.array([0]), bounds=(0.5, 2.0)) == 0.5
     with pytest.warns(UserWarning, match="increases to the upper bound: .*no better than a uniform guess"):
         assert metrics.fit_temperature(np.array([[3.0, 0.0]]), np.array([1])) == 100.0
     with pytest.warns(UserWarning, match=r"of members \[1\]"):
@@ -172,9 +172,15 @@ WITH_NAN = GOOD_LOGITS.copy()
 WITH_NAN[1, 2, 0] = np.nan
 
 ERRORS: dict[str, tuple[Callable[[], object], str]] = {
-    "nan": (lambda: metrics.fit_temperature(WITH_NAN, [0, 1, 2]), r"logits must be finite; received 1 NaN"),
-    "1d": (lambda: metrics.fit_temperature(np.zeros(3), [0, 1, 2]), r"logits must have shape \(B, K\) or \(n, B, K\)"),
-    "empty": (lambda: metrics.fit_temperature(np.zeros((0, 4)), []), r"n, B, K >= 1"),
+    "nan": (
+        lambda: metrics.fit_temperature(WITH_NAN, [0, 1, 2]),
+        r"logits must be finite \(−inf, a masked class, is allowed\); received 1 NaN",
+    ),
+    "1d": (
+        lambda: metrics.fit_temperature(np.zeros(3), [0, 1, 2]),
+        r"logits must have shape \(n, B, K\) .* or \(B, K\) \(one member\)",
+    ),
+    "empty": (lambda: metrics.fit_temperature(np.zeros((0, 4)), []), r"logits needs n >= 1 members and B >= 1 samples"),
     "labels-range": (lambda: metrics.fit_temperature(GOOD_LOGITS, [0, 1, 4]), r"labels must lie in \[0, 4\)"),
     "binary-labels-range": (
         lambda: metrics.fit_temperature(np.zeros((3, 1)), [0, 1, 2]),
@@ -191,7 +197,8 @@ ERRORS: dict[str, tuple[Callable[[], object], str]] = {
     "apply-nan": (lambda: metrics.apply_temperature(GOOD_LOGITS, np.nan), r"temperature must be finite"),
     "apply-members": (
         lambda: metrics.apply_temperature(GOOD_LOGITS, [1.0, 2.0, 3.0]),
-        r"one per member \(n,\) for \(n, B, K\) logits; received temperature shape \(3,\) for logits \(2, 3, 4\)",
+        r"one per member \(n,\) for \(n, B, K\) logits \(member_axis=0\); received temperature shape \(3,\) "
+        r"for logits \(2, 3, 4\)",
     ),
 }
 
