@@ -92,7 +92,8 @@ def test_the_channel_axis_of_nn_dropout_comes_from_the_producing_layer(
     producer: nn.Module, x: torch.Tensor, expected: tuple[int, int]
 ) -> None:
     model = nn.Sequential(producer, nn.GELU(), nn.Dropout(0.2))  # found through the elementwise GELU
-    converted = mt.convert_dropout(model, x, N, 2.0, seed=0)
+    # after a BatchNorm of the raw input the dropout reads that input: include_first converts it
+    converted = mt.convert_dropout(model, x, N, 2.0, seed=0, include_first=isinstance(producer, nn.BatchNorm1d))
     assert (converted[2].channels, converted[2].channel_axis) == expected
     assert decisions(converted)["2"] == (CONVERTED, *expected, "")
     assert "channel_axis=" + str(expected[1]) in repr(converted[2])
