@@ -290,8 +290,9 @@ def _run_once(model: nn.Module, inputs: tuple[Tensor, ...], wrappers: dict[str, 
     def leave(module: nn.Module, args: object, output: object) -> None:
         stack.pop()
 
-    hooks = [module.register_forward_pre_hook(enter) for module in modules.values()]
-    hooks += [module.register_forward_hook(leave) for module in modules.values()]
+    hooked = [module for module in modules.values() if not isinstance(module, torch.jit.ScriptModule)]  # no hooks
+    hooks = [module.register_forward_pre_hook(enter) for module in hooked]
+    hooks += [module.register_forward_hook(leave) for module in hooked]
     for path, wrapper in wrappers.items():
         wrapper.__dict__[_NOTE_READS] = functools.partial(note, path)
     failure: Exception | None = None
