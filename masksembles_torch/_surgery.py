@@ -267,6 +267,14 @@ def _unwrap(model: nn.Module, wrappers: dict[str, Masked]) -> None:
         _replace(model, [path], wrapper.layer)
 
 
+def _read_reason(layer: nn.Module, names: Collection[str], users: Collection[str]) -> str:
+    """Why a layer whose attributes ``names`` the model read through its wrapper is left alone."""
+    weights = [name for name in names if isinstance(getattr(layer, name), Tensor)]
+    if weights:
+        return used_outside_its_call(" and ".join(users), weights)
+    return f"its attributes ({', '.join(names)}) are read by {' and '.join(users)}, and Masked does not forward them"
+
+
 def _run_once(model: nn.Module, inputs: tuple[Tensor, ...], wrappers: dict[str, Masked]) -> dict[str, str]:
     """Run ``model`` on ``inputs`` (eval mode, no gradients, modes restored); {path of a wrapper: why it must go}.
 
@@ -306,7 +314,7 @@ def _run_once(model: nn.Module, inputs: tuple[Tensor, ...], wrappers: dict[str, 
             hook.remove()
         for wrapper in wrappers.values():
             del wrapper.__dict__[_NOTE_READS]
-    found = {path: used_outside_its_call(" and ".join(users), names) for path, (names, users) in used.items()}
+    found = {path: _read_reason(wrappers[path].layer, names, users) for path, (names, users) in used.items()}
     if failure is None:
         return found
     failing = next((path for path in reversed(stack) if path in wrappers), None)

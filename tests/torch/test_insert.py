@@ -410,16 +410,16 @@ def test_layers_whose_weights_the_model_reads_are_left_alone_and_the_model_works
 
 
 class ReadsThroughTheWrapper(nn.Module):
-    """Untraceable, and its code breaks on a wrapper in two ways torch.fx cannot show: it reads the head's weights
-    for a penalty, and it calls ``out`` with the input by keyword."""
+    """Untraceable, and its code breaks on a wrapper in ways torch.fx cannot show: it reads the head's weights for a
+    penalty and the hidden layer's width, and it calls ``out`` with the input by keyword."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.stem, self.hidden = nn.Linear(5, 8), nn.Linear(8, 8)
+        self.stem, self.hidden, self.mix = nn.Linear(5, 8), nn.Linear(8, 8), nn.Linear(8, 8)
         self.head, self.out = nn.Linear(8, 8), nn.Linear(8, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.hidden(self.stem(x)).relu()
+        h = self.mix(self.hidden(self.stem(x))[:, : self.hidden.out_features]).relu()
         if bool(h.sum() > -1e9):  # data-dependent: torch.fx cannot trace it
             h = h + self.head.weight.norm()
         return self.out(input=self.head(h))
@@ -432,6 +432,7 @@ def test_example_input_run_leaves_alone_the_layers_the_model_cannot_keep() -> No
     reasons = {row.path: row.reason for row in inserted.masksembles_report.unchanged}
     assert reasons == {
         "stem": FIRST,
+        "hidden": "its attributes (out_features) are read by the model's forward, and Masked does not forward them",
         "head": (
             "its weights (weight) are used by the model's forward outside its own call: a mask on its input would "
             "not apply there"
@@ -441,12 +442,12 @@ def test_example_input_run_leaves_alone_the_layers_the_model_cannot_keep() -> No
             "argument: 'x')"
         ),
     }
-    assert [row.path for row in inserted.masksembles_report.changed] == ["hidden"]
+    assert [row.path for row in inserted.masksembles_report.changed] == ["mix"]
     assert inserted.training and all(module.training for module in inserted.modules()), "modes restored"
     assert mt.predict(inserted, x, 2).shape == (2, 6, 2)
     with pytest.warns(UserWarning, match="could not trace the model"):
         blind = mt.insert(model, 2, 2.0, seed=0)
-    with pytest.raises(AttributeError, match=r"Masked does not forward attributes to its Linear: read \.layer\.weight"):
+    with pytest.raises(AttributeError, match=r"does not forward attributes to its Linear: read \.layer\.out_features"):
         blind(x)
 
 
