@@ -1,7 +1,8 @@
 """Where a model gets Masksembles layers: the rule shared by every framework's ``insert`` and ``convert_dropout``.
 
 An adapter lists the layers of a model in order (their paths) and the candidates among them (the layers whose input
-may get masks, with their input channel count), and ``plan_insertion`` decides, the same way in every framework:
+may get masks, with their input channel count; for ``convert_dropout``, the dropouts that masks may replace), and
+``plan_insertion`` (``insert``) or ``plan_conversion`` (``convert_dropout``) decides, the same way in every framework:
 
 - the network's first layers (``first_layers``, as the adapter finds them, whatever ``before`` selects: the
   convolution, linear or embedding layers that read the raw input, image or feature channels; one per input of a
@@ -9,19 +10,19 @@ may get masks, with their input channel count), and ``plan_insertion`` decides, 
   set;
 - with ``start`` (a layer path, e.g. ``"layer3"``), candidates before that layer in the model's order are skipped;
   a ``start`` that names no layer is an error that lists the model's top-level layers;
-- a candidate the adapter marked with a reason (e.g. a depthwise convolution) is skipped with that reason, and so is
-  one with a single input channel (every mask would keep it) or too few for n distinct masks (members would share
-  masks);
-- the ``i``-th inserted layer gets masks from ``derive_seed(seed, i)``.
+- a candidate the adapter marked with a reason (e.g. a depthwise convolution, a dropout with ``p=0``, a layer whose
+  weights other code uses, worded by ``used_outside_its_call``) is skipped with that reason, and so is one with a
+  single input channel (every mask would keep it) or too few for n distinct masks (members would share masks);
+- the ``i``-th layer given masks gets them from ``derive_seed(seed, i)``.
 
+``plan_conversion`` applies the same rules without ``start`` (a dropout that reads the raw input is a first layer).
 The result is a ``LayerReport``: one row per candidate, what was done and why, printable as a Markdown table.
-``convert_dropout`` reports its decisions with the same class.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from ._generation import derive_seed, ones_per_mask
@@ -44,7 +45,8 @@ class LayerChange:
         channels: number of channels the masks cover (None when nothing was placed).
         channel_axis: axis of those channels in the layer's input (None when nothing was placed).
         seed: seed the masks were generated from (None when nothing was placed).
-        reason: why a layer was left as is (empty otherwise).
+        reason: why a layer was left as is; for a layer given masks, a note from the adapter (how it chose the
+            channel axis, say) or empty.
     """
 
     path: str
@@ -103,6 +105,7 @@ class Candidate:
         channels: channels of its input (``in_channels``/``in_features``, or the last axis of a Keras input).
         channel_axis: axis of those channels in its input.
         reason: set by the adapter when masks cannot or should not go there (the layer is then left as is).
+        note: kept in the report when masks do go there (e.g. "axis -1 from the input's rank").
     """
 
     path: str
@@ -110,6 +113,23 @@ class Candidate:
     channels: int
     channel_axis: int
     reason: str = ""
+    note: str = ""
+
+
+def used_outside_its_call(user: str, weights: Iterable[str] = ()) -> str:
+    """The reason a layer is left alone when other code uses its weights without calling the layer.
+
+    Masks go on a layer's input where the layer is called; code that takes its weights itself (torchvision's
+    shifted-window attention runs ``F.linear(x, self.qkv.weight, ...)``, a tied output projection reads an
+    embedding's matrix) computes with them on an input no mask reaches.
+
+    Args:
+        user: who uses the weights, as the adapter names it (``"'features.1.0.attn' (ShiftedWindowAttention)"``).
+        weights: the names of the weights used, when known (``("weight", "bias")``).
+    """
+    names = ", ".join(weights)
+    listed = f" ({names})" if names else ""
+    return f"its weights{listed} are used by {user} outside its own call: a mask on its input would not apply there"
 
 
 def check_insert_arguments(n: object, scale: object, seed: object, start: object) -> tuple[int, float, int | None]:
@@ -148,9 +168,6 @@ def plan_insertion(
         ValueError: ``start`` names no layer of the model, or no candidate gets masks (the message holds the report).
     """
     position = {path: i for i, path in enumerate(order)}
-    if isinstance(first_layers, str):
-        raise TypeError(f"first_layers must be a collection of layer paths, not one str; received {first_layers!r}")
-    first = frozenset(first_layers)
     first_allowed = 0
     if start is not None:
         if start not in position:
@@ -158,34 +175,100 @@ def plan_insertion(
             shown = ", ".join(repr(name) for name in top[:20]) + (", ..." if len(top) > 20 else "")
             raise ValueError(f"start={start!r} names no layer of the model; its top-level layers are {shown}")
         first_allowed = position[start]
+    before_start = {candidate.path for candidate in candidates if position[candidate.path] < first_allowed}
+    rows = _plan_rows(candidates, n, scale, seed, first_layers, include_first, INSERTED, before_start, start)
+    report = LayerReport("insert", n, scale, rows)
+    if not report.changed:
+        raise ValueError(f"insert found no layer to put masks before ({len(candidates)} candidates)\n{report}")
+    return report
+
+
+def plan_conversion(
+    candidates: Sequence[Candidate],
+    n: int,
+    scale: float,
+    *,
+    seed: int | None,
+    first_layers: Collection[str] = (),
+    include_first: bool = False,
+    converts: str = "dropout layers",
+) -> LayerReport:
+    """Decide which dropouts ``convert_dropout`` replaces by masks: ``plan_insertion``'s rules, without ``start``.
+
+    Args:
+        candidates: every dropout the adapter looked at, in the model's order; ``channels``/``channel_axis`` describe
+            the dropout's input, ``reason`` says why it cannot be converted (``p=0``, a per-sample dropout, ...).
+        n, scale, seed: as given to ``convert_dropout`` (validated by ``check_insert_arguments``).
+        first_layers: the paths of the dropouts that read the raw input (an input dropout), skipped unless
+            ``include_first``.
+        include_first: also convert the dropouts that read the raw input.
+        converts: what the adapter converts, named in the error when nothing is converted.
+
+    Raises:
+        ValueError: no dropout converted (the message holds the report).
+    """
+    rows = _plan_rows(candidates, n, scale, seed, first_layers, include_first, CONVERTED, frozenset(), None)
+    report = LayerReport("convert_dropout", n, scale, rows)
+    if not report.changed:
+        raise ValueError(
+            f"convert_dropout converted no dropout ({len(candidates)} looked at; it converts {converts})\n{report}"
+        )
+    return report
+
+
+def _channels_reason(channels: int, n: int, scale: float) -> str:
+    """Why ``channels`` input channels cannot get n distinct masks ("" when they can)."""
+    if channels < 2:
+        return "a single input channel: every mask would keep it"
+    if n > 1 and scale > 1:
+        ones = ones_per_mask(channels, n, scale)
+        distinct = math.comb(channels, ones)
+        if distinct < n:
+            return (
+                f"{channels} input channels: only {distinct} distinct masks of {ones} ones exist, fewer than n={n} "
+                "(members would share masks)"
+            )
+    return ""
+
+
+def _plan_rows(
+    candidates: Sequence[Candidate],
+    n: int,
+    scale: float,
+    seed: int | None,
+    first_layers: Collection[str],
+    include_first: bool,
+    action: str,
+    before_start: Collection[str],
+    start: str | None,
+) -> tuple[LayerChange, ...]:
+    """One row per candidate: ``action`` with the ``i``-th seed, or left as is with the first reason that applies."""
+    if isinstance(first_layers, str):
+        raise TypeError(f"first_layers must be a collection of layer paths, not one str; received {first_layers!r}")
+    first = frozenset(first_layers)
     rows: list[LayerChange] = []
-    inserted = 0
+    placed = 0
     for candidate in candidates:
         reason = candidate.reason
         if not reason and candidate.path in first and not include_first:
             reason = "the network's first layer: it reads the raw input (include_first=True masks it)"
-        if not reason and position[candidate.path] < first_allowed:
+        if not reason and candidate.path in before_start:
             reason = f"before start={start!r}"
-        if not reason and candidate.channels < 2:
-            reason = "a single input channel: every mask would keep it"
-        if not reason and n > 1 and scale > 1:
-            ones = ones_per_mask(candidate.channels, n, scale)
-            if math.comb(candidate.channels, ones) < n:
-                reason = (
-                    f"{candidate.channels} input channels: only {math.comb(candidate.channels, ones)} distinct masks "
-                    f"of {ones} ones exist, fewer than n={n} (members would share masks)"
-                )
+        reason = reason or _channels_reason(candidate.channels, n, scale)
         if reason:
             rows.append(LayerChange(candidate.path, candidate.layer, LEFT, reason=reason))
             continue
-        layer_seed = derive_seed(seed, inserted)
-        inserted += 1
+        layer_seed = derive_seed(seed, placed)
+        placed += 1
         rows.append(
             LayerChange(
-                candidate.path, candidate.layer, INSERTED, candidate.channels, candidate.channel_axis, layer_seed
+                candidate.path,
+                candidate.layer,
+                action,
+                candidate.channels,
+                candidate.channel_axis,
+                layer_seed,
+                candidate.note,
             )
         )
-    report = LayerReport("insert", n, scale, tuple(rows))
-    if not inserted:
-        raise ValueError(f"insert found no layer to put masks before ({len(candidates)} candidates)\n{report}")
-    return report
+    return tuple(rows)

@@ -1,16 +1,18 @@
 """Model surgery: ``insert`` (the paper's recipe) and ``convert_dropout``, on Sequential and functional models.
 
 Both run the same two steps. ``_survey`` lists every layer and operation of the model in graph order, with the
-shape of the tensor each call reads; the rule of ``masksembles_core.insertion`` (``insert``) or the dropout rule
-(``convert_dropout``) decides where masks go; ``_Rebuilder`` builds a new model with a Masksembles layer in front of
-(``insert``) or in place of (``convert_dropout``) the chosen layers and copies every other layer and operation with
-its weights, so the input model is never modified. For ``insert``, ``_read_raw`` follows the raw input from the
-model's inputs through the graph to the layers that read it: the network's first layers.
+shape of the tensor each call reads; the rule of ``masksembles_core.insertion`` (``plan_insertion`` for ``insert``,
+``plan_conversion`` for ``convert_dropout``) decides where masks go; ``_Rebuilder`` builds a new model with a
+Masksembles layer in front of (``insert``) or in place of (``convert_dropout``) the chosen layers and copies every
+other layer and operation with its weights, so the input model is never modified. ``_read_raw`` follows the raw
+input from the model's inputs through the graph to the layers that read it: the network's first layers (for
+``convert_dropout``, the dropouts reached through no layer that mixes channels).
 
 Paths: a layer of the model is its name (``"conv2"``); a layer of a nested Sequential/functional model is
 ``"<nested model name>/<layer name>"`` (nesting repeats), as in Keras' variable paths. A layer inside a custom layer
 or a subclassed model (Python ``call()`` code, which cannot be rebuilt) is ``"<custom layer path>/<layer name>"`` and
-is reported as left alone.
+is reported as left alone; so is a layer the graph calls that a custom layer also holds (a tied projection reading
+an embedding's matrix, say): masks before its call would not reach the custom layer's use of its weights.
 """
 
 from __future__ import annotations
@@ -21,15 +23,13 @@ from typing import Any
 
 import keras
 
-import masksembles_core as mc
 from masksembles_core.insertion import (
     CONVERTED,
-    LEFT,
     Candidate,
-    LayerChange,
-    LayerReport,
     check_insert_arguments,
+    plan_conversion,
     plan_insertion,
+    used_outside_its_call,
 )
 
 from ._layers import Masksembles, Masksembles1D, Masksembles2D, Masksembles3D
@@ -50,6 +50,7 @@ INPUT_LAYERS = (  # the kinds of layer that read a network's raw input: those th
     keras.layers.EinsumDense,
     keras.layers.Embedding,
 )
+MIXING = (*INPUT_LAYERS, keras.layers.RNN)  # what mixes the raw input's channels (attention holds EinsumDense layers)
 DEPTHWISE = "depthwise convolution: each output channel reads one input channel (before=... includes it)"
 _MASKS_BY_RANK: dict[int, type[Masksembles]] = {2: Masksembles1D, 3: Masksembles1D, 4: Masksembles2D, 5: Masksembles3D}
 
@@ -62,13 +63,13 @@ class _Site:
         path: its path (module docstring).
         op: the layer or raw operation (``x + 1``, ``x[:, 0]``, a ``keras.ops`` call).
         inputs: per call in the graph, the shape of the one tensor it reads (None: it reads several tensors).
-        inside: for a layer inside a custom layer, a description of that layer (it is then never called here).
+        holder: for a layer a custom layer holds, that layer's site (a layer also called in the graph is still held).
     """
 
     path: str
     op: Any
     inputs: list[Shape | None] = field(default_factory=list)
-    inside: str = ""
+    holder: _Site | None = None
 
 
 def _is_graph_model(op: object) -> bool:
@@ -115,14 +116,16 @@ def _survey(model: Any, prefix: str = "", sites: dict[int, _Site] | None = None)
     found: dict[int, _Site] = {} if sites is None else sites
     for op, inputs in _graph_calls(model):
         site = found.get(id(op))
+        if site is not None and site.holder is not None and not site.inputs:  # held, and called in the graph too
+            site.path = f"{prefix}{op.name}"
         if site is None:
             site = found[id(op)] = _Site(f"{prefix}{op.name}", op)
             if _is_graph_model(op):
                 _survey(op, f"{site.path}/", found)
             elif isinstance(op, keras.layers.Layer):
-                inside = f"inside {type(op).__name__} {site.path!r}: only a Sequential/functional graph can be rebuilt"
                 for inner in op._flatten_layers(include_self=False, recursive=True):  # its tracked sublayers
-                    found.setdefault(id(inner), _Site(f"{site.path}/{inner.name}", inner, inside=inside))
+                    held = found.setdefault(id(inner), _Site(f"{site.path}/{inner.name}", inner))
+                    held.holder = held.holder or site
         site.inputs.extend(inputs)
     return list(found.values())
 
@@ -166,9 +169,12 @@ def _channel_axis(layer: Any) -> int:
 
 
 def _channels(site: _Site, axis: int) -> tuple[int, str]:
-    """The channel count of the site's input on ``axis``, or (0, why there is no single one)."""
-    if site.inside:
-        return 0, site.inside
+    """The channel count of the site's input on ``axis``, or (0, why there is no single one or masks cannot go)."""
+    if site.holder is not None and not site.inputs:
+        kind = type(site.holder.op).__name__
+        return 0, f"inside {kind} {site.holder.path!r}: only a Sequential/functional graph can be rebuilt"
+    if site.holder is not None:
+        return 0, used_outside_its_call(f"custom layer {site.holder.path!r} ({type(site.holder.op).__name__})")
     if any(shape is None for shape in site.inputs):
         return 0, "its input is not a single tensor"
     counts = {shape[axis] for shape in site.inputs if shape is not None}
@@ -416,8 +422,8 @@ def insert(
     return result
 
 
-def _dropout_reason(layer: Any, axis: int, channels: int) -> str:
-    """Why a dropout layer whose input has ``channels`` channels on ``axis`` is not converted ("" when it is)."""
+def _dropout_reason(layer: Any, axis: int) -> str:
+    """Why a dropout layer is not channel dropout ("" when it is)."""
     if layer.rate == 0:
         return "rate=0: it drops nothing"
     noise_shape = getattr(layer, "noise_shape", None)
@@ -426,12 +432,12 @@ def _dropout_reason(layer: Any, axis: int, channels: int) -> str:
             f"noise_shape={tuple(noise_shape)}: one draw for all channels (per-sample dropout, e.g. stochastic "
             "depth), not channel dropout"
         )
-    if channels < 2:
-        return "a single channel: every mask would keep it"
     return ""
 
 
-def convert_dropout(model: keras.Model, n: int, scale: float, *, seed: int | None = None) -> keras.Model:
+def convert_dropout(
+    model: keras.Model, n: int, scale: float, *, seed: int | None = None, include_first: bool = False
+) -> keras.Model:
     """A copy of ``model`` with its channel dropouts replaced by Masksembles (the paper's MC-Dropout drop-in).
 
     Each ``Dropout``/``SpatialDropout1D/2D/3D`` becomes a Masksembles layer over the channels of its input: the last
@@ -439,15 +445,18 @@ def convert_dropout(model: keras.Model, n: int, scale: float, *, seed: int | Non
     carries no layout), the ``data_format``'s channel axis for ``SpatialDropout2D/3D``. The class follows the
     input's rank as in ``insert`` (``Masksembles1D`` for (B, C) and (B, L, C), ``Masksembles2D``, ``Masksembles3D``,
     else ``Masksembles``); the masks layer keeps the dropout's name (``model.get_layer("top_dropout")`` finds it)
-    and dtype policy and reads its channel count from its input. The ``i``-th converted dropout gets masks from
-    ``derive_seed(seed, i)``. Every other layer and raw operation is copied with its weights (the input model is
-    left unchanged); Sequential and functional models work, nested ones included, and a subclassed model is a
-    TypeError.
+    and dtype policy and reads its channel count from its input. Every other layer and raw operation is copied with
+    its weights (the input model is left unchanged); Sequential and functional models work, nested ones included,
+    and a subclassed model is a TypeError.
 
-    Left as is, with the reason in the report: ``rate=0``; a ``noise_shape`` that shares one draw across the
-    channels (per-sample dropout such as EfficientNet's stochastic depth, ``noise_shape=(None, 1, 1, 1)``); a
-    single channel; an input that is not a single tensor or has different channel counts at different calls; and
-    dropouts inside custom layers (e.g. ``MultiHeadAttention``'s), which cannot be reached.
+    Decided by ``masksembles_core.insertion.plan_conversion``, with ``insert``'s rules: left as is, with the reason
+    in the report, a dropout with a single input channel or too few for ``n`` distinct masks, and one that reads the
+    raw input (reached from a model input through no convolution, dense, einsum-dense, embedding or recurrent layer)
+    unless ``include_first``. Also left as is: ``rate=0``; a ``noise_shape`` that shares one draw across the
+    channels (per-sample dropout such as EfficientNet's stochastic depth, ``noise_shape=(None, 1, 1, 1)``); an input
+    that is not a single tensor or has different channel counts at different calls; and dropouts inside custom
+    layers (e.g. ``MultiHeadAttention``'s), which cannot be reached. The ``i``-th converted dropout gets masks from
+    ``derive_seed(seed, i)``.
 
     Returns:
         the new model, of the input model's class (compiled with its compile configuration when it was compiled),
@@ -461,24 +470,32 @@ def convert_dropout(model: keras.Model, n: int, scale: float, *, seed: int | Non
     """
     n, scale, seed = check_insert_arguments(n, scale, seed, None)
     _check_model(model, "convert_dropout")
-    rows: list[LayerChange] = []
-    edits: dict[int, _Edit] = {}
-    for site in _survey(model):
-        if not isinstance(site.op, keras.layers.Dropout):
-            continue
+    sites = _survey(model)
+    dropouts = [site for site in sites if isinstance(site.op, keras.layers.Dropout)]
+    candidates = []
+    for site in dropouts:
         axis = _channel_axis(site.op)  # SpatialDropout2D/3D's data_format; Dropout and SpatialDropout1D: -1
         channels, unusable = _channels(site, axis)
-        reason = unusable or _dropout_reason(site.op, axis, channels)
-        if reason:
-            rows.append(LayerChange(site.path, type(site.op).__name__, LEFT, reason=reason))
-            continue
-        layer_seed = mc.derive_seed(seed, len(edits))
-        masks = _masks_layer(site, n, scale, layer_seed, axis, site.op.name)
-        edits[id(site.op)] = _Edit(masks, keep=False)
-        rows.append(LayerChange(site.path, type(site.op).__name__, CONVERTED, channels, axis, layer_seed))
-    report = LayerReport("convert_dropout", n, scale, tuple(rows))
-    if not edits:
-        raise ValueError(f"convert_dropout found no dropout layer to convert ({len(rows)} dropout layers)\n{report}")
+        reason = unusable or _dropout_reason(site.op, axis)
+        candidates.append(Candidate(site.path, type(site.op).__name__, channels, axis, reason))
+    found: set[int] = set()  # the dropouts that read the raw input
+    stops = {id(site.op) for site in sites if isinstance(site.op, MIXING)} | {id(site.op) for site in dropouts}
+    _read_raw(model, [True] * len(model.inputs), stops, found)
+    report = plan_conversion(
+        candidates,
+        n,
+        scale,
+        seed=seed,
+        first_layers=[site.path for site in dropouts if id(site.op) in found],
+        include_first=include_first,
+        converts="Dropout/SpatialDropout1D/SpatialDropout2D/SpatialDropout3D layers",
+    )
+    edits: dict[int, _Edit] = {}
+    for site, row in zip(dropouts, report.rows, strict=True):
+        if row.action == CONVERTED:
+            assert row.channel_axis is not None
+            masks = _masks_layer(site, n, scale, row.seed, row.channel_axis, site.op.name)
+            edits[id(site.op)] = _Edit(masks, keep=False)
     result = _Rebuilder(edits)(model)
     result.masksembles_report = report
     return result

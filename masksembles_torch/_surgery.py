@@ -5,10 +5,13 @@ attach a ``masksembles_core.insertion.LayerReport`` to it as ``masksembles_repor
 was done and why; ``print(model.masksembles_report)`` shows it as a Markdown table.
 
 ``insert`` decides with the rule every framework's ``insert`` shares (``masksembles_core.insertion``) and replaces
-each chosen layer by ``Masked(masksembles, layer)``. ``convert_dropout`` reads the model with torch.fx: a dropout's
-channel axis comes from the layer that produced its input, ``F.dropout`` calls are found, and dropouts of attention
-weights are recognized. Dropout modules are replaced in place, so the model keeps its classes and methods; only a
-module whose own ``forward`` calls ``F.dropout`` is replaced by a ``torch.fx.GraphModule`` of that ``forward``.
+each chosen layer by ``Masked(masksembles, layer)``, except where torch.fx sees the model use a layer's weights
+without calling it; given an example input, it runs the new model once and leaves alone the layers that would make
+it fail. ``convert_dropout`` reads the model with torch.fx and decides with the same rule (``plan_conversion``): a
+dropout's channel axis comes from the layer that produced its input, ``F.dropout`` calls are found, and dropouts of
+attention weights are recognized. Dropout modules are replaced in place, so the model keeps its classes and methods;
+only a module whose own ``forward`` calls ``F.dropout`` is replaced by a ``torch.fx.GraphModule`` of that
+``forward``.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import inspect
+import itertools
 import operator
 import warnings
 from collections.abc import Callable, Collection, Iterator, Sequence
@@ -28,16 +33,16 @@ import torch.nn.functional as F
 from torch import Tensor, fx, nn
 from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
 
-import masksembles_core as mc
 import masksembles_core.adapter as mca
 from masksembles_core.insertion import (
     CONVERTED,
-    LEFT,
     Candidate,
     LayerChange,
     LayerReport,
     check_insert_arguments,
+    plan_conversion,
     plan_insertion,
+    used_outside_its_call,
 )
 
 from ._layers import Masksembles
@@ -47,6 +52,8 @@ DEPTHWISE = "depthwise convolution: each output channel reads one input channel 
 INPUT_LAYERS = (nn.modules.conv._ConvNd, nn.Linear, nn.Embedding, nn.EmbeddingBag)  # what reads a network's input
 REPORT = "masksembles_report"
 CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+_NOTE_READS = "_masksembles_note_read"  # set on a Masked only while insert runs its example input
+Inputs = Tensor | tuple[Tensor, ...]
 
 
 class Masked(nn.Module):
@@ -62,8 +69,9 @@ class Masked(nn.Module):
 
     Attributes are not forwarded to the layer: read ``masked.layer.weight``, ``masked.layer.in_features``. Code that
     takes a wrapped layer's weights to compute without calling it would silently skip the masks; it gets an
-    AttributeError that says so instead. ``state_dict`` keys: ``<path>.layer.<name>`` for the layer's parameters
-    and buffers, ``<path>.masksembles.masks`` for the masks.
+    AttributeError that says so instead (``insert`` leaves such layers alone when torch.fx or its example input
+    shows them). ``state_dict`` keys: ``<path>.layer.<name>`` for the layer's parameters and buffers,
+    ``<path>.masksembles.masks`` for the masks.
     """
 
     def __init__(self, masksembles: Masksembles, layer: nn.Module) -> None:
@@ -82,6 +90,10 @@ class Masked(nn.Module):
             layer = self.__dict__.get("_modules", {}).get("layer")
             if layer is None or not hasattr(layer, name):
                 raise
+            note_read = self.__dict__.get(_NOTE_READS)
+            if note_read is not None:  # insert's example run: note who reads what, and let the model go on
+                note_read(name)
+                return getattr(layer, name)
             raise AttributeError(
                 f"{error}; Masked does not forward attributes to its {type(layer).__name__}: read .layer.{name} "
                 "(code that uses a wrapped layer's weights without calling it would skip the masks)"
@@ -162,34 +174,163 @@ def _candidate(model: nn.Module, path: str, module: nn.Module, paths: list[str],
     return Candidate(path, kind, 0, 1, reason="no in_channels or in_features to read its input channels from")
 
 
-def _first_layers(model: nn.Module, layers: list[str]) -> Collection[str]:
-    """The network's first layers among ``layers`` (paths in ``named_modules`` order): those that read the raw input.
-
-    A ``forward`` with one required input: the first of ``layers``. With several (``forward(self, image, features)``):
-    the layers torch.fx finds reached from an input through none of ``layers`` (arguments with a default keep it), or
-    the first of ``layers`` when torch.fx cannot trace the model.
-    """
-    leaves = set(layers)
+def _trace_model(model: nn.Module, leaves: set[str]) -> fx.Graph | str:
+    """``model`` traced by torch.fx with ``leaves`` kept as calls and the defaults of its ``forward`` as constants,
+    or why it could not be traced."""
     try:
         parameters = inspect.signature(model.forward).parameters.values()
-        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-        if sum(p.default is p.empty and p.kind in positional for p in parameters) < 2:
-            return layers[:1]
         defaults = {p.name: p.default for p in parameters if p.default is not p.empty}
-        graph = _Tracer(leaves).trace(model, concrete_args=defaults)
-    except Exception:  # no Python signature (a scripted module), or anything torch.fx cannot follow: the order rule
-        return layers[:1]
+        return _Tracer(leaves).trace(model, concrete_args=defaults or None)
+    except Exception as error:  # no Python signature (a scripted module), or anything torch.fx cannot follow
+        return f"torch.fx could not trace the model ({_first_line(error)})"
+
+
+def _reading_raw(graph: fx.Graph, stops: Callable[[fx.Node], bool]) -> list[fx.Node]:
+    """The nodes among ``stops`` that read the raw input: reached from an input of ``graph`` through no other stop."""
     carrying: set[fx.Node] = set()
-    found: set[str] = set()
+    found: list[fx.Node] = []
     for node in graph.nodes:
         if node.op == "placeholder":
             carrying.add(node)
         elif any(source in carrying for source in node.all_input_nodes):
-            if node.op == "call_module" and node.target in leaves:
-                found.add(cast(str, node.target))
+            if stops(node):
+                found.append(node)
             else:
                 carrying.add(node)
     return found
+
+
+def _first_layers(model: nn.Module, layers: list[str], graph: fx.Graph | str) -> Collection[str]:
+    """The network's first layers among ``layers`` (paths in ``named_modules`` order): those that read the raw input.
+
+    A ``forward`` with one required input: the first of ``layers``. With several (``forward(self, image, features)``):
+    the layers torch.fx finds reached from an input through none of ``layers`` (arguments with a default keep it), or
+    the first of ``layers`` when torch.fx cannot trace the model (``graph`` is then why).
+    """
+    try:
+        parameters = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):  # no Python signature (a scripted module): the order rule
+        return layers[:1]
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    if isinstance(graph, str) or sum(p.default is p.empty and p.kind in positional for p in parameters) < 2:
+        return layers[:1]
+    leaves = set(layers)
+    reading = _reading_raw(graph, lambda node: node.op == "call_module" and node.target in leaves)
+    return {cast(str, node.target) for node in reading}
+
+
+def _user(path: str, modules: dict[str, nn.Module]) -> str:
+    """A module of the model as a report names it: ``'blocks.0.attn' (Attention)``, or the model's ``forward``."""
+    return f"{path!r} ({type(modules[path]).__name__})" if path else "the model's forward"
+
+
+def _used_outside(model: nn.Module, graph: fx.Graph, paths: Sequence[str]) -> dict[str, str]:
+    """{path: reason} for the layers at ``paths`` whose parameters or buffers ``graph`` reads itself (a ``get_attr``
+    node: ``F.linear(x, self.qkv.weight)``) instead of only calling the layer."""
+    owners: dict[int, list[tuple[str, str]]] = {}  # id of a tensor -> (layer path, its name there)
+    for path in paths:
+        layer = model.get_submodule(path)
+        for name, owned in itertools.chain(layer.named_parameters(), layer.named_buffers()):
+            owners.setdefault(id(owned), []).append((path, name))
+    modules = dict(model.named_modules())
+    found: dict[str, tuple[dict[str, None], dict[str, None]]] = {}  # path -> (names used, users), in order
+    for node in graph.nodes:
+        if node.op != "get_attr":
+            continue
+        try:
+            tensor: object = functools.reduce(getattr, cast(str, node.target).split("."), model)
+        except AttributeError:  # a constant torch.fx made, not an attribute of the model
+            continue
+        for path, name in owners.get(id(tensor), []):
+            names, users = found.setdefault(path, ({}, {}))
+            names[name] = None
+            users[_user(_owner(node)[0], modules)] = None
+    return {path: used_outside_its_call(" and ".join(users), names) for path, (names, users) in found.items()}
+
+
+def _as_tuple(example_input: Inputs) -> tuple[Tensor, ...]:
+    return example_input if isinstance(example_input, tuple) else (example_input,)
+
+
+def _wrap(model: nn.Module, report: LayerReport) -> dict[str, Masked]:
+    """Each layer the report gives masks, replaced by its ``Masked`` wrapper; {path: wrapper}."""
+    wrappers: dict[str, Masked] = {}
+    for row in report.changed:
+        layer = model.get_submodule(row.path)
+        wrappers[row.path] = Masked(_masksembles(row, report.n, report.scale, layer, layer.training), layer)
+        _replace(model, [row.path], wrappers[row.path])
+    return wrappers
+
+
+def _unwrap(model: nn.Module, wrappers: dict[str, Masked]) -> None:
+    for path, wrapper in wrappers.items():
+        _replace(model, [path], wrapper.layer)
+
+
+def _read_reason(layer: nn.Module, names: Collection[str], users: Collection[str]) -> str:
+    """Why a layer whose attributes ``names`` the model read through its wrapper is left alone."""
+    weights = [name for name in names if isinstance(getattr(layer, name), Tensor)]
+    if weights:
+        return used_outside_its_call(" and ".join(users), weights)
+    return f"its attributes ({', '.join(names)}) are read by {' and '.join(users)}, and Masked does not forward them"
+
+
+def _run_once(model: nn.Module, inputs: tuple[Tensor, ...], wrappers: dict[str, Masked]) -> dict[str, str]:
+    """Run ``model`` on ``inputs`` (eval mode, no gradients, modes restored); {path of a wrapper: why it must go}.
+
+    A wrapper goes when the model reads its layer's attributes through it (``self.qkv.weight``: noted, and read from
+    the layer so that the run goes on) or when the model fails inside it. A failure outside every wrapper restores
+    the model (the wrappers removed) and is raised, saying whether the model fails without masks too.
+    """
+    modules = dict(model.named_modules())
+    path_of = {id(module): path for path, module in modules.items()}
+    stack: list[str] = []  # paths of the modules running, innermost last
+    used: dict[str, tuple[dict[str, None], dict[str, None]]] = {}  # as in _used_outside
+
+    def note(path: str, name: str) -> None:
+        names, users = used.setdefault(path, ({}, {}))
+        names[name] = None
+        users[_user(stack[-1] if stack else "", modules)] = None
+
+    def enter(module: nn.Module, args: object) -> None:
+        stack.append(path_of[id(module)])
+
+    def leave(module: nn.Module, args: object, output: object) -> None:
+        stack.pop()
+
+    hooked = [module for module in modules.values() if not isinstance(module, torch.jit.ScriptModule)]  # no hooks
+    hooks = [module.register_forward_pre_hook(enter) for module in hooked]
+    hooks += [module.register_forward_hook(leave) for module in hooked]
+    for path, wrapper in wrappers.items():
+        wrapper.__dict__[_NOTE_READS] = functools.partial(note, path)
+    failure: Exception | None = None
+    try:
+        with _evaluating(model):
+            model(*inputs)
+    except Exception as error:
+        failure = error
+    finally:
+        for hook in hooks:
+            hook.remove()
+        for wrapper in wrappers.values():
+            del wrapper.__dict__[_NOTE_READS]
+    found = {path: _read_reason(wrappers[path].layer, names, users) for path, (names, users) in used.items()}
+    if failure is None:
+        return found
+    failing = next((path for path in reversed(stack) if path in wrappers), None)
+    if failing is not None:
+        found.setdefault(failing, f"the model fails with masks on its input ({_first_line(failure)})")
+    if found:
+        return found
+    _unwrap(model, wrappers)
+    try:
+        with _evaluating(model):
+            model(*inputs)
+    except Exception as plain:
+        raise ValueError(f"insert: the model fails on example_input without masks ({_first_line(plain)})") from plain
+    raise ValueError(
+        f"insert: the model fails on example_input with masks, outside every masked layer ({_first_line(failure)})"
+    ) from failure
 
 
 def insert(
@@ -202,6 +343,7 @@ def insert(
     start: str | None = None,
     include_first: bool = False,
     inplace: bool = False,
+    example_input: Inputs | None = None,
 ) -> nn.Module:
     """Put a Masksembles layer on the input of every matching layer, as in the paper's experiments.
 
@@ -217,7 +359,16 @@ def insert(
     inserted layer gets masks from ``masksembles_core.derive_seed(seed, i)``. Also left alone, with the reason in
     the report: depthwise convolutions when ``before`` is the default, a module registered at several paths, the
     layers inside a torch.nn module such as ``nn.MultiheadAttention`` (it may use their weights without calling
-    them), lazy modules not yet initialized, and layers with a single input channel.
+    them), lazy modules not yet initialized, and layers with a single input channel or too few input channels for
+    ``n`` distinct masks.
+
+    A layer whose weights the model uses without calling it (torchvision's Swin attention runs
+    ``F.linear(x, self.qkv.weight, self.qkv.bias)``) is left alone too: a mask on its input would not apply there,
+    and the wrapper would make that code fail. torch.fx finds these uses by tracing the model (a warning says when it
+    cannot and no ``example_input`` is given). With ``example_input``, the new model is also run once on it (in eval
+    mode, without gradients, every module's mode restored): a layer it reads through its wrapper, or whose wrapper
+    it fails in, is left alone with the reason and the decision is made again without it, so that the returned
+    model runs where the original does.
 
     Args:
         model: the network; not modified unless ``inplace``.
@@ -228,12 +379,14 @@ def insert(
         start: path of the module from which insertion begins (None: the whole model).
         include_first: also mask the input of the network's first layers (the raw input).
         inplace: change ``model`` itself instead of a deep copy.
+        example_input: a batch for ``model`` (a tensor, or a tuple of its inputs) to run the new model on once.
 
     Returns:
         the model with Masked layers and a ``masksembles_report`` attribute (a ``LayerReport``).
 
     Raises:
-        ValueError: invalid ``n``/``scale``/``seed``, a ``start`` that names no module, or no layer to mask.
+        ValueError: invalid ``n``/``scale``/``seed``, a ``start`` that names no module, no layer to mask, or a model
+            that fails on ``example_input`` outside every masked layer (or without masks).
         TypeError: ``before`` is neither module types nor a callable.
     """
     n, scale, seed = check_insert_arguments(n, scale, seed, start)
@@ -253,14 +406,35 @@ def insert(
     layers = [
         path for path, module in model.named_modules() if path and (isinstance(module, INPUT_LAYERS) or path in chosen)
     ]
-    first = _first_layers(model, layers)  # the network's first layers: they read the raw input
-    report = plan_insertion(
-        candidates, order, n, scale, seed=seed, start=start, include_first=include_first, first_layers=first
-    )
-    for row in report.changed:
-        layer = model.get_submodule(row.path)
-        _replace(model, [row.path], Masked(_masksembles(row, n, scale, layer, layer.training), layer))
-    return _attach(model, report)
+    graph = _trace_model(model, set(layers))
+    first = _first_layers(model, layers, graph)  # the network's first layers: they read the raw input
+    if isinstance(graph, str):
+        reasons: dict[str, str] = {}
+        if example_input is None:
+            warnings.warn(
+                f"insert: {graph}; layers whose weights the model uses without calling them cannot be found: pass "
+                "example_input= to check the new model",
+                stacklevel=2,
+            )
+    else:
+        reasons = _used_outside(model, graph, [candidate.path for candidate in candidates if not candidate.reason])
+    while True:  # each round leaves at least one more layer alone, until the model runs (or nothing is left)
+        report = plan_insertion(
+            [dataclasses.replace(c, reason=c.reason or reasons.get(c.path, "")) for c in candidates],
+            order,
+            n,
+            scale,
+            seed=seed,
+            start=start,
+            include_first=include_first,
+            first_layers=first,
+        )
+        wrappers = _wrap(model, report)
+        failed = {} if example_input is None else _run_once(model, _as_tuple(example_input), wrappers)
+        if not failed:
+            return _attach(model, report)
+        _unwrap(model, wrappers)
+        reasons.update(failed)
 
 
 # --- convert_dropout: reading the model with torch.fx -----------------------------------------------------------------
@@ -325,6 +499,26 @@ CHANNELS_LAST_FUNCTIONS = frozenset(
 )  # fmt: skip
 CHANNELS_LAST_METHODS = frozenset({"matmul", "bmm"})
 SOFTMAX_FUNCTIONS = frozenset({F.softmax, torch.softmax})
+# What mixes the channels of the raw input: a dropout after one of these does not read the raw input.
+MIXING_MODULES = (
+    *INPUT_LAYERS,
+    nn.Bilinear,
+    nn.MultiheadAttention,
+    nn.RNNBase,
+    nn.Transformer,
+    nn.TransformerEncoder,
+    nn.TransformerDecoder,
+    nn.TransformerEncoderLayer,
+    nn.TransformerDecoderLayer,
+)
+MIXING_FUNCTIONS = (CHANNELS_LAST_FUNCTIONS - {F.layer_norm, F.rms_norm}) | {
+    F.conv1d,
+    F.conv2d,
+    F.conv3d,
+    F.conv_transpose1d,
+    F.conv_transpose2d,
+    F.conv_transpose3d,
+}
 # Ops that may keep a shape but move the channels: the search for the producer stops there.
 PERMUTING = frozenset({"permute", "transpose", "t", "movedim", "moveaxis", "swapaxes", "swapdims"})
 
@@ -457,13 +651,19 @@ def _evaluating(model: nn.Module) -> Iterator[None]:
             module.training = mode
 
 
-def _input_shapes(model: nn.Module, inputs: tuple[Tensor, ...], modules: Sequence[nn.Module]) -> dict[int, list[Any]]:
-    """Input shape of every call of each of ``modules`` on ``inputs`` (one forward pass)."""
+def _input_shapes(
+    model: nn.Module, inputs: tuple[Tensor, ...], modules: Sequence[nn.Module]
+) -> tuple[dict[int, list[Any]], set[int]]:
+    """Input shape of every call of each of ``modules`` on ``inputs`` (one forward pass), and the ids of the modules
+    called on one of ``inputs`` itself."""
     seen: dict[int, list[Any]] = {id(module): [] for module in modules}
+    on_inputs: set[int] = set()
 
     def record(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         x = args[0] if args else next(iter(kwargs.values()))
         seen[id(module)].append(tuple(x.shape))
+        if any(x is tensor for tensor in inputs):
+            on_inputs.add(id(module))
 
     hooks = [module.register_forward_pre_hook(record, with_kwargs=True) for module in modules]
     try:
@@ -471,7 +671,7 @@ def _input_shapes(model: nn.Module, inputs: tuple[Tensor, ...], modules: Sequenc
     finally:
         for hook in hooks:
             hook.remove()
-    return seen
+    return seen, on_inputs
 
 
 # --- convert_dropout: deciding and replacing ------------------------------------------------------------------------
@@ -505,11 +705,12 @@ def _module_site(path: str, module: nn.Module, traced: _Traced, shapes: list[Any
     )
 
 
-def _decide(site: _Site, traced: _Traced, channel_axis: int | None) -> LayerChange:
-    """Convert ``site`` or leave it, with the reason (module docstring of ``convert_dropout``); no seed yet."""
+def _decide(site: _Site, traced: _Traced, channel_axis: int | None) -> Candidate:
+    """``site`` as a candidate for ``plan_conversion``: its channels and axis, or the reason to leave it (module
+    docstring of ``convert_dropout``)."""
 
-    def left(reason: str) -> LayerChange:
-        return LayerChange(site.path, site.layer, LEFT, reason=reason)
+    def left(reason: str) -> Candidate:
+        return Candidate(site.path, site.layer, 0, 1, reason=reason)
 
     name = site.path.rpartition(".")[2]
     if site.p == 0:
@@ -550,7 +751,7 @@ def _decide(site: _Site, traced: _Traced, channel_axis: int | None) -> LayerChan
     if len(choices) > 1:
         return left(f"called on inputs with different channels: {sorted(set(site.shapes))}")
     ((channels, axis),) = choices
-    return LayerChange(site.path, site.layer, CONVERTED, channels, axis, reason="; ".join(sorted(notes)))
+    return Candidate(site.path, site.layer, channels, axis, note="; ".join(sorted(notes)))
 
 
 def _argument(node: fx.Node, name: str, position: int, default: object) -> object:
@@ -669,14 +870,33 @@ def _rewrite(owner: _Owner) -> fx.GraphModule:
     return rewritten.train(owner.module.training)
 
 
+def _input_dropouts(sites: Sequence[_Site], traced: _Traced, on_inputs: set[int]) -> set[str]:
+    """The paths of the dropouts among ``sites`` that read the raw input: reached from an input through nothing that
+    mixes channels (``MIXING_MODULES``, ``MIXING_FUNCTIONS``, ``matmul``/``bmm`` methods) and no other dropout in the
+    traced graph; without a graph, the dropout modules called on an input itself."""
+    if traced.graph is None:
+        return {site.path for site in sites if id(traced.modules.get(site.path)) in on_inputs}
+
+    def stop(node: fx.Node) -> bool:
+        if node.op == "call_module":
+            return isinstance(traced.modules[cast(str, node.target)], (*MIXING_MODULES, *DROPOUT_TYPES))
+        if node.op == "call_method":
+            return node.target in CHANNELS_LAST_METHODS
+        return node.target in MIXING_FUNCTIONS or _is_dropout_call(node)
+
+    reading = set(_reading_raw(traced.graph, stop))
+    return {site.path for site in sites if any(node in reading for node in site.nodes)}
+
+
 def convert_dropout(
     model: nn.Module,
-    example_input: Tensor | tuple[Tensor, ...],
+    example_input: Inputs,
     n: int,
     scale: float,
     *,
     seed: int | None = None,
     channel_axis: int | None = None,
+    include_first: bool = False,
     inplace: bool = False,
 ) -> nn.Module:
     """Replace the channel dropouts of ``model`` by Masksembles layers: the paper's drop-in for MC-Dropout.
@@ -692,12 +912,16 @@ def convert_dropout(
     ``attention_dropout``, ...), dropouts the example input does not reach, calls whose result is unused, and
     per-sample dropouts (modules named like ``DropPath`` or ``StochasticDepth``, which are not channel dropout).
 
+    The rest is decided by ``masksembles_core.insertion.plan_conversion``, with ``insert``'s rules: a dropout with a
+    single input channel or too few for ``n`` distinct masks is left as is, and so is one that reads the raw input
+    (reached from an input through no convolution, linear or embedding layer; without a torch.fx graph, a dropout
+    module called on an input itself) unless ``include_first``. The ``i``-th converted dropout (modules in
+    ``named_modules`` order, then calls) gets masks from ``masksembles_core.derive_seed(seed, i)``.
+
     Dropout modules are replaced in place (at every path they are registered at); the other modules, their classes
     and every trained weight are kept. A module whose own ``forward`` calls a functional dropout (timm's heads call
     ``F.dropout``) is replaced by a ``torch.fx.GraphModule`` of that ``forward`` traced in eval mode (its submodules
-    kept, the converted call now a Masksembles submodule): the model itself when the call is in its ``forward``. The
-    ``i``-th converted dropout (modules in ``named_modules`` order, then calls) gets masks from
-    ``masksembles_core.derive_seed(seed, i)``.
+    kept, the converted call now a Masksembles submodule): the model itself when the call is in its ``forward``.
 
     Returns:
         the converted model, with a ``masksembles_report`` attribute (a ``LayerReport``): a deep copy unless
@@ -712,34 +936,44 @@ def convert_dropout(
         mca.check_channel_axis(channel_axis)
     if not inplace:
         model = copy.deepcopy(model)
-    inputs = example_input if isinstance(example_input, tuple) else (example_input,)
+    inputs = _as_tuple(example_input)
     dropouts = [(path, module) for path, module in model.named_modules() if isinstance(module, DROPOUT_TYPES)]
     with _evaluating(model):
-        shapes = _input_shapes(model, inputs, [module for _, module in dropouts])
+        shapes, on_inputs = _input_shapes(model, inputs, [module for _, module in dropouts])
         traced = _trace(model, inputs)
     if traced.failure:
         axes = "channel axes follow the input's rank and " if channel_axis is None else ""
         warnings.warn(f"convert_dropout: {traced.failure}; {axes}F.dropout calls are not converted", stacklevel=2)
     paths = _paths(model)
-    rows: list[LayerChange] = []
-
-    def add(row: LayerChange) -> LayerChange:
-        if row.action == CONVERTED:
-            row = dataclasses.replace(row, seed=mc.derive_seed(seed, sum(r.action == CONVERTED for r in rows)))
-        rows.append(row)
-        return row
-
+    candidates: list[Candidate] = []
+    sites: list[_Site] = []
+    targets: list[nn.Module | tuple[_Owner | None, int] | None] = []  # what each candidate's masks replace
     for path, module in model.named_modules():
         if _per_sample(module):
-            add(LayerChange(path, type(module).__name__, LEFT, reason=PER_SAMPLE))
+            candidates.append(Candidate(path, type(module).__name__, 0, 1, reason=PER_SAMPLE))
+            targets.append(None)
         elif isinstance(module, DROPOUT_TYPES):
-            row = add(_decide(_module_site(path, module, traced, shapes[id(module)]), traced, channel_axis))
-            if row.action == CONVERTED:
-                _replace(model, paths[id(module)], _masksembles(row, n, scale, model, module.training))
-    owners: dict[str, _Owner] = {}
+            sites.append(_module_site(path, module, traced, shapes[id(module)]))
+            candidates.append(_decide(sites[-1], traced, channel_axis))
+            targets.append(module)
     for site, owner, index in _functional_sites(model, traced):
-        row = add(_decide(site, traced, channel_axis))
-        if row.action == CONVERTED and owner is not None:
+        sites.append(site)
+        candidates.append(_decide(site, traced, channel_axis))
+        targets.append((owner, index))
+    kinds = "nn.Dropout/Dropout1d/Dropout2d/Dropout3d modules or F.dropout calls"
+    first = _input_dropouts(sites, traced, on_inputs)
+    report = plan_conversion(
+        candidates, n, scale, seed=seed, first_layers=first, include_first=include_first, converts=kinds
+    )
+    owners: dict[str, _Owner] = {}
+    for row, target in zip(report.rows, targets, strict=True):
+        if row.action != CONVERTED:
+            continue
+        if isinstance(target, nn.Module):
+            _replace(model, paths[id(target)], _masksembles(row, n, scale, model, target.training))
+        elif target is not None:
+            owner, index = target
+            assert owner is not None, "a call is converted only where its owner was traced"
             owner.layers[index] = _masksembles(row, n, scale, model, owner.module.training)
             owners[owner.path] = owner
     for path in sorted(owners, key=lambda p: -1 if not p else p.count("."), reverse=True):
@@ -748,8 +982,4 @@ def convert_dropout(
             _replace(model, paths[id(owners[path].module)], rewritten)
         else:
             model = rewritten
-    report = LayerReport("convert_dropout", n, scale, tuple(rows))
-    if not report.changed:
-        kinds = "nn.Dropout/Dropout1d/Dropout2d/Dropout3d modules or F.dropout calls"
-        raise ValueError(f"convert_dropout converted no dropout ({len(rows)} looked at; it converts {kinds})\n{report}")
     return _attach(model, report)

@@ -6,12 +6,15 @@ import pytest
 
 import masksembles_core as mc
 from masksembles_core.insertion import (
+    CONVERTED,
     INSERTED,
     LEFT,
     Candidate,
     LayerReport,
     check_insert_arguments,
+    plan_conversion,
     plan_insertion,
+    used_outside_its_call,
 )
 
 FIRST = ("stem.conv",)
@@ -153,3 +156,53 @@ def test_every_first_layer_of_a_multi_input_model_is_skipped() -> None:
     assert none_first.rows == included.rows, "no first layers: every candidate is a later layer"
     with pytest.raises(TypeError, match="first_layers must be a collection of layer paths, not one str"):
         plan_insertion(candidates, order, 4, 2.0, seed=0, first_layers="image_conv")
+
+
+DROPOUTS = (
+    Candidate("input_drop", "Dropout", 6, -1),
+    Candidate("narrow_drop", "Dropout", 3, -1),
+    Candidate("zero", "Dropout", 8, -1, reason="p=0: it does nothing"),
+    Candidate("drop", "Dropout", 8, -1, note="axis -1 from the input's rank (3-D)"),
+    Candidate("single", "Dropout", 1, -1),
+)
+
+
+def test_plan_conversion_applies_the_insert_rules_to_dropouts() -> None:
+    report = plan_conversion(DROPOUTS, 4, 2.0, seed=5, first_layers=("input_drop",))
+    assert report.operation == "convert_dropout"
+    assert actions(report) == {
+        "input_drop": LEFT,
+        "narrow_drop": LEFT,
+        "zero": LEFT,
+        "drop": CONVERTED,
+        "single": LEFT,
+    }
+    reasons = {row.path: row.reason for row in report.rows}
+    insert_reasons = {
+        row.path: row.reason
+        for row in plan_insertion(
+            DROPOUTS, [c.path for c in DROPOUTS], 4, 2.0, seed=5, first_layers=("input_drop",)
+        ).rows
+    }
+    assert reasons == insert_reasons, "the same rules, the same words"
+    assert reasons["input_drop"] == "the network's first layer: it reads the raw input (include_first=True masks it)"
+    assert reasons["narrow_drop"].startswith("3 input channels: only 3 distinct masks")
+    assert reasons["drop"] == "axis -1 from the input's rank (3-D)", "a note is kept on a converted row"
+    assert report.changed[0].seed == mc.derive_seed(5, 0)
+    included = plan_conversion(DROPOUTS, 3, 2.0, seed=5, first_layers=("input_drop",), include_first=True)
+    assert [row.path for row in included.changed] == ["input_drop", "narrow_drop", "drop"]
+    assert [row.seed for row in included.changed] == [mc.derive_seed(5, i) for i in range(3)]
+
+
+def test_plan_conversion_with_nothing_to_convert_is_an_error_that_shows_the_report() -> None:
+    message = r"(?s)convert_dropout converted no dropout \(1 looked at; it converts Dropout layers\)\n.*p=0"
+    with pytest.raises(ValueError, match=message):
+        plan_conversion(DROPOUTS[2:3], 4, 2.0, seed=0, converts="Dropout layers")
+
+
+def test_the_reason_for_weights_used_outside_a_layers_call() -> None:
+    assert used_outside_its_call("'blocks.0.attn' (Attention)", ["weight", "bias"]) == (
+        "its weights (weight, bias) are used by 'blocks.0.attn' (Attention) outside its own call: a mask on its input "
+        "would not apply there"
+    )
+    assert used_outside_its_call("custom layer 'tied' (Tied)").startswith("its weights are used by custom layer")

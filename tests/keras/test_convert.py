@@ -116,11 +116,11 @@ def test_zero_rate_single_channel_and_unreachable_dropouts_are_reported() -> Non
             LEFT,
             "inside MultiHeadAttention 'attention': only a Sequential/functional graph can be rebuilt",
         ),
-        "single": (LEFT, "a single channel: every mask would keep it"),
+        "single": (LEFT, "a single input channel: every mask would keep it"),
         "mixed": (CONVERTED, ""),
     }
     assert converted.get_layer("mixed").dtype_policy.name == "mixed_float16"
-    with pytest.raises(ValueError, match=r"(?s)found no dropout layer to convert \(1 dropout layers\).*rate=0"):
+    with pytest.raises(ValueError, match=r"(?s)convert_dropout converted no dropout \(1 looked at; .*rate=0"):
         mk.convert_dropout(keras.Sequential([keras.Input((3,)), keras.layers.Dropout(0.0)]), 2, 2.0)
 
 
@@ -185,7 +185,13 @@ def test_convert_dropout_in_functional_and_nested_models() -> None:
         keras.layers.Flatten()(keras.layers.SpatialDropout3D(0.2)(volume)),
     ]
     model = keras.Model([sequence, image, volume], keras.layers.Dense(1)(keras.layers.Concatenate()(pooled)))
-    converted = mk.convert_dropout(model, 2, 2.0, seed=0)
+    default = mk.convert_dropout(model, 2, 2.0, seed=0).masksembles_report
+    first = "the network's first layer: it reads the raw input (include_first=True masks it)"
+    assert [(row.layer, row.reason) for row in default.unchanged] == [
+        ("SpatialDropout2D", first),
+        ("SpatialDropout3D", first),
+    ], "the image and volume dropouts read a model input"
+    converted = mk.convert_dropout(model, 2, 2.0, seed=0, include_first=True)
     found = {
         (type(layer).__name__, layer.channels, layer.channel_axis) for layer in masksembles_layers(converted).values()
     }
@@ -200,7 +206,7 @@ def test_keras_file_round_trip_keeps_the_converted_masks(name: str, tmp_path: Pa
 
 
 def test_convert_dropout_errors() -> None:
-    with pytest.raises(ValueError, match=r"found no dropout layer to convert \(0 dropout layers\)"):
+    with pytest.raises(ValueError, match=r"convert_dropout converted no dropout \(0 looked at; it converts Dropout/"):
         mk.convert_dropout(BUILDERS["resnet"](), 4, 2.0)
     unbuilt = keras.Sequential([keras.layers.Dense(2), keras.layers.Dropout(0.1)])
     with pytest.raises(ValueError, match="needs a built model"):
@@ -210,3 +216,25 @@ def test_convert_dropout_errors() -> None:
     error, message = core_error(lambda: mca.check_scale(0.0))
     with pytest.raises(error, match=message):
         mk.convert_dropout(dropout_sequential(), 4, 0.0)
+
+
+def test_insert_rules_apply_too_few_channels_and_the_input_dropout() -> None:
+    """The rules of insert (masksembles_core.insertion.plan_conversion), in the same words as in PyTorch."""
+    inputs = keras.Input((6,))
+    x = keras.layers.Dropout(0.1, name="input_drop")(keras.layers.Rescaling(2.0)(inputs))
+    x = keras.layers.Dropout(0.3, name="narrow_drop")(keras.layers.Dense(3, name="narrow")(x))
+    x = keras.layers.Dropout(0.3, name="drop")(keras.layers.Dense(8, name="wide")(x))
+    model = keras.Model(inputs, keras.layers.Dense(2, name="head")(x))
+    report = mk.convert_dropout(model, 4, 2.0, seed=0).masksembles_report
+    assert {row.path: (row.action, row.reason) for row in report.rows} == {
+        "input_drop": (LEFT, "the network's first layer: it reads the raw input (include_first=True masks it)"),
+        "narrow_drop": (
+            LEFT,
+            "3 input channels: only 3 distinct masks of 2 ones exist, fewer than n=4 (members would share masks)",
+        ),
+        "drop": (CONVERTED, ""),
+    }
+    assert report.changed[0].seed == mc.derive_seed(0, 0)
+    included = mk.convert_dropout(model, 3, 2.0, seed=0, include_first=True)
+    assert [row.path for row in included.masksembles_report.changed] == ["input_drop", "narrow_drop", "drop"]
+    assert included.get_layer("input_drop").channels == 6

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 from pathlib import Path
+from typing import Any
 
 import keras
 import numpy as np
@@ -409,3 +410,44 @@ def test_insert_errors() -> None:
     error, message = core_error(lambda: mca.check_scale(0.5))
     with pytest.raises(error, match=message):
         mk.insert(resnet_like(), 4, 0.5)
+
+
+class TiedProjection(keras.layers.Layer):
+    """A tied output projection: multiplies by the transposed kernel of a Dense the graph also calls."""
+
+    def __init__(self, dense: keras.layers.Dense, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.dense = dense
+
+    def call(self, x: Any) -> Any:
+        return keras.ops.matmul(x, keras.ops.transpose(self.dense.kernel))
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), "dense": keras.saving.serialize_keras_object(self.dense)}
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> TiedProjection:
+        return cls(keras.saving.deserialize_keras_object(config.pop("dense")), **config)
+
+
+@pytest.mark.parametrize("held_first", [False, True], ids=["called-first", "held-first"])
+def test_a_layer_whose_weights_a_custom_layer_uses_is_left_alone(held_first: bool) -> None:
+    """As in PyTorch: masks before the Dense's call would not reach the custom layer's use of its kernel."""
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(6, name="stem")(inputs)
+    encoder = keras.layers.Dense(8, name="encoder")
+    tied = TiedProjection(encoder, name="tied")
+    if held_first:  # the survey meets the custom layer, holding the Dense, before the Dense's own call
+        encoder.build((None, 6))
+        outputs = keras.layers.Add()([tied(keras.layers.Dense(8, name="side")(hidden)), hidden])
+        outputs = keras.layers.Dense(3, name="head")(encoder(outputs))
+    else:
+        outputs = keras.layers.Dense(3, name="head")(tied(encoder(hidden)))
+    report = mk.insert(keras.Model(inputs, outputs), 2, 2.0, seed=0).masksembles_report
+    reason = (
+        "its weights are used by custom layer 'tied' (TiedProjection) outside its own call: a mask on its input "
+        "would not apply there"
+    )
+    first = "the network's first layer: it reads the raw input (include_first=True masks it)"
+    assert {row.path: row.reason for row in report.unchanged} == {"stem": first, "encoder": reason}
+    assert "head" in {row.path for row in report.changed}

@@ -18,6 +18,7 @@ PER_SAMPLE = "per-sample dropout (stochastic depth): it drops whole samples, not
 ATTN_DROP = "attention-weight dropout (named 'attn_drop'): its input is attention weights, not channels"
 SOFTMAX = "attention-weight dropout: its input is a softmax output, not channels"
 NOT_REACHED = "not reached by the example input"
+FIRST = "the network's first layer: it reads the raw input (include_first=True masks it)"
 
 
 def decisions(model: nn.Module) -> dict[str, tuple[str, int | None, int | None, str]]:
@@ -92,7 +93,8 @@ def test_the_channel_axis_of_nn_dropout_comes_from_the_producing_layer(
     producer: nn.Module, x: torch.Tensor, expected: tuple[int, int]
 ) -> None:
     model = nn.Sequential(producer, nn.GELU(), nn.Dropout(0.2))  # found through the elementwise GELU
-    converted = mt.convert_dropout(model, x, N, 2.0, seed=0)
+    # after a BatchNorm of the raw input the dropout reads that input: include_first converts it
+    converted = mt.convert_dropout(model, x, N, 2.0, seed=0, include_first=isinstance(producer, nn.BatchNorm1d))
     assert (converted[2].channels, converted[2].channel_axis) == expected
     assert decisions(converted)["2"] == (CONVERTED, *expected, "")
     assert "channel_axis=" + str(expected[1]) in repr(converted[2])
@@ -290,3 +292,38 @@ def test_inplace_keeps_modes_and_device_dtype() -> None:
     assert result is model and isinstance(model[1], mt.Masksembles) and model[1].masks.dtype == torch.float64
     assert [m.training for m in model] == [True, True, False]
     assert model(torch.randn(6, 9, 5, dtype=torch.float64)).shape == (6, 9, 2)
+
+
+def test_insert_rules_apply_too_few_channels_and_the_input_dropout() -> None:
+    """The rules of insert (masksembles_core.insertion.plan_conversion), with the same words."""
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.input_drop = nn.Dropout(0.1)  # reads the raw input (through the elementwise scale)
+            self.narrow = nn.Linear(6, 3)
+            self.narrow_drop = nn.Dropout(0.3)  # 3 channels: only 3 distinct masks of 2 ones for n=4
+            self.wide = nn.Linear(3, 8)
+            self.drop = nn.Dropout(0.3)
+            self.head = nn.Linear(8, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.narrow_drop(self.narrow(self.input_drop(x * 2.0)))
+            return self.head(F.dropout(self.drop(self.wide(x)), 0.2, self.training))
+
+    x = torch.randn(4, 6)
+    converted = mt.convert_dropout(Model(), x, N, 2.0, seed=0)
+    assert decisions(converted) == {
+        "input_drop": (LEFT, None, None, FIRST),
+        "narrow_drop": (
+            LEFT, None, None,
+            "3 input channels: only 3 distinct masks of 2 ones exist, fewer than n=4 (members would share masks)",
+        ),
+        "drop": (CONVERTED, 8, -1, ""),
+        "dropout": (CONVERTED, 8, -1, ""),
+    }  # fmt: skip
+    assert type(converted.narrow_drop) is nn.Dropout and type(converted.input_drop) is nn.Dropout
+    assert [row.seed for row in converted.masksembles_report.changed] == [mc.derive_seed(0, i) for i in (0, 1)]
+    included = mt.convert_dropout(Model(), x, 3, 2.0, seed=0, include_first=True)
+    assert [row.path for row in included.masksembles_report.changed] == ["input_drop", "narrow_drop", "drop", "dropout"]
+    assert isinstance(included.input_drop, mt.Masksembles) and included.input_drop.channels == 6

@@ -8,6 +8,7 @@ from typing import cast
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import fx, nn
 
 import masksembles_core as mc
@@ -200,7 +201,8 @@ def test_every_layer_that_reads_a_forward_input_is_a_first_layer() -> None:
         with torch.no_grad():
             members = mt.untile(inserted.eval()(mt.tile(image, 2), mt.tile(features, 2)), 2)
         assert members.shape == (2, 4, 3) and not torch.allclose(members[0], members[1])
-    untraceable = mt.insert(ImageAndFeatures(branch_on_data=True), 2, 2.0, seed=0).masksembles_report
+    with pytest.warns(UserWarning, match=r"could not trace the model .*: pass example_input= to check the new model"):
+        untraceable = mt.insert(ImageAndFeatures(branch_on_data=True), 2, 2.0, seed=0).masksembles_report
     assert [row.path for row in untraceable.unchanged] == ["head"], "torch.fx fails: the first in named_modules order"
 
 
@@ -311,3 +313,152 @@ def test_torch_export_with_dynamic_batch() -> None:
     for size in (8, 6, 3):
         x = zoo.images(size, seed=size)
         torch.testing.assert_close(program(x), inserted(x), rtol=1e-5, atol=1e-5)
+
+
+class ShiftedWindowAttention(nn.Module):
+    """torchvision's Swin attention in small: it never calls ``qkv`` or ``proj``, it runs ``F.linear`` on their
+    weights (torchvision's ``shifted_window_attention``), on windows folded into the batch, shifted by ``roll``, with
+    a relative position bias."""
+
+    def __init__(self, dim: int, heads: int, window: int, shift: int) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(dim, dim * 3)
+        self.proj = nn.Linear(dim, dim)
+        self.heads, self.window, self.shift = heads, window, shift
+        self.bias_table = nn.Parameter(0.02 * torch.randn((2 * window - 1) ** 2, heads))
+        coords = torch.stack(torch.meshgrid(torch.arange(window), torch.arange(window), indexing="ij")).flatten(1)
+        relative = (coords[:, :, None] - coords[:, None, :]).permute(1, 2, 0) + window - 1
+        self.register_buffer("bias_index", relative[..., 0] * (2 * window - 1) + relative[..., 1], persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, H, W, C) -> (B, H, W, C)
+        batch, height, width, dim = x.shape
+        w, heads = self.window, self.heads
+        x = torch.roll(x, shifts=(-self.shift, -self.shift), dims=(1, 2))
+        x = x.view(batch, height // w, w, width // w, w, dim).permute(0, 1, 3, 2, 4, 5).reshape(-1, w * w, dim)
+        qkv = F.linear(x, self.qkv.weight, self.qkv.bias)
+        q, k, v = qkv.reshape(x.size(0), w * w, 3, heads, dim // heads).permute(2, 0, 3, 1, 4)
+        bias = self.bias_table[self.bias_index].permute(2, 0, 1)
+        attention = (q * (dim // heads) ** -0.5) @ k.transpose(-2, -1) + bias
+        x = (attention.softmax(-1) @ v).transpose(1, 2).reshape(x.size(0), w * w, dim)
+        x = F.linear(x, self.proj.weight, self.proj.bias)
+        x = x.view(batch, height // w, width // w, w, w, dim).permute(0, 1, 3, 2, 4, 5)
+        x = x.reshape(batch, height, width, dim)
+        return torch.roll(x, shifts=(self.shift, self.shift), dims=(1, 2))
+
+
+class SwinBlock(nn.Module):
+    def __init__(self, dim: int, shift: int) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = ShiftedWindowAttention(dim, heads=2, window=2, shift=shift)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class TinySwin(nn.Module):
+    def __init__(self, branch_on_data: bool = False) -> None:
+        super().__init__()
+        self.patch_embed = nn.Conv2d(3, 16, 2, stride=2)
+        self.blocks = nn.Sequential(SwinBlock(16, shift=0), SwinBlock(16, shift=1))
+        self.head = nn.Linear(16, zoo.CLASSES)
+        self.branch_on_data = branch_on_data
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.branch_on_data and bool(x.sum() > 0):  # data-dependent: torch.fx cannot trace it
+            x = -x
+        x = self.blocks(self.patch_embed(x).permute(0, 2, 3, 1))
+        return self.head(x.mean((1, 2)))
+
+
+SWIN_READS = {
+    f"blocks.{block}.attn.{layer}": (
+        f"its weights (weight, bias) are used by 'blocks.{block}.attn' (ShiftedWindowAttention) outside its own "
+        "call: a mask on its input would not apply there"
+    )
+    for block in (0, 1)
+    for layer in ("qkv", "proj")
+}
+
+
+@pytest.mark.parametrize("found_by", ["torch.fx", "example_input"])
+def test_layers_whose_weights_the_model_reads_are_left_alone_and_the_model_works(found_by: str) -> None:
+    """torchvision's swin_t: insert used to wrap qkv/proj, and training, predict, state_dict and pack all failed."""
+    torch.manual_seed(0)
+    model = TinySwin(branch_on_data=found_by == "example_input")
+    x = torch.randn(6, 3, 8, 8)
+    inserted = mt.insert(model, N, 2.0, seed=0, example_input=x if found_by == "example_input" else None)
+    report = inserted.masksembles_report
+    assert {row.path: row.reason for row in report.unchanged} == {"patch_embed": FIRST, **SWIN_READS}
+    assert [row.path for row in report.changed] == [f"blocks.{i}.mlp.{j}" for i in (0, 1) for j in (0, 2)] + ["head"]
+    assert [row.seed for row in report.changed] == [mc.derive_seed(0, i) for i in range(5)], "seeds as planned"
+    assert type(inserted.blocks[0].attn.qkv) is nn.Linear
+    optimizer = torch.optim.SGD(inserted.parameters(), lr=0.1)
+    loss = F.cross_entropy(inserted.train()(x), torch.arange(6) % zoo.CLASSES)
+    loss.backward()
+    optimizer.step()
+    assert inserted.blocks[0].attn.qkv.weight.grad is not None
+    members = mt.predict(inserted, x, N)
+    assert members.shape == (N, 6, zoo.CLASSES) and not torch.allclose(members[0], members[1])
+    rebuilt = mt.insert(TinySwin(branch_on_data=found_by == "example_input"), N, 2.0, seed=1, example_input=x)
+    rebuilt.load_state_dict(inserted.state_dict())
+    assert torch.equal(mt.predict(rebuilt, x, N), members), "state_dict round trip, masks included"
+    if found_by == "torch.fx":  # pack traces the model
+        torch.testing.assert_close(mt.pack(inserted, x, program="packed")(x), members, rtol=1e-5, atol=1e-5)
+
+
+class ReadsThroughTheWrapper(nn.Module):
+    """Untraceable, and its code breaks on a wrapper in ways torch.fx cannot show: it reads the head's weights for a
+    penalty and the hidden layer's width, and it calls ``out`` with the input by keyword."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.hidden, self.mix = nn.Linear(5, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+        self.head, self.out = nn.Linear(8, 8), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.mix(self.hidden(self.stem(x))[:, : self.hidden.out_features]).relu()
+        if bool(h.sum() > -1e9):  # data-dependent: torch.fx cannot trace it
+            h = h + self.head.weight.norm()
+        return self.out(input=self.head(h))
+
+
+def test_example_input_run_leaves_alone_the_layers_the_model_cannot_keep() -> None:
+    model = ReadsThroughTheWrapper()
+    x = torch.randn(6, 5)
+    inserted = mt.insert(model, 2, 2.0, seed=0, example_input=x)
+    reasons = {row.path: row.reason for row in inserted.masksembles_report.unchanged}
+    assert reasons == {
+        "stem": FIRST,
+        "hidden": "its attributes (out_features) are read by the model's forward, and Masked does not forward them",
+        "head": (
+            "its weights (weight) are used by the model's forward outside its own call: a mask on its input would "
+            "not apply there"
+        ),
+        "out": (
+            "the model fails with masks on its input (TypeError: Masked.forward() missing 1 required positional "
+            "argument: 'x')"
+        ),
+    }
+    assert [row.path for row in inserted.masksembles_report.changed] == ["mix"]
+    assert inserted.training and all(module.training for module in inserted.modules()), "modes restored"
+    assert mt.predict(inserted, x, 2).shape == (2, 6, 2)
+    with pytest.warns(UserWarning, match="could not trace the model"):
+        blind = mt.insert(model, 2, 2.0, seed=0)
+    with pytest.raises(AttributeError, match=r"does not forward attributes to its Linear: read \.layer\.out_features"):
+        blind(x)
+
+
+def test_a_model_that_fails_on_example_input_is_an_error_and_inplace_is_restored() -> None:
+    model = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 8), nn.Linear(8, 2))
+    with pytest.raises(ValueError, match=r"insert: the model fails on example_input without masks \(RuntimeError"):
+        mt.insert(model, 2, 2.0, seed=0, example_input=torch.randn(6, 4), inplace=True)
+    assert not masked_layers(model), "the model is left as it was"
+    batch_norm = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    state = {key: value.clone() for key, value in batch_norm.state_dict().items()}
+    inserted = mt.insert(batch_norm, 2, 2.0, seed=0, example_input=torch.randn(6, 5), inplace=True)
+    assert masked_layers(inserted) and inserted[1].training, "the run is in eval mode; modes are restored"
+    for key, value in state.items():
+        assert torch.equal(inserted.state_dict()[key.replace("2.", "2.layer.")], value), key
