@@ -8,8 +8,13 @@ import platform
 import re
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from pathlib import Path
+from typing import TypeVar
+
+from masksembles_core.packing import timed_rounds
+
+K = TypeVar("K", bound=Hashable)
 
 BENCHMARKS_MD = Path(__file__).resolve().parent.parent / "BENCHMARKS.md"
 HEADER = (
@@ -30,17 +35,10 @@ def median_seconds(fn: Callable[[], object], *, repeats: int, warmup: int = 2) -
     return statistics.median(times)
 
 
-def interleaved_medians(fns: dict[str, Callable[[], object]], *, rounds: int, warmup: int = 2) -> dict[str, float]:
-    """Median wall time of each function, timed in turn within every round (noise hits all alike)."""
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
+def interleaved_medians(fns: dict[K, Callable[[], object]], *, rounds: int, warmup: int = 2) -> dict[K, float]:
+    """Median wall time of each function, timed in turn within every round (noise hits all alike): the same helper
+    as ``pack(program="auto")``'s, ``masksembles_core.packing.timed_rounds``."""
+    times = timed_rounds(fns, rounds=rounds, warmup=warmup)
     return {name: statistics.median(values) for name, values in times.items()}
 
 

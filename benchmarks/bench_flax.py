@@ -12,14 +12,12 @@ each cell is the median over the rounds.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any
 
 import jax
-from _report import machine, publish
+from _report import interleaved_medians, machine, publish
 from flax import nnx
 
 from masksembles_flax import linen as masksembles_linen
@@ -28,7 +26,6 @@ from masksembles_flax import nnx as masksembles_nnx
 SHAPE = (64, 32, 32, 256)
 N, SCALE = 4, 2.0
 BASELINE = "`x * 1.0` (baseline)"
-K = TypeVar("K")
 
 Forward = Callable[[Any, jax.Array], Any]
 
@@ -57,18 +54,6 @@ def with_backward(forward: Forward) -> Callable[[Any, jax.Array, jax.Array], tup
     return forward_backward
 
 
-def interleaved_medians(calls: dict[K, Callable[[], object]], *, rounds: int, warmup: int = 3) -> dict[K, float]:
-    """Median seconds of each call over ``rounds`` rounds that run every call once, after ``warmup`` rounds."""
-    times: dict[K, list[float]] = {name: [] for name in calls}
-    for round_index in range(warmup + rounds):
-        for name, call in calls.items():
-            start = time.perf_counter()
-            call()
-            if round_index >= warmup:
-                times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in times.items()}
-
-
 def run_to_completion(fn: Callable[..., Any], *args: Any) -> None:
     jax.block_until_ready(fn(*args))
 
@@ -87,7 +72,7 @@ def main() -> None:
         jitted_forward, jitted_backward = jax.jit(forward), jax.jit(with_backward(forward))
         calls[name, "forward"] = partial(run_to_completion, jitted_forward, state, x)
         calls[name, "backward"] = partial(run_to_completion, jitted_backward, state, x, grad_output)
-    seconds = interleaved_medians(calls, rounds=args.repeats)
+    seconds = interleaved_medians(calls, rounds=args.repeats, warmup=3)
 
     rows = [
         "| jitted function | forward (ms) | ÷ baseline | forward+backward (ms) | ÷ baseline |",

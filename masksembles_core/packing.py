@@ -55,6 +55,7 @@ import statistics
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
@@ -627,6 +628,7 @@ def channel_indices(layouts: Sequence[IntArray]) -> tuple[IntArray, BoolArray]:
 
 # ------------------------------------------------------------------------------------------------ checks at pack time
 
+K = TypeVar("K", bound=Hashable)
 VERIFY_SAMPLES = 4  # samples of the example input a built program is checked on
 AUTO_MARGIN = 0.9  # ``auto`` leaves the preferred program only for one at most this fraction of its median time...
 AUTO_WINS = 0.75  # ...that was faster in at least this fraction of the interleaved rounds
@@ -663,10 +665,10 @@ def output_mismatch(expected: Sequence[ArrayLike], actual: Sequence[ArrayLike], 
     return None
 
 
-def timed_rounds(calls: Mapping[str, Callable[[], object]], *, rounds: int, warmup: int = 1) -> dict[str, list[float]]:
+def timed_rounds(calls: Mapping[K, Callable[[], object]], *, rounds: int, warmup: int = 1) -> dict[K, list[float]]:
     """Wall time of each call in every round, the calls timed in turn within a round (noise hits all alike), after
     ``warmup`` untimed rounds. Each call must wait for its own result (synchronize an accelerator)."""
-    times: dict[str, list[float]] = {name: [] for name in calls}
+    times: dict[K, list[float]] = {name: [] for name in calls}
     for counted in [False] * warmup + [True] * rounds:
         for name, call in calls.items():
             start = time.perf_counter()
