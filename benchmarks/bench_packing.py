@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import os
+import time
 from collections.abc import Callable
 
 import torch
@@ -314,6 +315,40 @@ def main() -> None:
             lines.append(row)
             print(row, flush=True)
     publish(f"packing-{device.type}{'-malloc' if ALLOCATOR else ''}", "\n".join(lines), write=not args.no_write)
+    if not ALLOCATOR:
+        publish(f"packing-build-{device.type}", build_times(args.models, device), write=not args.no_write)
+
+
+def build_times(models: list[str], device: torch.device) -> str:
+    """How long ``pack`` itself takes: ``program="packed"`` (trace, probe, plan, emit, verify) and the default
+    ``"auto"`` (the same capture, two or three programs built and verified, then timed in interleaved rounds)."""
+    lines = [
+        f"### Time to build (PyTorch, {device.type})",
+        "",
+        f"Seconds for one call of `pack` on the middle batch size of each model above, {machine()}; one measurement "
+        "each (a build is not repeated), so read them as orders of magnitude. `auto` traces and probes the model "
+        "once for all its candidates and then times them in 7 interleaved rounds; the last column is its choice.",
+        "",
+        '| model | batch | `pack(program="packed")` (s) | `pack()` (s) | auto ÷ packed | auto\'s choice |',
+        "|---|---:|---:|---:|---:|---|",
+    ]
+    for name in models:
+        factory, shape, batches = MODELS[name]
+        masked = randomize_norms(factory(True)).to(device).eval()
+        batch = batches[len(batches) // 2]
+        x = torch.randn(batch, *shape, device=device)
+        seconds = {}
+        for program in ("packed", "auto"):
+            start = time.perf_counter()
+            built = mt.pack(masked, x, program=program)
+            seconds[program] = time.perf_counter() - start
+        row = (
+            f"| {name} | {batch} | {seconds['packed']:.1f} | {seconds['auto']:.1f} "
+            f"| {seconds['auto'] / seconds['packed']:.2f}× | {built.choice} |"
+        )
+        lines.append(row)
+        print(row, flush=True)
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
