@@ -64,6 +64,7 @@ KINDS = (
     "input", "mixing", "grouped", "channelwise", "combine", "add", "concat", "norm", "masks", "flatten", "fallback",
 )  # fmt: skip
 ZERO_RULES = ("all", "any", "never")
+OUTPUT = "__output__"  # the name adapters give the fallback node that gathers a model's output leaves
 IntArray = NDArray[np.int64]
 BoolArray = NDArray[np.bool_]
 FloatArray = NDArray[np.float64]

@@ -45,7 +45,7 @@ import numpy as np
 from flax import nnx
 from jax.extend import source_info_util
 
-from masksembles_core.packing import AxisConflict, AxisRule, GraphNode, channel_axes
+from masksembles_core.packing import OUTPUT, AxisConflict, AxisRule, GraphNode, channel_axes
 
 from ._ops import GROUPED_MASKING, apply_masks
 
@@ -832,8 +832,6 @@ def _param_map(op: Op) -> Callable[[int], int | None]:
 
 
 # ------------------------------------------------------------------------------------------------ the core graph
-
-OUTPUT = "output"
 
 
 def node_name(var: int) -> str:

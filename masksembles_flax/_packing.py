@@ -32,10 +32,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import statistics
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -45,11 +43,24 @@ import numpy as np
 from flax import nnx
 
 from masksembles_core.adapter import check_program
-from masksembles_core.packing import Move, Placement, Program, Step, block_indices, channel_indices, plan_program
+from masksembles_core.packing import (
+    OUTPUT,
+    VERIFY_SAMPLES,
+    Move,
+    Placement,
+    Program,
+    Step,
+    block_indices,
+    channel_indices,
+    choose_program,
+    output_mismatch,
+    plan_program,
+    timed_rounds,
+)
 
 from . import _capture as capture_module
-from ._capture import OUTPUT, PREFIX, SHAPE_PARAMS, Capture, Eqn, Literal, NotAffine, Op, node_name
-from ._ops import apply_masks, untile
+from ._capture import PREFIX, SHAPE_PARAMS, Capture, Eqn, Literal, NotAffine, Op, node_name
+from ._ops import apply_masks, predict, untile
 
 
 class Constant(nnx.Variable[jax.Array]):
@@ -58,6 +69,8 @@ class Constant(nnx.Variable[jax.Array]):
     Masksembles layer run at full width."""
 
 
+VERIFICATION = "verification"  # how the fallback entry that verification writes starts
+AUTO_ROUNDS = 7  # interleaved timing rounds of program="auto"
 Values = tuple[jax.Array, ...]  # one array per member, one for a shared tensor or one on the member-stacked batch
 Arrays = dict[str, list[np.ndarray]]  # a packed module's arrays: one per copy
 
@@ -146,13 +159,17 @@ class _Plan:
     squeeze: bool
     program: str = "packed"
     seconds: tuple[tuple[str, float], ...] = ()
+    choice: str = ""
+    pick: int = -1  # >= 0: the one member returned from a program of every member (squeezed)
 
     def __repr__(self) -> str:
         """One line for the module's repr (the steps are not listed)."""
         members = list(self.members)
         if self.program == "dense":
-            measured = f" (measured faster than packed: {dict(self.seconds)})" if self.seconds else ""
-            return f"_Plan(members={members}, program=dense{measured})"
+            why = (
+                f"{self.choice}" if self.choice else "; ".join(f for f in self.fallbacks if f.startswith(VERIFICATION))
+            )
+            return f"_Plan(members={members}, program=dense" + (f" ({why}))" if why else ")")
         shown = ", ".join(self.fallbacks[:8]) + (", ..." if len(self.fallbacks) > 8 else "")
         return f"_Plan(members={members}, fallbacks={len(self.fallbacks)}" + (f": {shown})" if shown else ")")
 
@@ -177,8 +194,8 @@ class PackedMasksembles(nnx.Module):
 
     @property
     def members(self) -> tuple[int, ...]:
-        """The members it computes (indices into the masks)."""
-        return self.plan.members
+        """The members it returns (indices into the masks)."""
+        return self.plan.members if self.plan.pick < 0 else (self.plan.pick,)
 
     @property
     def fallbacks(self) -> tuple[str, ...]:
@@ -195,6 +212,11 @@ class PackedMasksembles(nnx.Module):
     def seconds(self) -> dict[str, float]:
         """What ``pack`` measured on the example input (median seconds per call of each program), or empty."""
         return dict(self.plan.seconds)
+
+    @property
+    def choice(self) -> str:
+        """Why ``pack(program="auto")`` returned this program, from its interleaved timings; empty otherwise."""
+        return self.plan.choice
 
     def __call__(self, x: jax.Array) -> Any:
         """(B, ...) -> every output leaf as (m, B, ...), or (B, ...) for an extracted member."""
@@ -358,7 +380,9 @@ class _Run:
                 leaf = jnp.asarray(operand.value)
             else:
                 leaf = self.constant(operand.key)
-            leaves.append(leaf if self.plan.squeeze else untile(leaf, self.m))
+            if self.plan.pick >= 0:
+                leaf = untile(leaf, self.m)[self.plan.pick]
+            leaves.append(leaf if self.plan.squeeze or self.plan.pick >= 0 else untile(leaf, self.m))
         return jax.tree.unflatten(self.plan.out_tree, leaves)
 
 
@@ -607,11 +631,7 @@ def _bytes(array: np.ndarray | None) -> bytes | None:
 # ------------------------------------------------------------------------------------------------ the public API
 
 
-def _build(capture: Capture, members: Sequence[int] | None, squeeze: bool, *, dense: bool = False) -> PackedMasksembles:
-    chosen = list(range(capture.n)) if members is None else list(members)
-    for k in chosen:
-        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < capture.n:
-            raise ValueError(f"member must be an integer in [0, {capture.n}); received {k!r}")
+def _build(capture: Capture, chosen: Sequence[int], squeeze: bool, *, dense: bool = False) -> PackedMasksembles:
     if dense:  # the tiled dense model itself: every operation as the model runs it, on the member-stacked batch
         capture = copy.copy(capture)  # its own ops: the traced program can still be packed
         capture.ops = {var: capture.fallback(op.eqn, var) for var, op in capture.ops.items()}
@@ -622,26 +642,132 @@ def _build(capture: Capture, members: Sequence[int] | None, squeeze: bool, *, de
     return PackedMasksembles(emitter.plan, emitter.weights, emitter.constants)
 
 
-def _seconds(modules: dict[str, PackedMasksembles], x: jax.Array, rounds: int = 5) -> dict[str, float]:
-    """Median wall time of each module jitted on ``x`` (B, ...), measured in interleaved rounds after one warm-up
-    (compiling) round."""
-    calls = {}
-    for name, module in modules.items():
-        graphdef, state = nnx.split(module)
-        jitted = jax.jit(lambda state, x, graphdef=graphdef: nnx.merge(graphdef, state)(x))
-        calls[name] = functools.partial(jitted, state)
-    times: dict[str, list[float]] = {name: [] for name in modules}
-    for counted in [False] + [True] * rounds:
-        for name, call in calls.items():
-            start = time.perf_counter()
-            jax.block_until_ready(call(x))  # type: ignore[no-untyped-call]
-            if counted:
-                times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in times.items()}
+def _chosen(members: Sequence[int] | None, n: int) -> list[int]:
+    chosen = list(range(n)) if members is None else list(members)
+    for k in chosen:
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < n:
+            raise ValueError(f"member must be an integer in [0, {n}); received {k!r}")
+    return chosen
+
+
+def _example_values(example_input: jax.Array | jax.ShapeDtypeStruct) -> jax.Array:
+    """The example as an array: itself, or for a ``jax.ShapeDtypeStruct`` seeded normal values (zeros if integer)."""
+    if not isinstance(example_input, jax.ShapeDtypeStruct):
+        return jnp.asarray(example_input)
+    if jnp.issubdtype(example_input.dtype, jnp.floating):
+        return jax.random.normal(jax.random.key(0), example_input.shape, example_input.dtype)
+    return jnp.zeros(example_input.shape, example_input.dtype)
+
+
+class _Verifier:
+    """Checks built programs against ``predict`` (eval semantics) on the first ``VERIFY_SAMPLES`` samples."""
+
+    def __init__(self, model: nnx.Module, x: jax.Array, n: int, chosen: Sequence[int], squeeze: bool) -> None:
+        graphdef, state = nnx.split(model)
+        dense = nnx.merge(graphdef, state)  # a new module graph on the same arrays: eval mode leaves the model alone
+        dense.eval()  # type: ignore[no-untyped-call]
+        self.x = x[:VERIFY_SAMPLES]
+        members = jax.tree.map(lambda y: y[jnp.asarray(chosen)], predict(_jitted(dense), self.x, n))
+        self.expected = _leaf_arrays(jax.tree.map(lambda y: y[0], members) if squeeze else members)
+
+    def mismatch(self, packed: PackedMasksembles) -> str | None:
+        """Why ``packed`` differs from ``predict`` on the sample, or None."""
+        try:
+            actual = _leaf_arrays(_jitted(packed)(self.x))
+        except Exception as error:  # a program that fails where the model runs differs from it
+            return f"it raised {type(error).__name__}: {error}"
+        return output_mismatch(self.expected[0], actual[0], self.expected[1])
+
+
+def _leaf_arrays(tree: Any) -> tuple[list[np.ndarray], list[float]]:
+    """An output's leaves as NumPy arrays (floats as float64), and each one's machine epsilon (0: compared exactly)."""
+    arrays, eps = [], []
+    for leaf in jax.tree.leaves(tree):
+        value = np.asarray(leaf)
+        floating = jnp.issubdtype(value.dtype, jnp.inexact)
+        arrays.append(value.astype(np.float64) if floating and not np.iscomplexobj(value) else value)
+        eps.append(float(jnp.finfo(value.dtype).eps) if floating else 0.0)  # type: ignore[no-untyped-call]
+    return arrays, eps
+
+
+def _verified(
+    capture: Capture, verifier: _Verifier | None, chosen: Sequence[int], squeeze: bool, dense: bool
+) -> PackedMasksembles:
+    """The program built from ``capture`` if it equals ``predict``; otherwise every operation at full width, or, for
+    one extracted member, every member at full width and that member's output, with the reason first in
+    ``fallbacks``. Raises if none of them equals ``predict``."""
+    packed = _build(capture, chosen, squeeze, dense=dense)
+    if verifier is None or (why := verifier.mismatch(packed)) is None:
+        return packed
+    reason = f"{VERIFICATION}: the {packed.program} program differed from predict on the example input ({why})"
+    tried = [why]
+    options = [(chosen, squeeze, -1)] if not dense else []
+    if squeeze:  # an operation that reads the batch sees every member's copy of it in predict
+        options.append((list(range(capture.n)), False, chosen[0]))
+    for members, squeezed, pick in options:
+        candidate = _build(capture, members, squeezed, dense=True)
+        candidate.plan = dataclasses.replace(candidate.plan, pick=pick)
+        if (also := verifier.mismatch(candidate)) is None:
+            where = "every member at full width" if pick >= 0 else "every operation at full width"
+            fallbacks = (f"{reason}; {where}", *candidate.plan.fallbacks)
+            candidate.plan = dataclasses.replace(candidate.plan, fallbacks=fallbacks)
+            return candidate
+        tried.append(also)
+    raise RuntimeError(f"{PREFIX} could not build a program equal to predict: {'; '.join(tried)}")
+
+
+def _seconds(modules: dict[str, PackedMasksembles], x: jax.Array, rounds: int = AUTO_ROUNDS) -> dict[str, list[float]]:
+    """Wall time of each module jitted on ``x`` (B, ...) in interleaved rounds after one warm-up (compiling) round
+    (``masksembles_core.packing.timed_rounds``)."""
+
+    def call(module: PackedMasksembles) -> Callable[[], object]:
+        run = _jitted(module)
+        return lambda: jax.block_until_ready(run(x))  # type: ignore[no-untyped-call]
+
+    return timed_rounds({name: call(module) for name, module in modules.items()}, rounds=rounds)
+
+
+def _jitted(module: nnx.Module) -> Callable[[jax.Array], Any]:
+    """``module`` as one jitted function of its input (compiled once per input shape, not operation by operation)."""
+    graphdef, state = nnx.split(module)
+    jitted = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x))
+    return lambda x: jitted(state, x)
+
+
+def _packed(
+    model: nnx.Module,
+    example_input: jax.Array | jax.ShapeDtypeStruct,
+    members: Sequence[int] | None,
+    squeeze: bool,
+    program: str,
+    verify: bool,
+) -> PackedMasksembles:
+    """``pack``/``extract_member``: capture once, build the program(s), verify, and choose."""
+    check_program(program)
+    capture = Capture(model, example_input)
+    chosen = _chosen(members, capture.n)
+    x = _example_values(example_input)
+    verifier = _Verifier(model, x, capture.n, chosen, squeeze) if verify else None
+    if program != "auto":
+        return _verified(capture, verifier, chosen, squeeze, program == "dense")
+    packed = _verified(capture, verifier, chosen, squeeze, False)
+    if packed.program == "dense":  # verification left nothing packed: nothing to choose
+        return packed
+    candidates = {"packed": packed, "dense": _verified(capture, verifier, chosen, squeeze, True)}
+    times = _seconds(candidates, x)
+    name, why = choose_program(times, "packed")
+    chosen_program = candidates[name]
+    seconds = tuple((key, statistics.median(value)) for key, value in times.items())
+    chosen_program.plan = dataclasses.replace(chosen_program.plan, seconds=seconds, choice=why)
+    return chosen_program
 
 
 def pack(
-    model: nnx.Module, example_input: jax.Array | jax.ShapeDtypeStruct, *, program: str = "auto"
+    model: nnx.Module,
+    example_input: jax.Array | jax.ShapeDtypeStruct,
+    *,
+    program: str = "auto",
+    verify: bool = True,
 ) -> PackedMasksembles:
     """All members of ``model`` in one call on compacted weights: (B, ...) -> (n, B, ...).
 
@@ -654,36 +780,32 @@ def pack(
     Args:
         program: ``"packed"`` (compacted where it can), ``"dense"`` (the tiled dense model: every operation as the
             model runs it, on the member-stacked batch, as ``predict`` does), or ``"auto"`` (the default: both are
-            jitted and timed on ``example_input``, zeros for a ``jax.ShapeDtypeStruct``, and the faster is returned,
-            so packing never loses to tiling; ``seconds`` holds the medians; give an example of the batch size you
-            will run).
+            jitted and timed in interleaved rounds on ``example_input``, seeded normal values for a
+            ``jax.ShapeDtypeStruct``; the packed program is kept unless the dense one was clearly faster
+            (``masksembles_core.packing.choose_program``); ``seconds`` holds the medians, ``choice`` the reason;
+            give an example of the batch size you will run).
+        verify: compare the program with ``predict`` on the first few samples of the example (seeded normal values
+            for a ``jax.ShapeDtypeStruct``) before returning it (the default). One that differs beyond float
+            rounding is never returned: every operation then runs at full width, and the first entry of
+            ``fallbacks`` says why. ``False`` skips it.
 
     Raises:
         ValueError: ``program`` is not one of the three; the model cannot be traced (Python control flow on array
             values), has no Masksembles layer, or holds Masksembles layers of different n.
+        RuntimeError: verification found no program equal to ``predict`` (a bug: please report it).
     """
-    check_program(program)
-    capture = Capture(model, example_input)
-    if program != "auto":
-        return _build(capture, None, squeeze=False, dense=program == "dense")
-    packed, dense = _build(capture, None, squeeze=False), _build(capture, None, squeeze=False, dense=True)
-    x = (
-        jnp.zeros(example_input.shape, example_input.dtype)
-        if isinstance(example_input, jax.ShapeDtypeStruct)
-        else example_input
-    )
-    seconds = _seconds({"packed": packed, "dense": dense}, x)
-    chosen = packed if seconds["packed"] <= seconds["dense"] else dense
-    chosen.plan = dataclasses.replace(chosen.plan, seconds=tuple(seconds.items()))
-    return chosen
+    return _packed(model, example_input, None, False, program, verify)
 
 
-def extract_member(model: nnx.Module, k: int, example_input: jax.Array | jax.ShapeDtypeStruct) -> PackedMasksembles:
+def extract_member(
+    model: nnx.Module, k: int, example_input: jax.Array | jax.ShapeDtypeStruct, *, verify: bool = True
+) -> PackedMasksembles:
     """Member ``k`` of ``model`` as a standalone model: (B, ...) -> (B, ...).
 
     Every layer next to a Masksembles layer is physically shrunk to member ``k``'s live channels; the output equals
-    member ``k``'s output of the masked model (eval semantics, finite values). Same support and errors as ``pack``.
-    An operation that reads the batch (a sum over it, its size) sees member ``k``'s copy of the batch alone, where
-    ``predict`` and ``pack`` see every member's.
+    member ``k``'s output of the masked model (eval semantics, finite values), verified as in ``pack``. Same support
+    and errors as ``pack``. An operation that reads the batch (a sum over it, its size) sees every member's copy of
+    the batch in ``predict``: where the compacted member differs for that reason, verification finds it and the
+    returned module runs every member at full width and returns member ``k``'s output (``fallbacks`` says so).
     """
-    return _build(Capture(model, example_input), [k], squeeze=True)
+    return _packed(model, example_input, [k], True, "packed", verify)

@@ -419,10 +419,19 @@ class BatchMixing(nnx.Module):
 
 
 def test_operations_that_read_the_batch_run_on_the_member_stacked_batch() -> None:
-    """pack reproduces predict's tiled batch (extract_member runs one member's copy of it, so it is not compared)."""
+    """pack reproduces predict's tiled batch. A compacted member alone would see one member's copy of it: verification
+    finds the difference, so extract_member runs every member at full width and returns member k's output."""
     model = BatchMixing()
     for batch in (4, 5):
-        assert_packs(model, random_input((batch, 4), batch), members=False)
+        x = random_input((batch, 4), batch)
+        assert_packs(model, x, members=False)
+        expected = mf.predict(model, x, N)
+        for k in range(N):
+            member = extract_member(model, k, x)
+            assert member.program == "dense" and member.members == (k,)
+            assert member.fallbacks[0].startswith("verification: the packed program differed from predict")
+            assert member.fallbacks[0].endswith("every member at full width")
+            assert relative_error(member(x), expected[k]) <= 1e-5
 
 
 class Layer(nnx.Module):
