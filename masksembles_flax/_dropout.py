@@ -25,7 +25,7 @@ from masksembles_core.insertion import (
     check_insert_arguments,
 )
 
-from ._insertion import _dotted, _keep_attribute_order, _masksembles, _node_at, _replace, _walk
+from ._insertion import STACKED, _dotted, _keep_attribute_order, _masksembles, _node_at, _replace, _walk
 
 ModuleT = TypeVar("ModuleT", bound=nnx.Module)
 Shape = tuple[int, ...]
@@ -156,7 +156,7 @@ def convert_dropout(model: ModuleT, example: Any, n: int, scale: float, *, seed:
                 rows.append(LayerChange(dotted, kind, LEFT, reason=reason))
                 continue
             stacks[dotted] = _stack_shape(node)
-            note = f"a stack of {math.prod(stacks[dotted])} layers (nnx.vmap)" if stacks[dotted] else ""
+            note = STACKED.format(layers=math.prod(stacks[dotted])) if stacks[dotted] else ""
             layer_seed = mc.derive_seed(seed, sum(row.action == CONVERTED for row in rows))
             rows.append(LayerChange(dotted, kind, CONVERTED, channels, -1, layer_seed, note))
     report = LayerReport("convert_dropout", n, scale, tuple(rows))

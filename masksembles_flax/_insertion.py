@@ -32,7 +32,7 @@ LayerFilter = type | tuple[type, ...] | list[type] | Callable[[str, Any], bool]
 DEPTHWISE = "depthwise convolution: each output channel reads one input channel (before=... includes it)"
 ALREADY_MASKED = "already has Masksembles on its input (the layer of a Masked)"
 NO_CHANNELS = "no integer in_features: the channel count of its input is unknown"
-STACKED = "a stack of {layers} layers {shape} (nnx.vmap): layer j's masks from derive_seed(seed, j)"
+STACKED = "a stack of {layers} layers (nnx.vmap): layer j's masks from derive_seed(seed, j)"
 
 
 INPUT_LAYERS = (
@@ -145,7 +145,7 @@ def insert(
 def _stacked_report(report: LayerReport, stacks: dict[str, tuple[int, ...]]) -> LayerReport:
     """``report`` with a note on each inserted row of a stacked layer (its masks are one set per layer)."""
     rows = [
-        dataclasses.replace(row, reason=STACKED.format(layers=math.prod(stacks[row.path]), shape=stacks[row.path]))
+        dataclasses.replace(row, reason=STACKED.format(layers=math.prod(stacks[row.path])))
         if stacks.get(row.path)
         else row
         for row in report.rows

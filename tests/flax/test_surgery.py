@@ -227,3 +227,162 @@ def test_linen_models_train_predict_checkpoint_and_tabulate(
     table = ANSI.sub("", model.tabulate(jax.random.key(0), x, depth=2, console_kwargs={"width": 400}))
     header = table.splitlines()[3].split()
     assert "masksembles" in header and "params" in header and "masks: bool[4," in table  # its own column
+
+
+# --- NNX: CNN, ViT with nnx.MultiHeadAttention, scan-over-layers with nnx.vmap/nnx.scan -----------------------------
+
+
+class NnxCNN(nnx.Module):
+    """The Flax MNIST tutorial's CNN (NNX), with a channel dropout, a per-sample one and a rate-0 one."""
+
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.conv1 = nnx.Conv(3, 8, (3, 3), rngs=rngs)
+        self.conv2 = nnx.Conv(8, 16, (3, 3), rngs=rngs)
+        self.linear1 = nnx.Linear(4 * 4 * 16, 32, rngs=rngs)
+        self.dropout = nnx.Dropout(0.3, rngs=rngs)
+        self.drop_sample = nnx.Dropout(0.2, broadcast_dims=(1,), rngs=rngs)
+        self.off = nnx.Dropout(0.0, rngs=rngs)
+        self.linear2 = nnx.Linear(32, 4, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = nnx.avg_pool(nnx.relu(self.conv2(nnx.relu(self.conv1(x)))), (2, 2), strides=(2, 2))
+        x = self.dropout(nnx.relu(self.linear1(x.reshape(x.shape[0], -1))))
+        return self.linear2(self.off(self.drop_sample(x)))
+
+
+class NnxEncoder(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.norm1, self.norm2 = nnx.LayerNorm(16, rngs=rngs), nnx.LayerNorm(16, rngs=rngs)
+        self.attention = nnx.MultiHeadAttention(2, 16, dropout_rate=0.1, decode=False, rngs=rngs)
+        self.mlp1, self.mlp2 = nnx.Linear(16, 32, rngs=rngs), nnx.Linear(32, 16, rngs=rngs)
+        self.dropout = nnx.Dropout(0.1, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = x + self.attention(self.norm1(x))
+        return x + self.mlp2(self.dropout(nnx.gelu(self.mlp1(self.norm2(x)))))
+
+
+class NnxViT(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.embed = nnx.Linear(8, 16, rngs=rngs)
+        self.blocks = nnx.List([NnxEncoder(rngs) for _ in range(2)])
+        self.head = nnx.Linear(16, 4, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x.mean(axis=1))
+
+
+class NnxLayer(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.norm = nnx.LayerNorm(16, rngs=rngs)
+        self.linear = nnx.Linear(16, 16, rngs=rngs)
+        self.dropout = nnx.Dropout(0.1, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return x + self.dropout(nnx.relu(self.linear(self.norm(x))))
+
+
+class NnxStack(nnx.Module):
+    """Scan-over-layers as the Flax guides write it: 3 layers made under nnx.vmap, run with nnx.scan."""
+
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.embed = nnx.Linear(6, 16, rngs=rngs)
+
+        @nnx.split_rngs(splits=3)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def create(rngs: nnx.Rngs) -> NnxLayer:
+            return NnxLayer(rngs)
+
+        self.layers = create(rngs)
+        self.head = nnx.Linear(16, 4, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def forward(x: jax.Array, layer: NnxLayer) -> jax.Array:
+            return layer(x)
+
+        return self.head(forward(self.embed(x), self.layers))
+
+
+def test_nnx_insert_gives_each_layer_of_a_stack_its_own_masks() -> None:
+    model = mn.insert(NnxStack(nnx.Rngs(0)), 4, 2.0, seed=0)
+    report = model.masksembles_report
+    assert actions(report) == {"embed": LEFT, "layers.linear": INSERTED, "head": INSERTED}
+    row = report.changed[0]
+    assert row.reason == "a stack of 3 layers (nnx.vmap): layer j's masks from derive_seed(seed, j)"
+    masks = np.asarray(model.layers.linear.masksembles.masks[...])
+    assert masks.shape == (3, 4, 16)
+    for j in range(3):
+        assert np.array_equal(masks[j], mc.generate_masks(16, 4, 2.0, seed=mc.derive_seed(row.seed, j)))
+    assert not np.array_equal(masks[0], masks[1])
+
+
+def test_nnx_convert_dropout_reports_what_it_leaves() -> None:
+    converted = mn.convert_dropout(NnxCNN(nnx.Rngs(0)), IMAGES, 4, 2.0, seed=0)
+    report = converted.masksembles_report
+    assert actions(report) == {"dropout": CONVERTED, "drop_sample": LEFT, "off": LEFT}
+    assert reasons(report) == {"drop_sample": PER_SAMPLE, "off": ZERO_RATE}
+    assert isinstance(converted.dropout, mn.Masksembles) and converted.dropout.channels == 32
+    vit = mn.convert_dropout(NnxViT(nnx.Rngs(0)), TOKENS, 4, 2.0, seed=0).masksembles_report
+    assert actions(vit) == {
+        "blocks.0.attention": LEFT, "blocks.0.dropout": CONVERTED,
+        "blocks.1.attention": LEFT, "blocks.1.dropout": CONVERTED,
+    }  # fmt: skip
+    assert reasons(vit)["blocks.1.attention"] == (
+        "attention-weight dropout (MultiHeadAttention's dropout_rate=0.1): its input is attention weights, not channels"
+    )
+    stack = mn.convert_dropout(NnxStack(nnx.Rngs(0)), FEATURES, 4, 2.0, seed=0)
+    assert stack.layers.dropout.masks[...].shape == (3, 4, 16)
+    with pytest.raises(ValueError, match=r"convert_dropout converted no dropout \(0 looked at"):
+        mn.convert_dropout(NnxStack(nnx.Rngs(0)).embed, FEATURES, 4, 2.0)
+
+
+NNX_CASES = {
+    "cnn-convert_dropout": (NnxCNN, IMAGES, "convert_dropout"),
+    "vit-insert": (NnxViT, TOKENS, "insert"),
+    "stack-insert": (NnxStack, FEATURES, "insert"),
+    "stack-convert_dropout": (NnxStack, FEATURES, "convert_dropout"),
+}
+
+
+@pytest.mark.parametrize(("make", "x", "operation"), NNX_CASES.values(), ids=NNX_CASES.keys())
+def test_nnx_models_train_predict_pack_and_checkpoint(make: Any, x: jax.Array, operation: str, tmp_path: Path) -> None:
+    def change(model: nnx.Module) -> Any:
+        if operation == "insert":
+            return mn.insert(model, 4, 2.0, seed=0)
+        return mn.convert_dropout(model, x, 4, 2.0, seed=0)
+
+    model = change(make(nnx.Rngs(0)))
+    masks_before = jax.tree.map(np.asarray, nnx.state(model, mn.Masks))
+    params_before = jax.tree.map(np.asarray, nnx.state(model, nnx.Param))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model: nnx.Module, optimizer: nnx.Optimizer[Any]) -> jax.Array:
+        def loss_fn(model: nnx.Module) -> jax.Array:
+            return optax.softmax_cross_entropy_with_integer_labels(model(x), LABELS).mean()
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        optimizer.update(model, grads)
+        return loss
+
+    model.train()
+    assert np.isfinite(float(step(model, optimizer)))
+    assert jax.tree.all(jax.tree.map(np.array_equal, masks_before, nnx.state(model, mn.Masks)))
+    assert not any(jax.tree.leaves(jax.tree.map(np.array_equal, params_before, nnx.state(model, nnx.Param))))
+    model.eval()
+    members = nnx.jit(lambda model, x: predict(model, x, 4))(model, x)
+    assert members.shape == (4, x.shape[0], 4) and not np.allclose(members[0], members[1])
+    packed = mn.pack(model, x, program="packed")
+    np.testing.assert_allclose(nnx.jit(lambda m, v: m(v))(packed, x), members, rtol=1e-5, atol=1e-5)
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "ckpt", nnx.state(model))
+        checkpointer.wait_until_finished()
+        graphdef, abstract = nnx.split(nnx.eval_shape(lambda: change(make(nnx.Rngs(1)))))
+        restored = nnx.merge(graphdef, checkpointer.restore(tmp_path / "ckpt", abstract))
+    restored.eval()
+    assert jax.tree.all(jax.tree.map(np.array_equal, masks_before, nnx.state(restored, mn.Masks)))
+    np.testing.assert_allclose(nnx.jit(lambda model, x: predict(model, x, 4))(restored, x), members, rtol=1e-6)
