@@ -83,7 +83,9 @@ def insert(
     ``include_first``; layers before ``start`` are left alone; so are depthwise convolutions
     (``feature_group_count == in_features``), layers with one input channel, layers whose instance also sits at
     another path (masks at one place would miss the calls from the other) and the layer of an existing ``Masked``.
-    The i-th layer given masks gets ``masksembles_core.derive_seed(seed, i)``.
+    The i-th layer given masks gets ``masksembles_core.derive_seed(seed, i)``. A Linear or convolution stacked by
+    ``nnx.vmap`` (scan-over-layers: its kernel has leading layer axes) gets masks (*layers, n, C), layer j's from
+    ``derive_seed(that seed, j)``, so that ``nnx.scan`` hands each layer its own; the report notes the stack.
 
     Args:
         model: any ``nnx.Module`` (a user's module, ``nnx.Sequential``, nested modules, lists of blocks).
