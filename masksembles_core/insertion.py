@@ -32,6 +32,15 @@ INSERTED = "inserted"
 CONVERTED = "converted"
 LEFT = "left as is"
 
+# Why convert_dropout leaves a dropout as is, in every framework's words.
+ZERO_RATE = "rate=0: it drops nothing"
+PER_SAMPLE = "per-sample dropout (stochastic depth): it drops whole samples, not channels"
+
+
+def attention_dropout_reason(source: str) -> str:
+    """The reason for an attention-weight dropout; ``source`` says how it was found (``"named 'attn_drop'"``)."""
+    return f"attention-weight dropout ({source}): its input is attention weights, not channels"
+
 
 @dataclass(frozen=True)
 class LayerChange:

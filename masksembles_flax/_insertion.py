@@ -10,14 +10,19 @@ Which of the chosen layers get masks is decided by the rule every framework shar
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-from masksembles_core.insertion import Candidate, check_insert_arguments, plan_insertion
+import masksembles_core as mc
+from masksembles_core.insertion import Candidate, LayerChange, LayerReport, check_insert_arguments, plan_insertion
 
-from ._nnx_layers import Masksembles
+from ._nnx_layers import Masks, Masksembles
 
 ModuleT = TypeVar("ModuleT", bound=nnx.Module)
 Key = str | int
@@ -27,6 +32,7 @@ LayerFilter = type | tuple[type, ...] | list[type] | Callable[[str, Any], bool]
 DEPTHWISE = "depthwise convolution: each output channel reads one input channel (before=... includes it)"
 ALREADY_MASKED = "already has Masksembles on its input (the layer of a Masked)"
 NO_CHANNELS = "no integer in_features: the channel count of its input is unknown"
+STACKED = "a stack of {layers} layers (nnx.vmap): layer j's masks from derive_seed(seed, j)"
 
 
 INPUT_LAYERS = (
@@ -77,7 +83,9 @@ def insert(
     ``include_first``; layers before ``start`` are left alone; so are depthwise convolutions
     (``feature_group_count == in_features``), layers with one input channel, layers whose instance also sits at
     another path (masks at one place would miss the calls from the other) and the layer of an existing ``Masked``.
-    The i-th layer given masks gets ``masksembles_core.derive_seed(seed, i)``.
+    The i-th layer given masks gets ``masksembles_core.derive_seed(seed, i)``. A Linear or convolution stacked by
+    ``nnx.vmap`` (scan-over-layers: its kernel has leading layer axes) gets masks (*layers, n, C), layer j's from
+    ``derive_seed(that seed, j)``, so that ``nnx.scan`` hands each layer its own; the report notes the stack.
 
     Args:
         model: any ``nnx.Module`` (a user's module, ``nnx.Sequential``, nested modules, lists of blocks).
@@ -122,18 +130,57 @@ def insert(
     report = plan_insertion(
         candidates, order, n, scale, seed=seed, start=start, include_first=include_first, first_layers=first
     )
+    stacks = {row.path: _stack_shape(_node_at(model, path_parts[row.path])) for row in report.changed}
+    report = _stacked_report(report, stacks)
     copy = nnx.clone(model, arrays=True)
     _keep_attribute_order(model, copy)
     for path, node, _ in nodes:
         if isinstance(node, nnx.Module):
             _keep_attribute_order(node, _node_at(copy, path))
     for row in report.changed:
-        assert row.channels is not None and row.channel_axis is not None  # set on every inserted row
         path = path_parts[row.path]
-        masks = Masksembles(row.channels, n, scale, seed=row.seed, channel_axis=row.channel_axis)
-        _replace(copy, path, Masked(masks, _node_at(copy, path)))
+        _replace(copy, path, Masked(_masksembles(row, n, scale, stacks[row.path]), _node_at(copy, path)))
     copy.masksembles_report = report  # type: ignore[attr-defined]  # a static attribute: LayerReport is hashable
     return copy
+
+
+def _stacked_report(report: LayerReport, stacks: dict[str, tuple[int, ...]]) -> LayerReport:
+    """``report`` with a note on each inserted row of a stacked layer (its masks are one set per layer)."""
+    rows = [
+        dataclasses.replace(row, reason=STACKED.format(layers=math.prod(stacks[row.path])))
+        if stacks.get(row.path)
+        else row
+        for row in report.rows
+    ]
+    return dataclasses.replace(report, rows=tuple(rows))
+
+
+def _stack_shape(layer: nnx.Module) -> tuple[int, ...]:
+    """The leading axes ``nnx.vmap`` stacked ``layer``'s kernel on, () for a layer made once.
+
+    A Linear's kernel is (in, out) and a convolution's (*window, in/groups, out): any axis in front of those is a
+    stack of layers, each of which ``nnx.scan`` (or ``nnx.vmap``) runs on its own slice.
+    """
+    if isinstance(layer, nnx.Conv | nnx.ConvTranspose):
+        expected = len(layer.kernel_size) + 2
+    elif isinstance(layer, nnx.Linear):
+        expected = 2
+    else:
+        return ()
+    shape = tuple(layer.kernel[...].shape)
+    return shape[: len(shape) - expected]
+
+
+def _masksembles(row: LayerChange, n: int, scale: float, stack: tuple[int, ...]) -> Masksembles:
+    """The Masksembles layer of an inserted row: masks (n, C), or (*stack, n, C) for a stacked layer, layer ``j`` of
+    the stack (row-major) with masks from ``derive_seed(row.seed, j)``."""
+    assert row.channels is not None and row.channel_axis is not None  # set on every inserted row
+    layer = Masksembles(row.channels, n, scale, seed=row.seed, channel_axis=row.channel_axis)
+    if stack:
+        seeds = [mc.derive_seed(row.seed, j) for j in range(math.prod(stack))]
+        masks = np.stack([mc.generate_masks(row.channels, n, scale, seed=seed) for seed in seeds])
+        layer.masks = Masks(jnp.asarray(masks.reshape((*stack, n, row.channels))))
+    return layer
 
 
 def _layer_filter(before: LayerFilter) -> Callable[[str, Any], bool]:

@@ -13,6 +13,8 @@ import masksembles_core.adapter as mca
 
 T = TypeVar("T")
 
+MASKS_COLLECTION = "masksembles"  # linen: the variable collection of the masks
+
 
 def input_channels(shape: Sequence[int], channel_axis: int) -> int:
     """Channel count of an input of ``shape``, after the core's rank and channel-axis checks."""

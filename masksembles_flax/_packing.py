@@ -75,6 +75,14 @@ Values = tuple[jax.Array, ...]  # one array per member, one for a shared tensor 
 Arrays = dict[str, list[np.ndarray]]  # a packed module's arrays: one per copy
 
 
+def _host(value: Any) -> np.ndarray:
+    """A constant operand as NumPy; a PRNG key array (an RNG stream a loop carries, e.g. a stacked nnx.Dropout's)
+    stays a JAX array, which NumPy cannot hold."""
+    if jnp.issubdtype(value.dtype, jax.dtypes.prng_key):
+        return cast(np.ndarray, value)
+    return np.asarray(value)
+
+
 # ------------------------------------------------------------------------------------------------ the static program
 
 
@@ -596,7 +604,7 @@ class _Emitter:
                     operands.append(_Operand("edge", index=op.tensors.index(atom)))
                 else:
                     key = f"{step.name}_operand{position}"
-                    self.constants[key] = [np.asarray(capture.analysis.reduced[atom])]
+                    self.constants[key] = [_host(capture.analysis.reduced[atom])]
                     shape = capture_module.template(capture.values[atom].shapes, start)
                     operands.append(_Operand("constant", key=key, shape=shape))
         except NotAffine as error:
@@ -619,7 +627,7 @@ class _Emitter:
                 operands.append(_Operand("edge", index=names.index(node_name(atom))))
             else:
                 key = f"output_{position}"
-                self.constants[key] = [np.asarray(capture.analysis.constants[atom])]
+                self.constants[key] = [_host(capture.analysis.constants[atom])]
                 operands.append(_Operand("constant", key=key))
         return tuple(operands)
 

@@ -22,11 +22,10 @@ from numpy.typing import ArrayLike
 
 import masksembles_core.adapter as mca
 
-from ._ops import apply_masks, input_channels, random_mask_index
+from ._linen_surgery import Converted, Inserted, convert_dropout, insert
+from ._ops import MASKS_COLLECTION, apply_masks, input_channels, random_mask_index
 
-MASKS_COLLECTION = "masksembles"
-
-__all__ = ["MASKS_COLLECTION", "Masksembles"]
+__all__ = ["MASKS_COLLECTION", "Converted", "Inserted", "Masksembles", "convert_dropout", "insert"]
 
 
 class Masksembles(nn.Module):
@@ -64,11 +63,13 @@ class Masksembles(nn.Module):
             object.__setattr__(self, "masks", tuple(tuple(bool(v) for v in row) for row in arguments.masks))
         super().__post_init__()
 
+    @nn.nowrap  # not a module method: called on the unbound module in __post_init__, also under nn.tabulate
     def _arguments(self) -> mca.LayerArguments:
         return mca.layer_arguments(
             None, self.n, self.scale, seed=self.seed, masks=self.masks, channel_axis=self.channel_axis, mode=self.mode
         )
 
+    @nn.nowrap
     def _initial_masks(self, input_shape: Sequence[int]) -> jax.Array:
         """The (n, C) bool masks made at ``init``: the given ``masks``, or generated for the input's channels."""
         channels = None if self.masks is not None else input_channels(input_shape, self.channel_axis)

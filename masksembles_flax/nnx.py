@@ -8,6 +8,7 @@ wrt=nnx.Param)`` leaves them alone. ``insert`` puts Masksembles layers into an e
 ``pack``/``extract_member`` run its members on compacted weights.
 """
 
+from ._dropout import convert_dropout
 from ._insertion import Masked, insert
 from ._nnx_layers import Flatten, Masks, Masksembles, Residual
 from ._packing import PackedMasksembles, extract_member, pack
@@ -19,6 +20,7 @@ __all__ = [
     "Masksembles",
     "PackedMasksembles",
     "Residual",
+    "convert_dropout",
     "extract_member",
     "insert",
     "pack",

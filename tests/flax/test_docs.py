@@ -86,8 +86,10 @@ def test_the_guide_has_the_expected_sections() -> None:
     assert list(SECTIONS) == [
         "Linen",
         "Training with `TrainState`",
+        "`insert` and `convert_dropout` (linen)",
         "NNX",
         "`insert`: Masksembles into an existing model",
+        "`convert_dropout` and scan-over-layers (NNX)",
         "Packed inference (Flax NNX)",
     ]
 
@@ -121,6 +123,17 @@ def test_insert_on_the_tutorial_cnn(run_section: Callable[[str], dict[str, Any]]
     trained = [np.asarray(leaf) for leaf in jax.tree.leaves(nnx.state(model, Masks))]
     made = [mc.generate_masks(row.channels, 4, 2.0, seed=row.seed) for row in rows]
     assert sorted(map(np.ndarray.tobytes, trained)) == sorted(map(np.ndarray.tobytes, made))
+
+
+def test_linen_insert_and_convert_dropout(run_section: Callable[[str], dict[str, Any]]) -> None:
+    guide = run_section("`insert` and `convert_dropout` (linen)")
+    assert guide["members"].shape == (4, 8, 10) and set(guide["variables"]["masksembles"]) == {"Dense_1", "Dense_2"}
+
+
+def test_nnx_convert_dropout_on_scan_over_layers(run_section: Callable[[str], dict[str, Any]]) -> None:
+    guide = run_section("`convert_dropout` and scan-over-layers (NNX)")
+    assert guide["masks"].shape == (4, 4, 64) and guide["members"].shape == (4, 8, 10)
+    assert not np.array_equal(guide["masks"][0], guide["masks"][1])
 
 
 def test_packed_inference_equals_predict(run_section: Callable[[str], dict[str, Any]]) -> None:
