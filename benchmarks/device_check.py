@@ -4,8 +4,9 @@
 
 Runs with the machine's own Python and packages (no install step) and writes ``DIR/device_check.md`` and
 ``DIR/device_check.json``, both rewritten after every row, so a run cut short still reports what it measured.
-Sections (``--list-sections``), each in its own ``try``: an error is recorded (type, message, traceback) and the
-next section runs; a section whose framework does not import is reported as unavailable, with the import error.
+Sections (``--help`` lists their names), each in its own ``try``: an error is recorded (type, message, traceback)
+and the next section runs; a section whose framework does not import is reported as unavailable, with the import
+error.
 
 - ``environment``: versions, devices and every import that failed (torch, JAX, Flax, Keras, timm, torchvision,
   transformers).
@@ -126,8 +127,14 @@ class Interrupted(BaseException):
 
 
 def error_text(error: BaseException) -> str:
+    """The error's type and the first line of its message (for a table cell)."""
     first = str(error).strip().splitlines()
     return f"{type(error).__name__}: {first[0] if first else ''}"
+
+
+def failure(error: BaseException, **where: str) -> dict[str, str]:
+    """An error as the JSON report keeps it: type, whole message and traceback."""
+    return {**where, "type": type(error).__name__, "message": str(error), "traceback": traceback.format_exc()}
 
 
 @dataclass
@@ -145,6 +152,7 @@ class Section:
     rows: list[Row] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     error: dict[str, str] | None = None
+    failures: list[dict[str, str]] = field(default_factory=list)  # each failed part: case, type, message, traceback
     deadline: float = math.inf
     report: Report | None = None
 
@@ -174,6 +182,8 @@ class Section:
         try:
             result = work()
         except Exception as error:  # recorded, and the next part runs
+            self.failures.append(failure(error, case=label))
+            print(self.failures[-1]["traceback"], flush=True)
             self.add({**context, "case": label, "error": error_text(error)})
             release_memory()
             return False
@@ -182,7 +192,7 @@ class Section:
         return True
 
     def as_json(self) -> dict[str, Any]:
-        keys = ("name", "title", "status", "seconds", "notes", "rows", "skipped", "error")
+        keys = ("name", "title", "status", "seconds", "notes", "rows", "skipped", "error", "failures")
         return {key: getattr(self, key) for key in keys}
 
 
@@ -205,8 +215,8 @@ class Report:
             "# Device check",
             "",
             f"`{meta['command']}`, {meta['mode']} mode, started {meta['started']}, {meta['elapsed_s']:.0f} s of a "
-            f"{meta['budget_s']:.0f} s budget. Machine: {meta['machine']}. torch device: {meta.get('device', '?')}; "
-            f"JAX device: {meta.get('jax_device', '?')}. N={N}, S={SCALE}.",
+            f"{meta['budget_s']:.0f} s budget. Machine: {meta['machine']}. torch device: {meta.get('device', 'none')}; "
+            f"JAX device: {meta.get('jax_device', 'none')}. N={N}, S={SCALE}.",
             "",
             "| section | status | seconds |",
             "|---|---|---:|",
@@ -684,6 +694,7 @@ class Candidate:
     label: str
     build: Callable[[], Any]
     shape: tuple[int, ...]
+    requires: str | None = None  # a module environment must have imported (timm, torchvision)
 
 
 def timm_model(name: str) -> Callable[[], Any]:
@@ -711,6 +722,19 @@ def replica(name: str, **options: Any) -> Callable[[], Any]:
     return build
 
 
+def importable(ctx: Context, section: Section, candidates: list[Candidate]) -> list[Candidate]:
+    """The candidates whose module imports; each one left out is noted once per section."""
+    kept = []
+    for candidate in candidates:
+        if candidate.requires in ctx.missing:
+            note = f"{candidate.label} left out: {ctx.missing[candidate.requires]}."
+            if note not in section.notes:
+                section.note(note)
+        else:
+            kept.append(candidate)
+    return kept
+
+
 def pack_candidates(smoke: bool) -> dict[str, list[Candidate]]:
     """Per model, timm's network first and bench_packing.py's replica after it (tiny replicas in smoke mode)."""
     if smoke:
@@ -731,15 +755,15 @@ def pack_candidates(smoke: bool) -> dict[str, list[Candidate]]:
         }
     return {
         "ResNet-50": [
-            Candidate("timm resnet50", timm_model("resnet50"), (3, 224, 224)),
+            Candidate("timm resnet50", timm_model("resnet50"), (3, 224, 224), "timm"),
             Candidate("replica: bench_packing ResNet-50 (32×32)", replica("ResNet50"), (3, 32, 32)),
         ],
         "ConvNeXt": [
-            Candidate("timm convnext_tiny", timm_model("convnext_tiny"), (3, 224, 224)),
+            Candidate("timm convnext_tiny", timm_model("convnext_tiny"), (3, 224, 224), "timm"),
             Candidate("replica: bench_packing ConvNeXt-like", replica("ConvNeXt"), (3, 64, 64)),
         ],
         "ViT": [
-            Candidate("timm vit_small_patch16_224", timm_model("vit_small_patch16_224"), (3, 224, 224)),
+            Candidate("timm vit_small_patch16_224", timm_model("vit_small_patch16_224"), (3, 224, 224), "timm"),
             Candidate("replica: bench_packing ViT-like", replica("ViT"), (3, 32, 32)),
         ],
     }
@@ -749,8 +773,8 @@ def training_candidates(smoke: bool) -> list[Candidate]:
     if smoke:
         return [Candidate("replica: bench_packing ResNet (small)", replica("ResNet"), (3, 32, 32))]
     return [
-        Candidate("timm resnet50", timm_model("resnet50"), (3, 224, 224)),
-        Candidate("torchvision resnet50", torchvision_resnet50, (3, 224, 224)),
+        Candidate("timm resnet50", timm_model("resnet50"), (3, 224, 224), "timm"),
+        Candidate("torchvision resnet50", torchvision_resnet50, (3, 224, 224), "torchvision"),
         Candidate("replica: bench_packing ResNet-50 (32×32)", replica("ResNet50"), (3, 32, 32)),
     ]
 
@@ -800,7 +824,7 @@ def training_step(ctx: Context, section: Section) -> None:
         f"`insert(model, {N}, {SCALE})` puts Masksembles before every conv/linear layer but the first. A Deep "
         f"Ensemble of {N} trains {N} such models: {N} × without ÷ with is its cost ÷ Masksembles'."
     )
-    for candidate in training_candidates(ctx.args.smoke):
+    for candidate in importable(ctx, section, training_candidates(ctx.args.smoke)):
 
         def measure(candidate: Candidate = candidate) -> Row:
             plain = seeded(candidate.build).to(ctx.device, memory_format=memory).train()
@@ -946,7 +970,7 @@ def pack_torch(ctx: Context, section: Section) -> None:
     )
     prepared: dict[tuple[str, str], Prepared] = {}
     for (model, candidates), dtype in itertools.product(pack_candidates(ctx.args.smoke).items(), dtypes):
-        for candidate in candidates:
+        for candidate in importable(ctx, section, candidates):
             key = (model, dtype)
 
             def build(candidate: Candidate = candidate, key: tuple[str, str] = key, dtype: str = dtype) -> None:
@@ -1068,7 +1092,7 @@ def cuda_choices(ctx: Context, section: Section) -> None:
             table=table,
         )
     table = "CHUNK_BYTES: the packed program on chunks of the batch ÷ in one call (float32)"
-    for candidate in pack_candidates(ctx.args.smoke)["ConvNeXt"]:
+    for candidate in importable(ctx, section, pack_candidates(ctx.args.smoke)["ConvNeXt"]):
         if section.attempt(candidate.label, lambda c=candidate: chunk_rows(ctx, section, c), table=table):
             break
         release_memory()
@@ -1242,14 +1266,14 @@ def sections() -> list[Section]:
     torch, jax, keras = ("torch",), ("jax", "flax"), ("keras",)
     specs: list[tuple[str, str, float, tuple[str, ...], Callable[[Context, Section], None]]] = [
         ("environment", "Environment", 0.0, (), environment),
-        ("conformance-torch", "Conformance: PyTorch layer on the device", 3, torch, conformance_torch),
+        ("conformance-torch", "Conformance: PyTorch layer on the device", 12, torch, conformance_torch),
         ("conformance-jax", "Conformance: Flax linen and NNX layers on the JAX device", 3, jax, conformance_jax),
         ("conformance-keras", "Conformance: Keras layer on its backend's device", 2, keras, conformance_keras),
-        ("layer-speed-torch", "Layer speed, PyTorch", 8, torch, layer_speed_torch),
-        ("layer-speed-jax", "Layer speed, JAX (linen and NNX)", 5, jax, layer_speed_jax),
-        ("cuda-choices", "The CPU-measured constants, timed on this device", 12, torch, cuda_choices),
-        ("training-step", "Training step with masks ÷ without", 12, torch, training_step),
-        ("pack-torch", "Packed inference, PyTorch", 40, torch, pack_torch),
+        ("layer-speed-torch", "Layer speed, PyTorch", 12, torch, layer_speed_torch),
+        ("layer-speed-jax", "Layer speed, JAX (linen and NNX)", 4, jax, layer_speed_jax),
+        ("cuda-choices", "The CPU-measured constants, timed on this device", 10, torch, cuda_choices),
+        ("training-step", "Training step with masks ÷ without", 5, torch, training_step),
+        ("pack-torch", "Packed inference, PyTorch", 37, torch, pack_torch),
         ("pack-nnx", "Packed inference, Flax NNX", 15, jax, pack_nnx),
     ]
     return [Section(name, title, weight, requires, run) for name, title, weight, requires, run in specs]
@@ -1259,9 +1283,11 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     names = [section.name for section in sections()]
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="directory for device_check.md and .json")
-    parser.add_argument("--budget-s", type=float, default=None, help="time budget (default 360; 600 with --smoke)")
+    parser.add_argument("--budget-s", type=float, default=360.0, help="time budget in seconds (default 360)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on CPU, seconds (the test suite runs it)")
-    parser.add_argument("--sections", type=lambda text: text.split(","), default=names, help=", ".join(names))
+    parser.add_argument(
+        "--sections", type=lambda text: text.split(","), default=names, help=f"{', '.join(names)} (environment always)"
+    )
     parser.add_argument("--compile-backend", default=None, help="torch.compile backend (inductor; eager with --smoke)")
     parser.add_argument("--fail", action="append", default=[], choices=names, help="inject a failure (tests)")
     args = parser.parse_args(argv)
@@ -1274,7 +1300,7 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
 def run_section(ctx: Context, section: Section, remaining: list[Section], clock_end: float) -> None:
     """Run one section in its share of the time left, recording whatever happens."""
     now = time.perf_counter()
-    if section.name not in ctx.args.sections:
+    if section.name not in ctx.args.sections and section.name != "environment":  # it chooses the torch device
         section.status = "not selected (--sections)"
         return
     missing = [ctx.missing[r] for r in section.requires if r in ctx.missing]
@@ -1298,7 +1324,8 @@ def run_section(ctx: Context, section: Section, remaining: list[Section], clock_
         section.status = f"{errors} parts failed" if errors else "ok"
     except Exception as error:  # recorded; the next section runs
         section.status = "error"
-        section.error = {"type": type(error).__name__, "message": str(error), "traceback": traceback.format_exc()}
+        section.error = failure(error)
+        print(section.error["traceback"], flush=True)
     except Interrupted:
         section.status = "interrupted (SIGTERM)"
         raise
@@ -1311,7 +1338,7 @@ def main(argv: list[str] | None = None) -> int:
     args = arguments(argv)
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX takes GPU memory as needed, beside torch
     sizes = SMOKE if args.smoke else FULL
-    budget = args.budget_s if args.budget_s is not None else (600.0 if args.smoke else 360.0)
+    budget = args.budget_s
     ctx = Context(args, sizes, args.compile_backend or ("eager" if args.smoke else "inductor"))
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()

@@ -25,6 +25,7 @@ REQUIRED = {
     "torch": {"conformance-torch", "layer-speed-torch", "cuda-choices", "training-step", "pack-torch"},
     "flax": {"conformance-jax", "layer-speed-jax", "pack-nnx"},
 }
+UNLIMITED = "1e9"  # seconds: what runs must not depend on how busy the machine is
 # one conformance and one speed section per backend, for the short runs
 SHORT = {"torch": ("conformance-torch", "layer-speed-torch"), "flax": ("conformance-jax", "layer-speed-jax")}
 
@@ -46,7 +47,7 @@ def run(out: Path, *options: str) -> tuple[subprocess.CompletedProcess[str], dic
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], dict[str, Any], str]:
-    return run(tmp_path_factory.mktemp("device_check"))
+    return run(tmp_path_factory.mktemp("device_check"), "--budget-s", UNLIMITED)
 
 
 def sections_by_name(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -97,7 +98,8 @@ def test_conformance_finds_every_value_bit_identical(smoke: tuple[Any, dict[str,
 
 def test_a_failing_section_is_recorded_and_the_next_one_runs(tmp_path: Path) -> None:
     conformance, speed = SHORT[backend()]
-    process, report, markdown = run(tmp_path, "--sections", f"environment,{conformance},{speed}", "--fail", conformance)
+    sections = f"environment,{conformance},{speed}"
+    process, report, markdown = run(tmp_path, "--sections", sections, "--fail", conformance, "--budget-s", UNLIMITED)
     assert process.returncode == 1
     found = sections_by_name(report)
     assert found[conformance]["status"] == "error"
