@@ -47,6 +47,7 @@ def run(out: Path, *options: str) -> tuple[subprocess.CompletedProcess[str], dic
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], dict[str, Any], str]:
+    backend()  # skips before the run when neither torch nor flax is tested
     return run(tmp_path_factory.mktemp("device_check"), "--budget-s", UNLIMITED)
 
 
