@@ -50,6 +50,9 @@ ADAPTER_TESTS = (
     "tests/test_demo_smoke.py",
 )
 
+# benchmarks/device_check.py --smoke (the GPU check): the torch and flax sessions each require their sections to run
+DEVICE_CHECK_SMOKE = "tests/test_device_check_smoke.py"
+
 
 def run_pytest(session: nox.Session, backends: str, *paths: str) -> None:
     session.run("pytest", *paths, *session.posargs, env={"MASKSEMBLES_TEST_BACKENDS": backends})
@@ -81,11 +84,12 @@ def core_min(session: nox.Session) -> None:
 
 @nox.session
 def torch(session: nox.Session) -> None:
-    """The PyTorch adapter (CPU build), with ONNX export checked in onnxruntime, and the demo's smoke test."""
+    """The PyTorch adapter (CPU build), with ONNX export checked in onnxruntime, the demo's and the GPU check's smoke
+    tests."""
     session.install(
         *CONSTRAINTS, "-e", ".[torch]", *TEST, *nox.project.dependency_groups(PYPROJECT, "test-torch"), *DEMO
     )
-    run_pytest(session, "torch", "tests/torch", *ADAPTER_TESTS)
+    run_pytest(session, "torch", "tests/torch", *ADAPTER_TESTS, DEVICE_CHECK_SMOKE)
 
 
 KERAS_BACKEND_PACKAGES = {"tensorflow": ("tensorflow-cpu>=2.21",), "jax": ("jax>=0.10.2",), "torch": ("torch",)}
@@ -102,10 +106,11 @@ def keras(session: nox.Session, backend: str) -> None:
 
 @nox.session
 def flax(session: nox.Session) -> None:
-    """The Flax adapter (linen and NNX), with 4 virtual CPU devices for the sharding tests."""
+    """The Flax adapter (linen and NNX), with 4 virtual CPU devices for the sharding tests, and the GPU check's smoke
+    test."""
     session.install("-e", ".[flax]", *TEST, *nox.project.dependency_groups(PYPROJECT, "test-flax"), *DEMO)
     session.env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-    run_pytest(session, "flax", "tests/flax", *ADAPTER_TESTS)
+    run_pytest(session, "flax", "tests/flax", *ADAPTER_TESTS, DEVICE_CHECK_SMOKE)
 
 
 def version_mismatches() -> list[str]:
