@@ -17,7 +17,7 @@ from flax import nnx
 
 from masksembles_core.insertion import Candidate, check_insert_arguments, plan_insertion
 
-from ._nnx_layers import Masksembles
+from ._nnx_layers import Masksembles, record_batch_size
 
 ModuleT = TypeVar("ModuleT", bound=nnx.Module)
 Key = str | int
@@ -133,7 +133,7 @@ def insert(
         masks = Masksembles(row.channels, n, scale, seed=row.seed, channel_axis=row.channel_axis)
         _replace(copy, path, Masked(masks, _node_at(copy, path)))
     copy.masksembles_report = report  # type: ignore[attr-defined]  # a static attribute: LayerReport is hashable
-    return copy
+    return record_batch_size(copy)  # a sample meets one member in every layer, also where the model folds the batch
 
 
 def _layer_filter(before: LayerFilter) -> Callable[[str, Any], bool]:
