@@ -85,7 +85,7 @@ class Masksembles(nn.Module):
         if not factory_kwargs["dtype"].is_floating_point:
             raise TypeError(f"dtype must be a floating dtype; received {dtype}")
         self.register_buffer("masks", torch.as_tensor(resolved, **factory_kwargs))
-        # The batch size of the enclosing model's call, set by ``record_batch_size``'s hooks during that call.
+        # The batch size of the enclosing model's last call, set by ``record_batch_size``'s hook.
         self.samples: int | None = None
 
     def forward(self, x: Tensor) -> Tensor:
@@ -172,37 +172,27 @@ def _batch_size(inputs: Any) -> int | None:
 
 
 def _record(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """Forward pre-hook: give the model's Masksembles layers the batch size of its first tensor input.
-
-    A layer already given one (by an enclosing model's call) keeps it; the layers this call sets are the ones the
-    matching ``_forget`` clears.
-    """
+    """Forward pre-hook: give the model's Masksembles layers the batch size of its first tensor input (a model inside
+    it that records too sets its own layers again at its call: each layer follows the innermost one)."""
     batch = _batch_size((args, kwargs))
     if batch is None:
         return
-    layers = [layer for layer in model.modules() if isinstance(layer, Masksembles) and layer.samples is None]
-    for layer in layers:
-        layer.samples = batch
-    model._masksembles_recorded = layers  # type: ignore[assignment]
-
-
-def _forget(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-    """Forward hook (run on errors too): clear what ``_record`` set for this call."""
-    for layer in model.__dict__.pop("_masksembles_recorded", ()):
-        layer.samples = None
+    for layer in model.modules():
+        if isinstance(layer, Masksembles):
+            layer.samples = batch
 
 
 def record_batch_size(model: ModuleT) -> ModuleT:
     """Let every Masksembles layer of ``model`` group its rows by the model's samples; returns ``model``.
 
-    Registers two hooks on ``model``: at each call the batch size B of its first tensor input (axis 0) is given to
-    its Masksembles layers, which then send row ``r`` of a batch of ``B * f`` rows through the member of sample
-    ``r // f`` (``masksembles_core.group_index(rows, n, samples=B)``); a layer whose rows B does not divide uses the
-    plain rule over its rows. ``insert`` and ``convert_dropout`` call it; call it on a model with hand-placed layers.
-    Calling it again does nothing. The hooks keep working under ``deepcopy``, pickling, ``torch.compile`` and
-    ``torch.export`` (B is symbolic there).
+    Registers a forward pre-hook on ``model``: at each call the batch size B of its first tensor input (axis 0) is
+    given to its Masksembles layers (their ``samples``, kept until the next call), which then send row ``r`` of a
+    batch of ``B * f`` rows through the member of sample ``r // f`` (``masksembles_core.group_index(rows, n,
+    samples=B)``); a layer whose rows B does not divide uses the plain rule over its rows. ``insert`` and
+    ``convert_dropout`` call it; call it on a model with hand-placed layers. Calling it again does nothing. The hook
+    keeps working under ``deepcopy``, pickling, ``torch.compile(fullgraph=True)`` and ``torch.export`` (B is
+    symbolic there).
     """
-    if _record not in [hook for hook in model._forward_pre_hooks.values()]:
+    if _record not in model._forward_pre_hooks.values():
         model.register_forward_pre_hook(_record, with_kwargs=True)
-        model.register_forward_hook(_forget, with_kwargs=True, always_call=True)
     return model
