@@ -50,8 +50,9 @@ class Masksembles(nn.Module):
 
     Inside a model that folds other axes into the batch (windows, tokens: ``B * f`` rows in the
     sample-major order of ``reshape``), ``record_batch_size(model)`` (which ``insert`` and
-    ``convert_dropout`` call) lets every layer give row ``r`` the member of sample ``r // f``, so a
-    sample meets one member in every layer at any batch size.
+    ``convert_dropout`` call) lets every layer in training give row ``r`` the member of sample
+    ``r // f``, so a sample meets one member in every layer at any batch size (in eval the plain
+    rule: ``predict``'s tiled batch lines up with it).
     """
 
     ranks: ClassVar[Sequence[int] | None] = None
@@ -93,7 +94,7 @@ class Masksembles(nn.Module):
         index = None
         if self.mode == "random" and self.training:
             rows = x.shape[0]
-            per_sample = mca.rows_per_sample(rows, self.samples)
+            per_sample = mca.rows_per_sample(rows, self.samples)  # random mode draws in training only
             index = torch.randint(self.n, (rows // per_sample,), device=x.device, generator=self.generator)
             if per_sample != 1:  # one draw per sample, shared by its rows
                 index = index.repeat_interleave(per_sample)
@@ -102,7 +103,7 @@ class Masksembles(nn.Module):
             self.masks,
             channel_axis=self.channel_axis,
             index=index,
-            samples=self.samples,
+            samples=self.samples if self.training else None,  # eval: predict's tiled batch lines up already
             ranks=self.ranks,
             layer=type(self).__name__,
         )
@@ -186,8 +187,8 @@ def record_batch_size(model: ModuleT) -> ModuleT:
     """Let every Masksembles layer of ``model`` group its rows by the model's samples; returns ``model``.
 
     Registers a forward pre-hook on ``model``: at each call the batch size B of its first tensor input (axis 0) is
-    given to its Masksembles layers (their ``samples``, kept until the next call), which then send row ``r`` of a
-    batch of ``B * f`` rows through the member of sample ``r // f`` (``masksembles_core.group_index(rows, n,
+    given to its Masksembles layers (their ``samples``, kept until the next call), which then, in training, send row
+    ``r`` of a batch of ``B * f`` rows through the member of sample ``r // f`` (``masksembles_core.group_index(rows, n,
     samples=B)``); a layer whose rows B does not divide uses the plain rule over its rows. ``insert`` and
     ``convert_dropout`` call it; call it on a model with hand-placed layers. Calling it again does nothing. The hook
     keeps working under ``deepcopy``, pickling, ``torch.compile(fullgraph=True)`` and ``torch.export`` (B is

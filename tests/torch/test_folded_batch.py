@@ -136,7 +136,7 @@ def test_extracted_member_of_a_folding_model_equals_predict(name: str) -> None:
 
 def test_folded_rows_without_the_record_straddle_members() -> None:
     # The failure the record fixes: at batch 7 the plain rule over the 28 attention rows mixes members in a sample.
-    layer = mt.Masksembles(8, N, 2.0, seed=0, channel_axis=-1)
+    layer = mt.Masksembles(8, N, 2.0, seed=0, channel_axis=-1).train()
     x = torch.randn(7 * 4, 16, 8)  # no zeros: each row matches exactly one mask
     plain = consistent_members(x, layer(x), layer.masks, -1).argmax(axis=1).reshape(7, 4)
     assert sorted(tuple(sorted(set(row))) for row in plain if len(set(row)) > 1) == [(0, 1), (1, 2), (2, 3)]
@@ -155,7 +155,8 @@ def test_functional_matches_the_reference_with_samples(rows: int, samples: int) 
 
 
 def test_record_batch_size_works_compiled_and_exported() -> None:
-    model = mt.record_batch_size(mt.record_batch_size(nn.Sequential(SwinBlock(8, 4, 2)).eval()))
+    torch.manual_seed(0)
+    model = mt.record_batch_size(mt.insert(nn.Sequential(SwinBlock(8, 4, 2)), N, 2.0, seed=0, include_first=True))
     assert len(model._forward_pre_hooks) == 1, "a second call adds nothing"
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True, dynamic=True)
