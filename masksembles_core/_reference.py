@@ -1,6 +1,6 @@
 """NumPy reference of the Masksembles layer: the conformance oracle for every adapter.
 
-Forward: ``y = x * masks[group_index(B, n)]`` broadcast along ``channel_axis``, with the masks
+Forward: ``y = x * masks[group_index(B, n, samples=samples)]`` broadcast along ``channel_axis``, with the masks
 cast to ``x.dtype``. Every adapter computes a masked position as this IEEE-754 product
 ``x * 0``: ``0.0`` for finite ``x`` (``-0.0`` for negative ``x``) and ``NaN`` for ``inf``/``NaN``.
 A non-finite activation is therefore never hidden by a mask, and since multiplying by 0 or 1
@@ -38,13 +38,15 @@ def mask_shape(rank: int, channel_axis: int, channels: int, leading: int) -> tup
     return tuple(shape)
 
 
-def apply_masks(x: NDArray[T], masks: ArrayLike, *, channel_axis: int) -> NDArray[T]:
-    """Reference forward: multiply sample ``i`` of ``x`` by mask ``group_index(B, n)[i]``.
+def apply_masks(x: NDArray[T], masks: ArrayLike, *, channel_axis: int, samples: int | None = None) -> NDArray[T]:
+    """Reference forward: multiply row ``i`` of ``x`` by mask ``group_index(B, n, samples=samples)[i]``.
 
     Args:
         x: float array of shape (B, ...) with the channels on ``channel_axis``.
         masks: (n, C) binary masks.
         channel_axis: axis of ``x`` holding the C channels (not 0).
+        samples: the model's batch size where the B rows of ``x`` are its samples folded with other axes
+            (``samples * f`` rows, sample-major); None when the rows are the samples.
 
     Returns:
         array of the shape and dtype of ``x``.
@@ -52,11 +54,13 @@ def apply_masks(x: NDArray[T], masks: ArrayLike, *, channel_axis: int) -> NDArra
     mask_array = validate_masks(masks)
     n, channels = mask_array.shape
     axis = check_input_shape(x.shape, channels=channels, channel_axis=check_channel_axis(channel_axis))
-    per_sample = mask_array[group_index(x.shape[0], n)].astype(x.dtype)
+    per_sample = mask_array[group_index(x.shape[0], n, samples=samples)].astype(x.dtype)
     result: NDArray[T] = x * per_sample.reshape(mask_shape(x.ndim, axis, channels, x.shape[0]))
     return result
 
 
-def apply_masks_grad(grad_output: NDArray[T], masks: ArrayLike, *, channel_axis: int) -> NDArray[T]:
+def apply_masks_grad(
+    grad_output: NDArray[T], masks: ArrayLike, *, channel_axis: int, samples: int | None = None
+) -> NDArray[T]:
     """Reference input gradient of ``apply_masks`` for an output gradient ``grad_output``."""
-    return apply_masks(grad_output, masks, channel_axis=channel_axis)
+    return apply_masks(grad_output, masks, channel_axis=channel_axis, samples=samples)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 MODES = ("grouped", "random")
@@ -38,6 +38,29 @@ def check_int(name: str, value: object, *, minimum: int) -> int:
 def check_n(n: object) -> int:
     """Validate the number of masks ``n`` (an integer >= 1)."""
     return check_int("n", n, minimum=1)
+
+
+def check_members(layer_counts: Iterable[int], n: object = None) -> int:
+    """The number of members of a model, from the n of its Masksembles layers and an optional requested ``n``.
+
+    Args:
+        layer_counts: the n of every Masksembles layer found in the model (may be empty when they cannot be found).
+        n: the n asked for, or None to read it from the layers.
+
+    Raises:
+        ValueError: the layers have different n, ``n`` differs from theirs, or ``n`` is None and no layer was found.
+    """
+    counts = sorted({int(count) for count in layer_counts})
+    if len(counts) > 1:
+        raise ValueError(f"the model's Masksembles layers have different n: {counts}; every layer needs the same n")
+    if n is None:
+        if not counts:
+            raise ValueError("n is None and the model has no Masksembles layer to read it from; pass n")
+        return counts[0]
+    requested = check_n(n)
+    if counts and counts[0] != requested:
+        raise ValueError(f"n={requested} does not match the model's Masksembles layers, which have n={counts[0]}")
+    return requested
 
 
 def check_channels(channels: object) -> int:

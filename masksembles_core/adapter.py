@@ -8,7 +8,7 @@ and the value received.
 """
 
 from ._generation import LayerArguments, check_seed, layer_arguments, make_rng
-from ._grouping import check_tiled_batch
+from ._grouping import check_tiled_batch, rows_per_sample
 from ._reference import mask_shape
 from ._validation import (
     GAUSSIAN_HEADS,
@@ -20,6 +20,7 @@ from ._validation import (
     check_gaussian_target,
     check_input_shape,
     check_int,
+    check_members,
     check_mode,
     check_n,
     check_program,
@@ -37,6 +38,7 @@ __all__ = [
     "check_gaussian_target",
     "check_input_shape",
     "check_int",
+    "check_members",
     "check_mode",
     "check_n",
     "check_program",
@@ -46,4 +48,5 @@ __all__ = [
     "layer_arguments",
     "make_rng",
     "mask_shape",
+    "rows_per_sample",
 ]

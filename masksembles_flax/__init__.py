@@ -5,7 +5,8 @@ the grouping rule gives block ``k`` mask ``k``, and the outputs come back as (n,
 """
 
 from . import linen, nnx
+from ._inference import predict
 from ._losses import gaussian_nll_loss
-from ._ops import predict, tile, untile
+from ._ops import batch_size, tile, untile
 
-__all__ = ["gaussian_nll_loss", "linen", "nnx", "predict", "tile", "untile"]
+__all__ = ["batch_size", "gaussian_nll_loss", "linen", "nnx", "predict", "tile", "untile"]

@@ -22,7 +22,7 @@ from flax import nnx
 import masksembles_core as mc
 from masksembles_core.insertion import Candidate, LayerChange, LayerReport, check_insert_arguments, plan_insertion
 
-from ._nnx_layers import Masks, Masksembles
+from ._nnx_layers import Masks, Masksembles, record_batch_size
 
 ModuleT = TypeVar("ModuleT", bound=nnx.Module)
 Key = str | int
@@ -141,7 +141,7 @@ def insert(
         path = path_parts[row.path]
         _replace(copy, path, Masked(_masksembles(row, n, scale, stacks[row.path]), _node_at(copy, path)))
     copy.masksembles_report = report  # type: ignore[attr-defined]  # a static attribute: LayerReport is hashable
-    return copy
+    return record_batch_size(copy)  # a sample meets one member in every layer, also where the model folds the batch
 
 
 def _stacked_report(report: LayerReport, stacks: dict[str, tuple[int, ...]]) -> LayerReport:

@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import jax
 import jax.numpy as jnp
@@ -14,9 +15,10 @@ from numpy.typing import ArrayLike
 
 import masksembles_core.adapter as mca
 
-from ._ops import apply_masks, grouped_masking, random_mask_index
+from ._ops import apply_masks, batch_size, folded_samples, grouped_mask_index, grouped_masking
 
 RngSource = nnx.Rngs | nnx.RngStream | jax.Array
+ModuleT = TypeVar("ModuleT", bound=nnx.Module)
 
 
 class Masks(nnx.Variable[jax.Array]):
@@ -86,10 +88,10 @@ class Masksembles(nnx.Module):
         """
         masks = self.masks[...]
         if self.mode == "random" and not self._resolve_deterministic(deterministic):
-            mask_index = random_mask_index(self._random_key(rngs), x.shape[0], self.n)
+            mask_index = grouped_mask_index(self._random_key(rngs), x.shape[0], self.n)
             return apply_masks(x, masks, channel_axis=self.channel_axis, mask_index=mask_index)
         axis = mca.check_input_shape(x.shape, channels=masks.shape[-1], channel_axis=self.channel_axis)
-        return grouped_masking(axis)(x, masks)  # a named jit: pack finds the layer by its name
+        return grouped_masking(axis, folded_samples(x.shape[0]))(x, masks)  # a named jit: pack finds it by its name
 
     def _resolve_deterministic(self, deterministic: bool | None) -> bool:
         resolved = self.deterministic if deterministic is None else deterministic
@@ -118,6 +120,42 @@ class Masksembles(nnx.Module):
         """Hook of ``nnx.view``: ``deterministic=True`` makes ``mode="random"`` grouped."""
         if deterministic is not None:
             self.deterministic = deterministic
+
+
+@functools.cache
+def _recording(cls: type[ModuleT]) -> type[ModuleT]:
+    """``cls`` whose ``__call__`` runs in ``batch_size(B)``, B the batch of its first array input (same names)."""
+
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        arrays = [leaf for leaf in jax.tree.leaves((args, kwargs)) if getattr(leaf, "ndim", 0) > 0]
+        if not arrays:
+            return cls.__call__(self, *args, **kwargs)
+        with batch_size(int(arrays[0].shape[0])):
+            return cls.__call__(self, *args, **kwargs)
+
+    namespace = {
+        "__call__": __call__,
+        "__module__": cls.__module__,
+        "__qualname__": cls.__qualname__,
+        "records_batch_size": True,
+    }
+    metaclass: Any = type(cls)
+    return cast(type[ModuleT], metaclass(cls.__name__, (cls,), namespace))
+
+
+def record_batch_size(model: ModuleT) -> ModuleT:
+    """Let every Masksembles layer of ``model`` group its rows by the model's samples; returns ``model``, changed.
+
+    At each call of ``model`` the batch size B of its first array input (axis 0) is recorded (``batch_size``), so a
+    layer called on ``B * f`` rows (windows or tokens folded into the batch in the sample-major order of ``reshape``)
+    sends row ``r`` through the member of sample ``r // f``; a layer whose rows B does not divide uses the plain rule.
+    The model's class becomes a subclass of the same name whose ``__call__`` records B (``isinstance`` holds, and
+    ``nnx.split``/``nnx.merge``, ``nnx.jit`` and ``nnx.clone`` keep it). ``insert`` calls it. Calling it again does
+    nothing.
+    """
+    if not getattr(type(model), "records_batch_size", False):
+        model.__class__ = _recording(type(model))
+    return model
 
 
 class Flatten(nnx.Module):

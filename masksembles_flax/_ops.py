@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
 import jax
@@ -25,7 +27,14 @@ def input_channels(shape: Sequence[int], channel_axis: int) -> int:
     return channels
 
 
-def apply_masks(x: jax.Array, masks: jax.Array, *, channel_axis: int, mask_index: jax.Array | None = None) -> jax.Array:
+def apply_masks(
+    x: jax.Array,
+    masks: jax.Array,
+    *,
+    channel_axis: int,
+    mask_index: jax.Array | None = None,
+    samples: int | None = None,
+) -> jax.Array:
     """Multiply each sample of ``x`` by its mask, in the dtype of ``x``.
 
     Args:
@@ -33,6 +42,9 @@ def apply_masks(x: jax.Array, masks: jax.Array, *, channel_axis: int, mask_index
         masks: (n, C) bool masks.
         channel_axis: axis of ``x`` holding the channels (not 0).
         mask_index: (B,) int mask of each sample, or None for the grouping rule ``(i*n)//B`` of ``group_index``.
+        samples: the model's batch size where the B rows of ``x`` are its samples folded with other axes
+            (``samples * f`` rows, sample-major): row ``r`` gets the mask of sample ``r // f``
+            (``group_index(B, n, samples=samples)``). None: the rows are the samples.
 
     Returns:
         array of the shape and dtype of ``x``.
@@ -40,6 +52,7 @@ def apply_masks(x: jax.Array, masks: jax.Array, *, channel_axis: int, mask_index
     n, channels = masks.shape
     axis = mca.check_input_shape(x.shape, channels=channels, channel_axis=channel_axis)
     batch = x.shape[0]
+    per_sample = mca.rows_per_sample(batch, samples)
     # XLA's simplifier can turn x * convert(bool) into select(bool, x, 0) (it does for an (n, C) input, for one),
     # which maps masked inf/NaN to 0 instead of NaN and -x to +0; behind the barrier the factors are plain floats, so
     # the product stays an IEEE multiply, as in the NumPy reference. Its cost is nil (benchmarks/bench_flax_barrier.py,
@@ -47,29 +60,63 @@ def apply_masks(x: jax.Array, masks: jax.Array, *, channel_axis: int, mask_index
     # without it for an MLP activation, an NHWC feature map, the gather path, a CNN forward and its training step
     # (time ratios 0.95-1.01x, noise); where the select would apply, the multiply runs as fast (1.02x of 32 us).
     factors: jax.Array = jax.lax.optimization_barrier(masks.astype(x.dtype))  # type: ignore[no-untyped-call]
-    if mask_index is None and batch % n == 0:
-        # n contiguous groups of B//n samples: one broadcast multiply over a (n, B//n, ...) view of the batch.
+    if mask_index is None and (batch // per_sample) % n == 0:
+        # n contiguous groups of B//n rows (each sample's rows in one): one broadcast multiply over a (n, B//n, ...)
+        # view of the batch.
         groups = x.reshape((n, batch // n, *x.shape[1:]))
         return (groups * factors.reshape(mca.mask_shape(x.ndim + 1, axis + 1, channels, n))).reshape(x.shape)
     if mask_index is None:
-        mask_index = (jnp.arange(batch) * n) // batch
+        sample = jnp.arange(batch) if per_sample == 1 else jnp.arange(batch) // per_sample
+        mask_index = (sample * n) // (batch // per_sample)
     return x * factors[mask_index].reshape(mca.mask_shape(x.ndim, axis, channels, batch))
 
 
 GROUPED_MASKING = "masksembles_grouped_channel_axis_"
 
+_MODEL_BATCH: contextvars.ContextVar[int | None] = contextvars.ContextVar("masksembles_model_batch", default=None)
+
+
+@contextlib.contextmanager
+def batch_size(samples: int) -> Iterator[None]:
+    """Within the block, every Masksembles layer (linen and NNX) groups its rows by ``samples``, the model's batch
+    size: a layer called on ``samples * f`` rows (windows or tokens folded into the batch, sample-major) gives row
+    ``r`` the member of sample ``r // f``; other row counts keep the plain rule. Enter it where the model is called,
+    inside the traced function under ``jit`` (it is read while tracing). An enclosing block's size wins."""
+    token = _MODEL_BATCH.set(mca.check_int("samples", samples, minimum=1)) if _MODEL_BATCH.get() is None else None
+    try:
+        yield
+    finally:
+        if token is not None:
+            _MODEL_BATCH.reset(token)
+
+
+def folded_samples(rows: int) -> int | None:
+    """The model's batch size from ``batch_size`` where it folds ``rows`` (more than one row per sample), else None
+    (the plain rule)."""
+    samples = _MODEL_BATCH.get()
+    return samples if mca.rows_per_sample(rows, samples) != 1 else None
+
+
+def grouped_mask_index(key: jax.Array, rows: int, n: int) -> jax.Array:
+    """``mode="random"``: a uniformly drawn mask index in [0, n) for each sample, shared by the sample's rows."""
+    samples = folded_samples(rows)
+    if samples is None:
+        return random_mask_index(key, rows, n)
+    return jnp.repeat(random_mask_index(key, samples, n), rows // samples, total_repeat_length=rows)
+
 
 @functools.cache
-def grouped_masking(channel_axis: int) -> Callable[[jax.Array, jax.Array], jax.Array]:
+def grouped_masking(channel_axis: int, samples: int | None = None) -> Callable[[jax.Array, jax.Array], jax.Array]:
     """``apply_masks`` by the grouping rule on the non-negative ``channel_axis``, as a jitted function.
 
-    Its name, ``GROUPED_MASKING`` followed by the axis, marks the NNX layer in a traced program: ``pack`` finds every
-    Masksembles layer of a model as one ``jit`` equation of that name, with the input and the (n, C) masks as its
-    operands. Under an outer ``jit`` XLA inlines it; called eagerly it runs as one compiled function.
+    Its name, ``GROUPED_MASKING`` followed by the axis, marks a Masksembles layer in a traced program: ``pack`` and
+    ``predict`` find every Masksembles layer of a model as one ``jit`` equation of that name, with the input and the
+    (n, C) masks as its operands. Under an outer ``jit`` XLA inlines it; called eagerly it runs as one compiled
+    function. ``samples``: the model's batch size, for rows that fold it with other axes (``apply_masks``).
     """
 
     def masking(x: jax.Array, masks: jax.Array) -> jax.Array:
-        return apply_masks(x, masks, channel_axis=channel_axis)
+        return apply_masks(x, masks, channel_axis=channel_axis, samples=samples)
 
     masking.__name__ = masking.__qualname__ = f"{GROUPED_MASKING}{channel_axis}"
     return jax.jit(masking)
@@ -93,10 +140,7 @@ def untile(y: jax.Array, n: int) -> jax.Array:
 
 
 def predict(model: Callable[[jax.Array], T], x: jax.Array, n: int) -> T:
-    """Every member's output on every sample: ``model(tile(x, n))`` with each output leaf untiled to (n, B, ...).
-
-    ``model`` maps a batch to outputs (an array or a pytree of arrays with the batch on axis 0) and must run its
-    Masksembles layers by the grouping rule (mode "grouped", or deterministic).
-    """
+    """Every member's output: ``model(tile(x, n))`` with each output leaf untiled to (n, B, ...); ``n`` checked by
+    ``masksembles_flax.predict``."""
     result: T = jax.tree.map(lambda y: untile(y, n), model(tile(x, n)))
     return result

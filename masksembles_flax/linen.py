@@ -23,7 +23,14 @@ from numpy.typing import ArrayLike
 import masksembles_core.adapter as mca
 
 from ._linen_surgery import Converted, Inserted, convert_dropout, insert
-from ._ops import MASKS_COLLECTION, apply_masks, input_channels, random_mask_index
+from ._ops import (
+    MASKS_COLLECTION,
+    apply_masks,
+    folded_samples,
+    grouped_mask_index,
+    grouped_masking,
+    input_channels,
+)
 
 __all__ = ["MASKS_COLLECTION", "Converted", "Inserted", "Masksembles", "convert_dropout", "insert"]
 
@@ -91,11 +98,12 @@ class Masksembles(nn.Module):
         if not self.is_initializing() and not self.has_variable(MASKS_COLLECTION, "masks"):
             raise ValueError(_missing_masks_message(self.path))
         masks = self.variable(MASKS_COLLECTION, "masks", self._initial_masks, x.shape).value
-        mask_index = None
         if self.mode == "random" and not nn.merge_param("deterministic", self.deterministic, deterministic):
             key = self.make_rng(self.rng_collection) if rng is None else rng
-            mask_index = random_mask_index(key, x.shape[0], masks.shape[0])
-        return apply_masks(x, masks, channel_axis=self.channel_axis, mask_index=mask_index)
+            mask_index = grouped_mask_index(key, x.shape[0], masks.shape[0])
+            return apply_masks(x, masks, channel_axis=self.channel_axis, mask_index=mask_index)
+        axis = mca.check_input_shape(x.shape, channels=masks.shape[-1], channel_axis=self.channel_axis)
+        return grouped_masking(axis, folded_samples(x.shape[0]))(x, masks)  # a named jit: predict finds it by name
 
 
 def _missing_masks_message(path: Sequence[str]) -> str:

@@ -10,7 +10,7 @@ wrt=nnx.Param)`` leaves them alone. ``insert`` puts Masksembles layers into an e
 
 from ._dropout import convert_dropout
 from ._insertion import Masked, insert
-from ._nnx_layers import Flatten, Masks, Masksembles, Residual
+from ._nnx_layers import Flatten, Masks, Masksembles, Residual, record_batch_size
 from ._packing import PackedMasksembles, extract_member, pack
 
 __all__ = [
@@ -24,4 +24,5 @@ __all__ = [
     "extract_member",
     "insert",
     "pack",
+    "record_batch_size",
 ]

@@ -12,6 +12,8 @@ from keras import ops
 import masksembles_core as mc
 import masksembles_core.adapter as mca
 
+from ._layers import Masksembles
+
 
 def tile(x: Any, n: int) -> Any:
     """Repeat the batch ``n`` times: (B, ...) -> (n*B, ...); copy ``k`` goes through member ``k``."""
@@ -35,16 +37,26 @@ def _no_autograd() -> contextlib.AbstractContextManager[object]:
     return contextlib.nullcontext()
 
 
-def predict(model: keras.Model, x: Any, n: int, *, batch_size: int | None = None) -> Any:
+def predict(model: keras.Model, x: Any, n: int | None = None, *, batch_size: int | None = None) -> Any:
     """Every member's output for every sample of ``x``: (B, ...) -> NumPy (n, B, ...).
 
     Calls ``model(tile(chunk, n), training=False)`` on ``batch_size`` samples of ``x`` at a time
     (all at once when None), so each call sees the whole tiled chunk and the grouping rule gives
-    copy ``k`` mask ``k``. ``model.predict`` must not be used on a tiled input: it splits the
-    batch into batches, and under a distribution strategy into per-replica batches. ``x`` and
-    the outputs may be nested structures (multi-input or multi-output models).
+    copy ``k`` mask ``k``; ``training=False`` is inference (BatchNorm moving statistics, dropout
+    off), so the model's state is never changed. ``model.predict`` must not be used on a tiled
+    input: it splits the batch into batches, and under a distribution strategy into per-replica
+    batches. ``x`` and the outputs may be nested structures (multi-input or multi-output models).
+
+    Args:
+        n: the number of members; None reads it from the model's Masksembles layers (nested
+            models' too).
+
+    Raises:
+        ValueError: ``n`` differs from the n of the model's Masksembles layers, the layers have
+            different n, or ``n`` is None and the model has no Masksembles layer.
     """
-    n = mca.check_n(n)
+    layers = model._flatten_layers(include_self=True, recursive=True) if isinstance(model, keras.layers.Layer) else []
+    n = mca.check_members([layer.n for layer in layers if isinstance(layer, Masksembles)], n)
     inputs = keras.tree.map_structure(ops.convert_to_numpy, x)
     total = int(keras.tree.flatten(inputs)[0].shape[0])
     step = total if batch_size is None else mca.check_int("batch_size", batch_size, minimum=1)

@@ -25,7 +25,22 @@ def _constant_initializer(values: np.ndarray) -> Any:
     return initialize
 
 
-def _apply_masks(x: Any, masks: Any, *, channel_axis: int, index: Any = None) -> Any:
+def _grouped_index(rows: Any, n: int, samples: Any = None) -> Any:
+    """The grouping rule in ``keras.ops`` (``masksembles_core.group_index``), for a known or unknown ``rows``.
+
+    With ``samples`` (an int or a scalar tensor), row ``r`` of ``samples * f`` rows gets the mask of sample
+    ``r // f``; where ``samples`` does not divide ``rows``, each row is its own sample.
+    """
+    if samples is None:
+        return ops.floor_divide(ops.arange(rows, dtype="int32") * n, rows)
+    rows_t, samples_t = ops.cast(rows, "int32"), ops.cast(samples, "int32")
+    folded = ops.logical_and(rows_t > 0, ops.equal(ops.mod(rows_t, samples_t), 0))
+    per_sample = ops.where(folded, ops.floor_divide(rows_t, samples_t), 1)
+    sample = ops.floor_divide(ops.arange(rows, dtype="int32"), per_sample)
+    return ops.floor_divide(sample * n, ops.floor_divide(rows_t, per_sample))
+
+
+def _apply_masks(x: Any, masks: Any, *, channel_axis: int, index: Any = None, samples: Any = None) -> Any:
     """Multiply sample ``i`` of ``x`` by mask ``(i * n) // B`` (or by mask ``index[i]``).
 
     One broadcast multiply by the per-sample masks, (B, C) viewed as (B, 1, ..., C, ...), for
@@ -38,6 +53,8 @@ def _apply_masks(x: Any, masks: Any, *, channel_axis: int, index: Any = None) ->
         masks: (n, C) masks, cast to ``x.dtype`` (0 and 1 are exact in every float dtype).
         channel_axis: non-negative axis of the channels (not 0).
         index: optional (B,) integer tensor, the mask of each sample (random mode).
+        samples: the model's batch size where the B rows of ``x`` are its samples folded with other
+            axes (``_grouped_index``); None when the rows are the samples.
 
     Returns:
         tensor of the shape and dtype of ``x``.
@@ -45,8 +62,7 @@ def _apply_masks(x: Any, masks: Any, *, channel_axis: int, index: Any = None) ->
     n, channels = masks.shape
     if index is None:
         # The grouping rule in the framework, (i * n) // B, so an unknown batch works too.
-        batch = ops.shape(x)[0]
-        index = ops.floor_divide(ops.arange(batch, dtype="int32") * n, batch)
+        index = _grouped_index(ops.shape(x)[0], n, samples)
     per_sample = ops.take(ops.cast(masks, x.dtype), index, axis=0)
     return x * ops.reshape(per_sample, mca.mask_shape(len(x.shape), channel_axis, channels, -1))
 
@@ -146,13 +162,22 @@ class Masksembles(keras.layers.Layer):  # type: ignore[misc]  # keras is untyped
             autocast=False,
         )
 
-    def call(self, inputs: Any, training: bool | None = None) -> Any:
-        """(B, ...) -> (B, ...); ``training`` only matters in random mode."""
+    def call(self, inputs: Any, training: bool | None = None, samples: Any = None) -> Any:
+        """(B, ...) -> (B, ...); ``training`` only matters in random mode.
+
+        ``samples``: the model's batch size (an int or a scalar tensor, e.g. ``ops.shape(images)[0]``) where the
+        B rows of ``inputs`` fold the model's samples with other axes (windows, tokens: ``samples * f`` rows in the
+        sample-major order of ``reshape``): row ``r`` then goes through the member of sample ``r // f``, so a
+        sample meets one member in every layer. None: the rows are the samples.
+        """
         axis = self._check_shape(tuple(inputs.shape), self.channels)
         index = None
         if self.mode == "random" and training:
-            index = keras.random.randint((ops.shape(inputs)[0],), 0, self.n, seed=self.seed_generator)
-        return _apply_masks(inputs, self.masks, channel_axis=axis, index=index)
+            draws = ops.shape(inputs)[0] if samples is None else samples
+            index = keras.random.randint((draws,), 0, self.n, seed=self.seed_generator)
+            if samples is not None:  # one draw per sample, shared by its rows
+                index = ops.take(index, _grouped_index(ops.shape(inputs)[0], draws, samples))
+        return _apply_masks(inputs, self.masks, channel_axis=axis, index=index, samples=samples)
 
     def compute_output_shape(self, input_shape: Sequence[int | None]) -> tuple[int | None, ...]:
         self._check_shape(input_shape, self.channels)

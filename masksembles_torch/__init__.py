@@ -2,7 +2,7 @@
 
 from ._functional import masksembles
 from ._inference import predict, tile, untile
-from ._layers import Masksembles, Masksembles1D, Masksembles2D, Masksembles3D
+from ._layers import Masksembles, Masksembles1D, Masksembles2D, Masksembles3D, record_batch_size
 from ._losses import gaussian_nll_loss
 from ._packing import PackedMasksembles, extract_member, pack
 from ._surgery import Masked, convert_dropout, insert
@@ -21,6 +21,7 @@ __all__ = [
     "masksembles",
     "pack",
     "predict",
+    "record_batch_size",
     "tile",
     "untile",
 ]

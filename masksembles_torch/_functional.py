@@ -10,9 +10,12 @@ from torch import Tensor
 import masksembles_core.adapter as mca
 
 
-def _grouped_index(batch: int, n: int, device: torch.device) -> Tensor:
-    """``masksembles_core.group_index`` on ``device``: ``(i * n) // batch``."""
-    return torch.div(torch.arange(batch, device=device) * n, batch, rounding_mode="floor")
+def _grouped_index(batch: int, n: int, per_sample: int, device: torch.device) -> Tensor:
+    """``masksembles_core.group_index`` on ``device``: ``((i // per_sample) * n) // (batch // per_sample)``."""
+    sample = torch.arange(batch, device=device)
+    if per_sample != 1:
+        sample = torch.div(sample, per_sample, rounding_mode="floor")
+    return torch.div(sample * n, batch // per_sample, rounding_mode="floor")
 
 
 def masksembles(
@@ -21,6 +24,7 @@ def masksembles(
     *,
     channel_axis: int = 1,
     index: Tensor | None = None,
+    samples: int | None = None,
     ranks: Sequence[int] | None = None,
     layer: str = "Masksembles",
 ) -> Tensor:
@@ -31,6 +35,9 @@ def masksembles(
         masks: (n, C) floating or bool masks; cast to ``x.dtype`` (0/1 is exact in every dtype).
         channel_axis: axis of the channels (not 0).
         index: optional (B,) mask index per sample (random mode); default the batch-grouping rule.
+        samples: the model's batch size, where the B rows of ``x`` are its samples folded with other axes
+            (``samples * f`` rows, sample-major): row ``r`` gets the mask of sample ``r // f``
+            (``masksembles_core.group_index(B, n, samples=samples)``). None: the rows are the samples.
         ranks: allowed input ranks (None: any rank >= 2).
         layer: layer name for error messages.
 
@@ -41,9 +48,15 @@ def masksembles(
     axis = mca.check_input_shape(tuple(x.shape), channels=channels, channel_axis=channel_axis, ranks=ranks, layer=layer)
     masks = masks.to(dtype=x.dtype)
     batch = x.shape[0]
-    if index is None and isinstance(batch, int) and batch % n == 0 and not torch.compiler.is_compiling():
-        # Eager, with a batch that n divides: the batch viewed as (n, B/n, ...) times the masks
-        # viewed as (n, 1, ..., C, ...).
+    per_sample = mca.rows_per_sample(batch, samples)
+    if (
+        index is None
+        and isinstance(batch, int)
+        and (batch // per_sample) % n == 0
+        and not torch.compiler.is_compiling()
+    ):
+        # Eager, with samples that n divides: the batch viewed as (n, B/n, ...) times the masks
+        # viewed as (n, 1, ..., C, ...) (each sample's rows lie in one group).
         grouped: Tensor = x.unflatten(0, (n, batch // n))  # type: ignore[no-untyped-call]
         shape = [1] * grouped.ndim
         shape[0], shape[axis + 1] = n, channels
@@ -52,5 +65,5 @@ def masksembles(
     # of a guard on B % n; Inductor also fails on the view of a batch with symbolic spatial sizes):
     # gather the per-sample masks, (B, C), then one broadcast multiply.
     if index is None:
-        index = _grouped_index(batch, n, x.device)
+        index = _grouped_index(batch, n, per_sample, x.device)
     return x * masks.index_select(0, index).view(mca.mask_shape(x.ndim, axis, channels, batch))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 import torch
@@ -17,6 +17,8 @@ from ._functional import masksembles
 
 # symbolic tracing records the functional call as one node (its shape checks need concrete shapes)
 torch.fx.wrap("masksembles")
+
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
 
 class Masksembles(nn.Module):
@@ -45,6 +47,12 @@ class Masksembles(nn.Module):
 
     The masks are a persistent buffer: ``state_dict``, ``torch.save``/``torch.load``, ``deepcopy``
     and pickling keep them bit for bit, and loading never regenerates them.
+
+    Inside a model that folds other axes into the batch (windows, tokens: ``B * f`` rows in the
+    sample-major order of ``reshape``), ``record_batch_size(model)`` (which ``insert`` and
+    ``convert_dropout`` call) lets every layer in training give row ``r`` the member of sample
+    ``r // f``, so a sample meets one member in every layer at any batch size (in eval the plain
+    rule: ``predict``'s tiled batch lines up with it).
     """
 
     ranks: ClassVar[Sequence[int] | None] = None
@@ -78,14 +86,26 @@ class Masksembles(nn.Module):
         if not factory_kwargs["dtype"].is_floating_point:
             raise TypeError(f"dtype must be a floating dtype; received {dtype}")
         self.register_buffer("masks", torch.as_tensor(resolved, **factory_kwargs))
+        # The batch size of the enclosing model's last call, set by ``record_batch_size``'s hook.
+        self.samples: int | None = None
 
     def forward(self, x: Tensor) -> Tensor:
         """Apply the masks: (B, ...) -> (B, ...)."""
         index = None
         if self.mode == "random" and self.training:
-            index = torch.randint(self.n, (x.shape[0],), device=x.device, generator=self.generator)
+            rows = x.shape[0]
+            per_sample = mca.rows_per_sample(rows, self.samples)  # random mode draws in training only
+            index = torch.randint(self.n, (rows // per_sample,), device=x.device, generator=self.generator)
+            if per_sample != 1:  # one draw per sample, shared by its rows
+                index = index.repeat_interleave(per_sample)
         return masksembles(
-            x, self.masks, channel_axis=self.channel_axis, index=index, ranks=self.ranks, layer=type(self).__name__
+            x,
+            self.masks,
+            channel_axis=self.channel_axis,
+            index=index,
+            samples=self.samples if self.training else None,  # eval: predict's tiled batch lines up already
+            ranks=self.ranks,
+            layer=type(self).__name__,
         )
 
     def extra_repr(self) -> str:
@@ -138,3 +158,42 @@ class Masksembles3D(Masksembles):
     """Masksembles for (B, C, D, H, W) inputs (like ``nn.Dropout3d``)."""
 
     ranks = (5,)
+
+
+def _batch_size(inputs: Any) -> int | None:
+    """Axis 0 of the first tensor (of rank >= 1) in ``inputs``, nested tuples, lists and dicts searched in order."""
+    if isinstance(inputs, Tensor):
+        return inputs.shape[0] if inputs.dim() > 0 else None
+    items = inputs.values() if isinstance(inputs, dict) else inputs if isinstance(inputs, tuple | list) else ()
+    for item in items:
+        batch = _batch_size(item)
+        if batch is not None:
+            return batch
+    return None
+
+
+def _record(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Forward pre-hook: give the model's Masksembles layers the batch size of its first tensor input (a model inside
+    it that records too sets its own layers again at its call: each layer follows the innermost one)."""
+    batch = _batch_size((args, kwargs))
+    if batch is None:
+        return
+    for layer in model.modules():
+        if isinstance(layer, Masksembles):
+            layer.samples = batch
+
+
+def record_batch_size(model: ModuleT) -> ModuleT:
+    """Let every Masksembles layer of ``model`` group its rows by the model's samples; returns ``model``.
+
+    Registers a forward pre-hook on ``model``: at each call the batch size B of its first tensor input (axis 0) is
+    given to its Masksembles layers (their ``samples``, kept until the next call), which then, in training, send row
+    ``r`` of a batch of ``B * f`` rows through the member of sample ``r // f`` (``masksembles_core.group_index(rows, n,
+    samples=B)``); a layer whose rows B does not divide uses the plain rule over its rows. ``insert`` and
+    ``convert_dropout`` call it; call it on a model with hand-placed layers. Calling it again does nothing. The hook
+    keeps working under ``deepcopy``, pickling, ``torch.compile(fullgraph=True)`` and ``torch.export`` (B is
+    symbolic there).
+    """
+    if _record not in model._forward_pre_hooks.values():
+        model.register_forward_pre_hook(_record, with_kwargs=True)
+    return model

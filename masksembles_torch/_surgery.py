@@ -45,7 +45,7 @@ from masksembles_core.insertion import (
     used_outside_its_call,
 )
 
-from ._layers import Masksembles
+from ._layers import Masksembles, record_batch_size
 
 DEFAULT_BEFORE: tuple[type[nn.Module], ...] = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
 DEPTHWISE = "depthwise convolution: each output channel reads one input channel (before=... includes it)"
@@ -133,7 +133,7 @@ def _replace(model: nn.Module, paths: Sequence[str], module: nn.Module) -> None:
 
 def _attach(model: nn.Module, report: LayerReport) -> nn.Module:
     setattr(model, REPORT, report)  # a plain attribute: deepcopy and pickling keep it, state_dict does not
-    return model
+    return record_batch_size(model)  # a sample meets one member in every layer, also where the model folds the batch
 
 
 # --- insert ----------------------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from keras import ops
 import masksembles_core as mc
 import masksembles_core.adapter as mca
 import masksembles_keras as mk
+from tests.conformance import assert_bit_identical
 from tests.keras.common import core_error, masks_of, to_numpy
 
 
@@ -63,3 +64,38 @@ def test_predict_handles_nested_inputs_and_outputs() -> None:
     masks = masks_of(model.layers[3])
     for k in range(2):
         assert np.array_equal(members["all"][k], np.concatenate([x["left"], x["right"]], axis=1) * masks[k])
+
+
+def test_predict_reads_and_checks_n() -> None:
+    inputs = keras.Input((5,))
+    hidden = mk.Masksembles(4, 2.0, seed=0)(keras.layers.Dense(8)(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(3)(hidden))
+    x = np.random.default_rng(0).normal(size=(6, 5)).astype("float32")
+    np.testing.assert_array_equal(mk.predict(model, x), mk.predict(model, x, 4))
+    with pytest.raises(ValueError, match=r"^n=2 does not match the model's Masksembles layers, which have n=4$"):
+        mk.predict(model, x, 2)
+    nested = keras.Sequential([model, mk.Masksembles(3, 2.0, seed=0)])
+    with pytest.raises(ValueError, match=r"have different n: \[3, 4\]"):
+        mk.predict(nested, x)
+    with pytest.raises(ValueError, match="no Masksembles layer to read it from; pass n"):
+        mk.predict(keras.Sequential([keras.Input((5,)), keras.layers.Dense(3)]), x)
+
+
+def test_predict_never_changes_the_model_state() -> None:
+    model = keras.Sequential(
+        [keras.Input((5,)), keras.layers.Dense(8), keras.layers.BatchNormalization(), mk.Masksembles(4, 2.0, seed=0),
+         keras.layers.Dropout(0.5), keras.layers.Dense(3)]
+    )  # fmt: skip
+    weights = [np.array(w) for w in model.get_weights()]
+    mk.predict(model, np.random.default_rng(0).normal(size=(6, 5)).astype("float32"))
+    for before, after in zip(weights, model.get_weights(), strict=True):
+        np.testing.assert_array_equal(before, after)
+
+
+@pytest.mark.parametrize("rows, samples", [(28, 7), (20, 5), (7, 7), (9, 4)])
+def test_layer_groups_folded_rows_by_sample(rows: int, samples: int) -> None:
+    masks = mc.generate_masks(8, 4, 2.0, seed=0)
+    x = np.random.default_rng(rows).normal(size=(rows, 3, 8)).astype("float32")
+    layer = mk.Masksembles(masks=masks)
+    result = keras.ops.convert_to_numpy(layer(x, samples=samples))
+    assert_bit_identical(result, mc.apply_masks(x, masks, channel_axis=-1, samples=samples))
