@@ -1064,11 +1064,12 @@ def cuda_choices(ctx: Context, section: Section) -> None:
     """What the CPU-measured constants of masksembles_torch decide, each alternative timed here."""
     import torch
 
+    from masksembles_torch import _pack_chunks as chunks
+    from masksembles_torch import _pack_emit as emit
     from masksembles_torch import _packed_ops as ops
-    from masksembles_torch import _packing as packing
 
-    rows_constant = library_constant(packing, "PER_MEMBER_ROWS")
-    chunk_constant = library_constant(packing, "CHUNK_BYTES")
+    rows_constant = library_constant(emit, "PER_MEMBER_ROWS")
+    chunk_constant = library_constant(chunks, "CHUNK_BYTES")
     tile_constant = getattr(getattr(ops, "MemberMLP", None), "tile_rows", "not found (renamed?)")
     section.note(
         f"Constants measured on a 2-core CPU: PER_MEMBER_ROWS = {rows_constant} (members' Linear layers on at least "

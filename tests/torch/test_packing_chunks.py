@@ -16,7 +16,7 @@ from tests.torch import zoo
 from tests.torch.test_packing_patterns import Block, masks, relative_error
 
 N = 4
-packing = importlib.import_module("masksembles_torch._packing")
+packing = importlib.import_module("masksembles_torch._pack_chunks")
 
 
 class TwoOutputs(nn.Module):

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import masksembles_torch as mt
+from masksembles_torch import _pack_graph
 from masksembles_torch import _packing as packing
 
 N = 4
@@ -36,7 +37,7 @@ class SigmoidBetweenMasks(nn.Module):
 def wrong_zero_proof(monkeypatch: pytest.MonkeyPatch) -> None:
     """A broken proof: every elementwise operation 'maps zero to zero' (sigmoid does not)."""
     monkeypatch.setattr(
-        packing, "_zero_map", lambda capture, op: np.ones(capture.seen[op.node].shapes[0][op.axis], bool)
+        _pack_graph, "_zero_map", lambda capture, op: np.ones(capture.seen[op.node].shapes[0][op.axis], bool)
     )
 
 

@@ -1,0 +1,773 @@
+"""The first step of ``pack``: the model as torch.fx sees it, and what each operation is.
+
+The model is traced in eval mode (``forward``'s optional arguments at their defaults), in-place operations are
+rewritten out of place, and the graph is run on the example input at two batch sizes: every tensor's shape and batch
+axis (``_Seen``). Each operation that reads the input is then classified as a ``masksembles_core.packing`` kind
+(``_Op``): what this module knows how to compact, or a fallback that runs as the dense model runs it. "Zero stays
+zero" and the moves of the channel axis are evaluated on the operation itself, with its own arguments
+(``_evaluate``), never read from a name.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+import math
+import operator
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, fx, nn
+
+from masksembles_core.packing import (
+    norm_affine,
+)
+
+from ._layers import Masksembles
+
+PREFIX = "pack/extract_member"
+
+
+CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+CONV_FUNCTIONS = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3}
+
+
+BATCHNORM_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+
+
+POOL_TYPES = (
+    nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d, nn.LPPool1d, nn.LPPool2d,
+    nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d,
+    nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d, nn.Upsample,
+)  # fmt: skip
+
+
+POOL_FUNCTIONS = {
+    F.avg_pool1d, F.avg_pool2d, F.avg_pool3d, F.max_pool1d, F.max_pool2d, F.max_pool3d, F.lp_pool1d, F.lp_pool2d,
+    F.adaptive_avg_pool1d, F.adaptive_avg_pool2d, F.adaptive_avg_pool3d,
+    F.adaptive_max_pool1d, F.adaptive_max_pool2d, F.adaptive_max_pool3d, F.interpolate,
+}  # fmt: skip
+
+
+DROPOUT_TYPES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+
+
+DROPOUT_FUNCTIONS = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout}
+
+
+# Elementwise (value by value) operations. Whether one maps zero to zero is evaluated, never read from this table.
+ELEMENTWISE_MODULES = (
+    nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.ELU, nn.CELU, nn.SELU, nn.Hardswish, nn.Hardtanh,
+    nn.Hardsigmoid, nn.Hardshrink, nn.Softshrink, nn.Tanhshrink, nn.Mish, nn.Sigmoid, nn.LogSigmoid, nn.Softplus,
+    nn.Softsign, nn.Threshold, nn.Identity, nn.RReLU, nn.PReLU,
+)  # fmt: skip
+
+
+ELEMENTWISE_FUNCTIONS = {
+    F.relu, F.relu6, F.leaky_relu, F.gelu, F.silu, F.elu, F.celu, F.selu, F.hardswish, F.hardtanh, F.hardsigmoid,
+    F.hardshrink, F.softshrink, F.tanhshrink, F.mish, F.sigmoid, F.logsigmoid, F.softplus, F.softsign, F.threshold,
+    F.rrelu, torch.relu, torch.sigmoid, torch.tanh, torch.exp, torch.abs, torch.neg, torch.sqrt, torch.rsqrt,
+    torch.square, torch.clamp, torch.clip, torch.erf, torch.sin, torch.cos, torch.log, torch.pow, torch.nan_to_num,
+    torch.sign, operator.neg, operator.abs, operator.pos,
+}  # fmt: skip
+
+
+ELEMENTWISE_METHODS = {
+    "relu", "sigmoid", "tanh", "exp", "abs", "neg", "sqrt", "rsqrt", "square", "clamp", "clip", "erf", "sin", "cos",
+    "log", "pow", "float", "half", "bfloat16", "double", "to", "contiguous", "clone", "detach", "nan_to_num", "sign",
+    "add", "sub", "mul", "div", "true_divide", "__add__", "__sub__", "__mul__", "__truediv__", "__radd__", "__rsub__",
+    "__rmul__", "__rtruediv__", "type_as", "maximum", "minimum",
+}  # fmt: skip
+
+
+# binary operations on two model tensors of the same channels -> when their output is zero
+COMBINE_FUNCTIONS: dict[Any, str] = {
+    operator.add: "all", operator.sub: "all", operator.mul: "any", operator.truediv: "never", torch.add: "all",
+    torch.sub: "all", torch.mul: "any", torch.div: "never", torch.maximum: "all", torch.minimum: "all",
+}  # fmt: skip
+
+
+COMBINE_METHODS = {"add": "all", "sub": "all", "mul": "any", "div": "never", "maximum": "all", "minimum": "all"}
+
+
+IN_PLACE_OPERATORS = {
+    operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
+    operator.itruediv: operator.truediv,
+}  # fmt: skip
+
+
+PER_SAMPLE_DROPOUTS = {"stochastic_depth", "drop_path"}  # functions of (x, p, ..., training): the identity in eval
+
+
+REDUCTIONS = {"mean", "sum", "amax", "amin", "var", "std"}
+
+
+MOVES = {"permute", "transpose", "flatten", "unsqueeze", "squeeze", "movedim", "swapaxes", "swapdims", "unflatten"}
+
+
+MOVE_FUNCTIONS = {
+    torch.permute, torch.transpose, torch.flatten, torch.unsqueeze, torch.squeeze, torch.movedim, torch.swapaxes,
+    operator.getitem,
+}  # fmt: skip
+
+
+VIEWS = {
+    "view", "reshape", "flatten", "unflatten", "permute", "transpose", "t", "squeeze", "unsqueeze", "expand",
+    "expand_as", "narrow", "select", "unbind", "split", "chunk", "view_as", "movedim", "swapaxes", "swapdims",
+    "detach", "contiguous", "as_strided", "diagonal", "T", "mT",
+}  # fmt: skip
+
+
+VIEW_FUNCTIONS = {
+    torch.flatten, torch.reshape, torch.transpose, torch.permute, torch.squeeze, torch.unsqueeze, torch.narrow,
+    torch.select, torch.chunk, torch.split, torch.unbind, torch.movedim, torch.swapaxes, operator.getitem,
+}  # fmt: skip
+
+
+METADATA = {"dim", "ndimension", "ndim", "dtype", "device", "is_contiguous", "requires_grad", "layout", "is_cuda"}
+
+
+SIZES = {"size", "shape", "numel", "nelement"}
+
+
+# layers that compute each sample from that sample alone (in eval)
+PER_SAMPLE_MODULES = (
+    nn.Linear, *CONV_TYPES, *BATCHNORM_TYPES, nn.LayerNorm, nn.GroupNorm, *POOL_TYPES, *ELEMENTWISE_MODULES,
+    *DROPOUT_TYPES, nn.Embedding, nn.MultiheadAttention,
+)  # fmt: skip
+
+
+class _Tracer(fx.Tracer):
+    def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
+        return isinstance(module, Masksembles) or super().is_leaf_module(module, qualified_name)
+
+
+def _target_name(node: fx.Node) -> str:
+    return str(node.target) if isinstance(node.target, str) else getattr(node.target, "__name__", repr(node.target))
+
+
+def _describe(node: fx.Node, root: nn.Module) -> str:
+    """A node as a user recognizes it: a module by its path and type, a call by its function and enclosing module."""
+    if node.op == "call_module":
+        return f"{node.target} ({type(root.get_submodule(str(node.target))).__name__})"
+    stack = node.meta.get("nn_module_stack") or {}
+    where = f"{next(reversed(stack))}: " if stack else ""
+    return f"{where}{_target_name(node)} (node {node.name!r})"
+
+
+def _trace(model: nn.Module) -> fx.GraphModule:
+    """The model's graph, traced in eval mode (so ``self.training`` branches take their eval path), with the
+    arguments of ``forward`` that have defaults fixed at them: the graph takes the input tensor alone."""
+    parameters = list(inspect.signature(model.forward).parameters.values())
+    defaults = {p.name: p.default for p in parameters[1:] if p.default is not inspect.Parameter.empty}
+    try:
+        graph = _Tracer().trace(model, concrete_args=defaults or None)
+    except Exception as error:  # torch.fx raises many types for untraceable Python
+        raise ValueError(
+            f"{PREFIX} need a model torch.fx can trace in eval mode (no Python control flow on tensor values); "
+            f"tracing {type(model).__name__} failed: {type(error).__name__}: {error}"
+        ) from error
+    _drop_defaults(graph)
+    return fx.GraphModule(model, graph)
+
+
+def _drop_defaults(graph: fx.Graph) -> None:
+    """Remove the placeholders of arguments traced at their defaults and torch.fx's checks of their values (the graph
+    uses the defaults themselves): the packed program takes one input."""
+    placeholders = [node for node in graph.nodes if node.op == "placeholder"]
+    for node in placeholders[1:]:
+        if not node.args:  # no default: a required input, refused by the capture
+            continue
+        compared = [user for user in node.users if user.target is operator.eq]
+        checks = [user for user in node.users if _target_name(user) == "_assert_is_none"]
+        checks += [check for user in compared for check in user.users if check.target is torch._assert]
+        for check in checks:
+            graph.erase_node(check)
+        for user in compared:
+            if not user.users:
+                graph.erase_node(user)
+        for user in list(node.users):  # none left when torch.fx folded the default in everywhere
+            user.args = fx.node.map_arg(user.args, functools.partial(_default_of, node))
+            user.kwargs = fx.node.map_arg(user.kwargs, functools.partial(_default_of, node))
+        graph.erase_node(node)
+
+
+def _default_of(placeholder: fx.Node, argument: fx.Node) -> Any:
+    """``argument``, or the default value of ``placeholder`` where it is that placeholder."""
+    return placeholder.args[0] if argument is placeholder else argument
+
+
+def _bound(node: fx.Node) -> inspect.BoundArguments | None:
+    """A call's arguments bound to its signature, defaults applied (None for builtins without a signature)."""
+    try:
+        signature = inspect.signature(cast(Callable[..., Any], node.target))
+        bound = signature.bind(*node.args, **node.kwargs)
+    except (TypeError, ValueError):
+        return None
+    bound.apply_defaults()
+    return bound
+
+
+def _in_place(node: fx.Node, root: nn.Module) -> bool:
+    """Whether ``node`` overwrites its first argument (``relu_``, ``+=``, ``inplace=True``)."""
+    if node.op == "call_method":
+        name = str(node.target)
+        return name.endswith("_") and not name.endswith("__")
+    if node.op == "call_function":
+        if node.target in IN_PLACE_OPERATORS:
+            return True
+        bound = _bound(node)
+        inplace = node.kwargs.get("inplace") if bound is None else bound.arguments.get("inplace")
+        return inplace is True
+    if node.op == "call_module":
+        return getattr(root.get_submodule(str(node.target)), "inplace", False) is True
+    return False
+
+
+def _is_view(node: fx.Node) -> bool:
+    if node.op == "call_method":
+        return str(node.target) in VIEWS
+    return node.op == "call_function" and node.target in VIEW_FUNCTIONS
+
+
+class _SharedInPlace(ValueError):
+    """An in-place operation on a tensor that shares memory with another one read after it."""
+
+
+def _functionalize(gm: fx.GraphModule) -> None:
+    """Make in-place operations out of place: readers after ``y = x.relu_()`` read ``y`` instead of ``x``.
+
+    An in-place operation on a tensor that shares memory with another one read after it (a view) cannot be rewritten
+    this way: ``_SharedInPlace`` (``pack`` then runs the whole model tiled).
+    """
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    alias: dict[fx.Node, fx.Node] = {}
+
+    def base(node: fx.Node) -> fx.Node:
+        while node in alias:
+            node = alias[node]
+        return node
+
+    for node in gm.graph.nodes:
+        if _is_view(node) and node.args and isinstance(node.args[0], fx.Node):
+            alias[node] = node.args[0]
+    for node in list(gm.graph.nodes):
+        if not _in_place(node, gm) or not node.args or not isinstance(node.args[0], fx.Node):
+            continue
+        target = node.args[0]
+        family = [n for n in gm.graph.nodes if n is not target and n is not node and base(n) is base(target)]
+        late = [n.name for n in family if any(order[user] > order[node] for user in n.users)]
+        if late:
+            raise _SharedInPlace(
+                f"{_describe(node, gm)} works in place on {target.name!r}, which shares memory with {late} read "
+                "after it"
+            )
+        for user in list(target.users):
+            if user is not node and order[user] > order[node]:
+                user.replace_input_with(target, node)
+
+
+@dataclass
+class _Seen:
+    """What the probe saw at a node at the two batch sizes: tensor shapes, the parts of a tuple, or values."""
+
+    tensor: bool
+    shapes: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
+    values: tuple[Any, Any] = (None, None)
+    dtype: torch.dtype | None = None
+    parts: tuple[_Seen, ...] = ()
+
+    @property
+    def rank(self) -> int:
+        return len(self.shapes[0])
+
+    @property
+    def batch_axes(self) -> tuple[int, ...]:
+        """Axes whose size follows the batch."""
+        return tuple(i for i, (a, b) in enumerate(zip(*self.shapes, strict=True)) if a != b)
+
+    @property
+    def per_sample(self) -> int:
+        """Elements per sample of a tensor with one batch-proportional axis."""
+        return math.prod(self.shapes[0]) // self.shapes[0][self.batch_axes[0]]
+
+    @property
+    def batch_axis(self) -> int:
+        """The one axis that follows the batch, if it is exactly the batch (else -1)."""
+        axes = self.batch_axes
+        if len(axes) == 1 and self.shapes[1][axes[0]] == self.shapes[0][axes[0]] + 1:
+            return axes[0]
+        return -1
+
+    @property
+    def batch_dependent(self) -> bool:
+        if self.tensor:
+            return bool(self.batch_axes)
+        if self.parts:
+            return any(part.batch_dependent for part in self.parts)
+        try:
+            return bool(self.values[0] != self.values[1])
+        except Exception:  # values that do not compare as a bool (tensors inside): assume they do
+            return True
+
+
+def _summary(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return ("tensor", tuple(value.shape), value.dtype)
+    if isinstance(value, (tuple, list)) and any(isinstance(v, Tensor) for v in value):
+        return ("parts", tuple(_summary(v) for v in value))
+    return ("value", value)
+
+
+def _merge(first: Any, second: Any) -> _Seen:
+    if first[0] == "parts" and second[0] == "parts" and len(first[1]) == len(second[1]):
+        return _Seen(False, parts=tuple(_merge(a, b) for a, b in zip(first[1], second[1], strict=True)))
+    if first[0] == "tensor" and second[0] == "tensor" and len(first[1]) == len(second[1]):
+        return _Seen(True, (first[1], second[1]), dtype=first[2])
+    return _Seen(False, values=(first[-1], second[-1]))
+
+
+class _Probe(fx.Interpreter):
+    """Runs the graph and keeps, per node, its summary (and the values of the nodes in ``keep``)."""
+
+    def __init__(self, gm: fx.GraphModule, keep: set[fx.Node]) -> None:
+        super().__init__(gm)
+        self.seen: dict[fx.Node, Any] = {}
+        self.keep, self.kept = keep, cast(dict[fx.Node, Any], {})
+
+    def run_node(self, n: fx.Node) -> Any:
+        result = super().run_node(n)
+        self.seen[n] = _summary(result)
+        if n in self.keep:
+            self.kept[n] = result.detach() if isinstance(result, Tensor) else result
+        return result
+
+
+def _probe(
+    gm: fx.GraphModule, example: Tensor, constants: set[fx.Node]
+) -> tuple[dict[fx.Node, _Seen], dict[fx.Node, Any]]:
+    """Run the graph at the example's batch size and at one more; return what was seen and the constants' values."""
+    runs = []
+    with torch.no_grad():
+        for index, batch in enumerate((example, torch.cat([example, example[:1]]))):
+            probe = _Probe(gm, constants if index == 0 else set())
+            try:
+                probe.run(batch.clone())
+            except Exception as error:
+                raise ValueError(
+                    f"{PREFIX}: the traced model fails on the example input at batch {batch.shape[0]}: "
+                    f"{type(error).__name__}: {error}"
+                ) from error
+            runs.append(probe)
+    seen = {node: _merge(runs[0].seen[node], runs[1].seen[node]) for node in runs[0].seen}
+    return seen, runs[0].kept
+
+
+@dataclass
+class _Op:
+    """A model node as the core sees it: its kind, the model values it reads, and what emitting it needs."""
+
+    node: fx.Node
+    kind: str
+    tensors: list[fx.Node]
+    rule: str = "same"  # how the channel axis goes through: same, fixed, map, concat, flatten, none
+    fixed_in: int = -1
+    fixed_out: int = -1
+    module: nn.Module | None = None
+    how: str = "call"  # call (the model's own operation), identity, affine, prelu, linear, conv, norm, flatten
+    zero_rule: str = "all"
+    groups: int = 1
+    weight: Tensor | None = None
+    bias: Tensor | None = None
+    conv: dict[str, Any] = field(default_factory=dict)
+    batch_dependent: bool = False
+    axis: int = -1
+
+
+def _members_of(layers: Sequence[Masksembles]) -> int:
+    """The n of a model's Masksembles layers (all the same)."""
+    if not layers:
+        raise ValueError(f"{PREFIX}: the model has no Masksembles layer")
+    counts = sorted({layer.n for layer in layers})
+    if len(counts) != 1:
+        raise ValueError(f"{PREFIX}: every Masksembles layer needs the same n; found {counts}")
+    return int(counts[0])
+
+
+class _Capture:
+    """The traced model, what the probe saw, and every node's classification."""
+
+    def __init__(self, model: nn.Module, example: Tensor) -> None:
+        if not isinstance(example, Tensor) or example.dim() < 1 or example.shape[0] < 1:
+            raise ValueError(f"{PREFIX} need an example input tensor with a batch of at least 1 on axis 0")
+        self.gm = _trace(model)
+        _functionalize(self.gm)
+        self.gm.graph.eliminate_dead_code()
+        placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+        if len(placeholders) != 1:
+            names = [str(node.target) for node in placeholders]
+            raise ValueError(
+                f"{PREFIX} support models called with one input tensor (other arguments of forward need defaults); "
+                f"this one requires {len(placeholders)}: {names}"
+            )
+        self.input = placeholders[0]
+        self.device = example.device
+        self.dynamic: set[fx.Node] = set()
+        for node in self.gm.graph.nodes:
+            if node.op == "placeholder" or any(a in self.dynamic for a in node.all_input_nodes):
+                self.dynamic.add(node)
+        constants = {n for n in self.gm.graph.nodes if n not in self.dynamic and n.op != "output"}
+        self.seen, self.constants = _probe(self.gm, example, constants)
+        self.values: set[fx.Node] = {self.input}  # the model values: tensors, tuples and what is read from them
+        for node in self.gm.graph.nodes:
+            if node in self.dynamic and node.op not in ("placeholder", "output") and self._is_value(node):
+                self.values.add(node)
+        self.ops: dict[fx.Node, _Op] = {}
+        self.mixing: dict[fx.Node, bool] = {}  # mixes_samples, evaluated once per node
+        for node in self.gm.graph.nodes:
+            if node in self.values and node is not self.input:
+                self.ops[node] = self._classify(node)
+        self.n = _members_of([cast(Masksembles, op.module) for op in self.ops.values() if op.kind == "masks"])
+        self.classified = self.ops
+
+    def reset(self, dense: bool) -> None:
+        """Fresh operations for one build (the passes mark fallbacks and axes on them): as classified, or every one
+        as the dense model runs it (the tiled model as one graph)."""
+        self.ops = {node: self.fallback(node) if dense else copy.copy(op) for node, op in self.classified.items()}
+
+    def _is_value(self, node: fx.Node) -> bool:
+        seen = self.seen[node]
+        if seen.tensor or seen.parts:
+            return True
+        return not self.is_query(node) and any(a in self.values for a in node.all_input_nodes)
+
+    def is_query(self, node: fx.Node) -> bool:
+        """A size or metadata query on a tensor: its value in the dense model is computed, not run."""
+        if node.op == "call_method":
+            return str(node.target) in SIZES | METADATA
+        if node.op == "call_function" and node.target is getattr:
+            return node.args[1] in SIZES | METADATA
+        return node.op == "call_function" and node.target is torch.numel
+
+    def inputs(self, node: fx.Node) -> list[fx.Node]:
+        """The model values ``node`` reads, in order, each once."""
+        return [a for a in dict.fromkeys(node.all_input_nodes) if a in self.values]
+
+    def constant(self, value: Any) -> Any:
+        """An argument's value when it does not depend on the input (folded once here); None for a model value."""
+        if isinstance(value, fx.Node):
+            if value in self.dynamic:
+                return None
+            return self.constants.get(value)
+        if isinstance(value, (tuple, list)):
+            items = [self.constant(v) for v in value]
+            return (
+                None
+                if any(i is None and v is not None for i, v in zip(items, value, strict=True))
+                else type(value)(items)
+            )
+        return value
+
+    def argument(self, node: fx.Node, name: str, position: int, default: Any = None) -> Any:
+        """A call argument by keyword or position, its constant value (defaults from the signature when it has one)."""
+        bound = _bound(node)
+        if bound is not None and name in bound.arguments:
+            return self.constant(bound.arguments[name])
+        if name in node.kwargs:
+            return self.constant(node.kwargs[name])
+        return self.constant(node.args[position]) if position < len(node.args) else default
+
+    def batch_args(self, node: fx.Node) -> bool:
+        """Whether a non-tensor argument follows the batch size: then only the dense frame gives it its meaning."""
+        return any(
+            a in self.dynamic and not self.seen[a].tensor and not self.seen[a].parts and self.seen[a].batch_dependent
+            for a in node.all_input_nodes
+        )
+
+    def fallback(self, node: fx.Node) -> _Op:
+        """``node`` as the dense model runs it; per member when it uses the batch size, mixes the samples or is a
+        Masksembles layer."""
+        per_member = self.is_masksembles(node) or self.batch_args(node) or self.mixes_samples(node)
+        return _Op(node, "fallback", self.inputs(node), rule="none", batch_dependent=per_member)
+
+    def is_masksembles(self, node: fx.Node) -> bool:
+        """Whether ``node`` calls a Masksembles layer."""
+        return node.op == "call_module" and isinstance(self.gm.get_submodule(str(node.target)), Masksembles)
+
+    def mixes_samples(self, node: fx.Node) -> bool:
+        """Whether one sample's result depends on the other samples (a mean over the batch, ``flip(0)``, a cumsum
+        along it): evaluated at the probe's larger batch on random inputs, then again with the last sample changed;
+        the other samples' rows must stay the same. Layers known to work per sample are not evaluated."""
+        if node not in self.mixing:
+            self.mixing[node] = self._mixes_samples(node)
+        return self.mixing[node]
+
+    def _mixes_samples(self, node: fx.Node) -> bool:
+        if node.op == "call_module" and isinstance(self.gm.get_submodule(str(node.target)), PER_SAMPLE_MODULES):
+            return False
+        seen, tensors = self.seen[node], self.inputs(node)
+        batch = self.seen[self.input].shapes[1][0]
+        if not seen.tensor or len(seen.batch_axes) != 1 or not tensors:
+            return False  # no batch axis to compare along (a reduction over it makes one per member: batch_args)
+        if any(not self.seen[t].tensor or len(self.seen[t].batch_axes) != 1 for t in (node, *tensors)):
+            return True
+        sizes = {t: self.seen[t].shapes[1][self.seen[t].batch_axes[0]] for t in (node, *tensors)}
+        if any(size % batch for size in sizes.values()):
+            return True
+        generator = torch.Generator(device=self.device).manual_seed(0)
+        given = {t: _random_like(self.seen[t], self.device, generator) for t in tensors}
+        try:
+            before = _evaluate(self, node, given, run=1)
+            for sample in (0, batch - 1):  # the first and the last sample drawn again: the others' rows must stay
+                changed = {}
+                for t in tensors:
+                    axis, rows = self.seen[t].batch_axes[0], sizes[t] // batch
+                    redrawn = _random_like(self.seen[t], self.device, generator).narrow(axis, sample * rows, rows)
+                    changed[t] = given[t].index_copy(
+                        axis, torch.arange(sample * rows, (sample + 1) * rows, device=self.device), redrawn
+                    )
+                after = _evaluate(self, node, changed, run=1)
+                axis, rows = seen.batch_axes[0], sizes[node] // batch
+                for start, stop in ((0, sample * rows), ((sample + 1) * rows, sizes[node])):  # the other samples
+                    first, second = before.narrow(axis, start, stop - start), after.narrow(axis, start, stop - start)
+                    if not bool(((first == second) | (first.isnan() & second.isnan())).all()):
+                        return True
+        except Exception:  # it does not apply to random inputs (indices out of range): not shown to keep samples apart
+            return True
+        return False
+
+    def _classify(self, node: fx.Node) -> _Op:
+        tensors = self.inputs(node)
+        if not self.seen[node].tensor or not tensors or any(not self.seen[t].tensor for t in tensors):
+            return self.fallback(node)
+        if self._flatten_call(node, tensors[0]):
+            return _Op(node, "flatten", tensors, rule="flatten", how="flatten")
+        if self.batch_args(node) or node.op == "get_attr":
+            return self.fallback(node)
+        op = self._module(node, tensors) if node.op == "call_module" else self._function(node, tensors)
+        return op if op is not None else self.fallback(node)
+
+    def _function(self, node: fx.Node, tensors: list[fx.Node]) -> _Op | None:
+        target = node.target
+        method = node.op == "call_method"
+        name = str(target) if method else getattr(target, "__name__", "")
+        if method and name.endswith("_") and not name.endswith("__"):
+            name = name[:-1]  # in place: emitted out of place
+        if len(tensors) == 2:
+            rule = (
+                COMBINE_METHODS.get(name)
+                if method
+                else COMBINE_FUNCTIONS.get(IN_PLACE_OPERATORS.get(cast(Any, target), target))
+            )
+            return None if rule is None else _Op(node, "combine", tensors, zero_rule=rule)
+        if target in (torch.cat, torch.concat):
+            return _Op(node, "concat", tensors, rule="concat")
+        if len(tensors) != 1:
+            return None
+        if target is F.linear:
+            return self._linear(node, tensors, self.argument(node, "weight", 1), self.argument(node, "bias", 2))
+        if target in CONV_FUNCTIONS:
+            return self._conv_function(node, tensors)
+        if target in DROPOUT_FUNCTIONS:
+            return (
+                None if self.argument(node, "training", 2, True) else _Op(node, "channelwise", tensors, how="identity")
+            )
+        if name in PER_SAMPLE_DROPOUTS and _bound(node) is not None and self.argument(node, "training", 3) is False:
+            return _Op(node, "channelwise", tensors, how="identity")  # torchvision's stochastic_depth is fx.wrap'ed
+        if target is F.batch_norm:
+            if self.argument(node, "training", 5, False):
+                return None
+            mean, var = self.argument(node, "running_mean", 1), self.argument(node, "running_var", 2)
+            weight, bias = self.argument(node, "weight", 3), self.argument(node, "bias", 4)
+            return self._affine(node, tensors, mean, var, weight, bias, self.argument(node, "eps", 7, 1e-5))
+        if target is F.layer_norm:
+            return self._layer_norm(node, tensors, self.argument(node, "normalized_shape", 1))
+        if target is F.group_norm:
+            return _Op(node, "norm", tensors, rule="fixed", fixed_in=1, fixed_out=1, how="norm")
+        if target in POOL_FUNCTIONS or target is F.pad:
+            return self._spatial(node, tensors)
+        if target in MOVE_FUNCTIONS or (method and name in MOVES):
+            return _Op(node, "channelwise", tensors, rule="map")
+        if name in REDUCTIONS:
+            return _Op(node, "channelwise", tensors, rule="map")
+        if target in IN_PLACE_OPERATORS or target in ELEMENTWISE_FUNCTIONS or target in COMBINE_FUNCTIONS:
+            return _Op(node, "channelwise", tensors)
+        if method and name in ELEMENTWISE_METHODS:
+            return _Op(node, "channelwise", tensors)
+        return None
+
+    def _module(self, node: fx.Node, tensors: list[fx.Node]) -> _Op | None:
+        module = self.gm.get_submodule(str(node.target))
+        if len(tensors) != 1:
+            return None
+        rank = self.seen[tensors[0]].rank
+        if isinstance(module, Masksembles):
+            axis = module.channel_axis % rank
+            return _Op(
+                node, "masks", tensors, rule="fixed", fixed_in=axis, fixed_out=axis, module=module, how="identity"
+            )
+        if isinstance(module, nn.Linear):
+            return self._linear(node, tensors, module.weight, module.bias)
+        if isinstance(module, CONV_TYPES) and not module.transposed:
+            settings = {"stride": module.stride, "padding": module.padding, "dilation": module.dilation,
+                        "padding_mode": module.padding_mode, "dims": len(module.kernel_size)}  # fmt: skip
+            return self._conv(node, tensors, module.weight, module.bias, module.groups, settings, module)
+        if isinstance(module, BATCHNORM_TYPES):
+            if module.running_mean is None or module.running_var is None:
+                return None  # batch statistics even in eval: the dense frame reproduces them
+            return self._affine(node, tensors, module.running_mean, module.running_var,
+                                module.weight if module.affine else None, module.bias if module.affine else None,
+                                module.eps)  # fmt: skip
+        if isinstance(module, nn.LayerNorm):
+            return self._layer_norm(node, tensors, module.normalized_shape, module)
+        if isinstance(module, nn.GroupNorm):
+            return _Op(node, "norm", tensors, rule="fixed", fixed_in=1, fixed_out=1, module=module, how="norm")
+        if isinstance(module, DROPOUT_TYPES):
+            return _Op(node, "channelwise", tensors, how="identity")
+        if isinstance(module, nn.Flatten):
+            return _Op(node, "channelwise", tensors, rule="map", module=module)
+        if isinstance(module, POOL_TYPES):
+            return self._spatial(node, tensors, module)
+        if isinstance(module, nn.PReLU) and module.num_parameters > 1:
+            return _Op(node, "channelwise", tensors, rule="fixed", fixed_in=1, fixed_out=1, module=module, how="prelu")
+        if isinstance(module, ELEMENTWISE_MODULES):
+            return _Op(node, "channelwise", tensors, module=module)
+        return None
+
+    def _flatten_call(self, node: fx.Node, source: fx.Node) -> bool:
+        """``flatten(x, 1)``, ``x.flatten(1)``, ``nn.Flatten()``, or ``x.view(B, -1)``/``x.reshape(B, -1)`` with B
+        the batch size: (B, ...) -> (B, features)."""
+        seen = self.seen[source]
+        if not seen.tensor or seen.batch_axes != (0,) or seen.batch_axis != 0:
+            return False
+        rank = seen.rank
+        if node.op == "call_module":
+            module = self.gm.get_submodule(str(node.target))
+            return isinstance(module, nn.Flatten) and module.start_dim == 1 and module.end_dim in (-1, rank - 1)
+        flatten = (node.op == "call_function" and node.target is torch.flatten) or (
+            node.op == "call_method" and node.target == "flatten"
+        )
+        if flatten:
+            start = self.constant(node.kwargs.get("start_dim", node.args[1] if len(node.args) > 1 else 0))
+            end = self.constant(node.kwargs.get("end_dim", node.args[2] if len(node.args) > 2 else -1))
+            return start == 1 and end in (-1, rank - 1)
+        reshape = (node.op == "call_method" and node.target in ("view", "reshape")) or (
+            node.op == "call_function" and node.target is torch.reshape
+        )
+        if not reshape or node.kwargs:
+            return False
+        shape = node.args[1:]
+        if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+            shape = tuple(shape[0])
+        if len(shape) != 2 or shape[1] != -1:
+            return False
+        first = shape[0]
+        values = self.seen[first].values if isinstance(first, fx.Node) and first in self.seen else (first, first)
+        return tuple(values) == (seen.shapes[0][0], seen.shapes[1][0])
+
+    def _linear(self, node: fx.Node, tensors: list[fx.Node], weight: Any, bias: Any) -> _Op | None:
+        if not isinstance(weight, Tensor) or (bias is not None and not isinstance(bias, Tensor)):
+            return None
+        rank = self.seen[tensors[0]].rank
+        return _Op(node, "mixing", tensors, rule="fixed", fixed_in=rank - 1, fixed_out=rank - 1, how="linear",
+                   weight=weight.detach(), bias=None if bias is None else bias.detach())  # fmt: skip
+
+    def _conv_function(self, node: fx.Node, tensors: list[fx.Node]) -> _Op | None:
+        weight, bias = self.argument(node, "weight", 1), self.argument(node, "bias", 2)
+        settings = {"stride": self.argument(node, "stride", 3, 1), "padding": self.argument(node, "padding", 4, 0),
+                    "dilation": self.argument(node, "dilation", 5, 1), "padding_mode": "zeros",
+                    "dims": CONV_FUNCTIONS[cast(Any, node.target)]}  # fmt: skip
+        groups = self.argument(node, "groups", 6, 1)
+        if not isinstance(weight, Tensor) or any(v is None for v in settings.values()) or not isinstance(groups, int):
+            return None
+        return self._conv(node, tensors, weight, bias, groups, settings)
+
+    def _conv(
+        self, node: fx.Node, tensors: list[fx.Node], weight: Tensor, bias: Tensor | None, groups: int,
+        settings: dict[str, Any], module: nn.Module | None = None,
+    ) -> _Op | None:  # fmt: skip
+        if bias is not None and not isinstance(bias, Tensor):
+            return None
+        return _Op(node, "mixing" if groups == 1 else "grouped", tensors, rule="fixed", fixed_in=1, fixed_out=1,
+                   how="conv", groups=groups, weight=weight.detach(), bias=None if bias is None else bias.detach(),
+                   conv=settings, module=module)  # fmt: skip
+
+    def _affine(
+        self, node: fx.Node, tensors: list[fx.Node], mean: Any, var: Any, weight: Any, bias: Any, eps: Any
+    ) -> _Op | None:
+        if not all(isinstance(v, Tensor) for v in (mean, var)) or not isinstance(eps, (int, float)):
+            return None
+
+        def numpy(tensor: Any) -> np.ndarray | None:
+            return None if tensor is None else tensor.detach().cpu().double().numpy()
+
+        scale, shift = norm_affine(mean.detach().cpu().double().numpy(), var.detach().cpu().double().numpy(),
+                                   numpy(weight), numpy(bias), float(eps))  # fmt: skip
+        return _Op(node, "channelwise", tensors, rule="fixed", fixed_in=1, fixed_out=1, how="affine",
+                   weight=torch.as_tensor(scale).to(mean), bias=torch.as_tensor(shift).to(mean))  # fmt: skip
+
+    def _layer_norm(
+        self, node: fx.Node, tensors: list[fx.Node], shape: Any, module: nn.Module | None = None
+    ) -> _Op | None:
+        if shape is None or len(tuple(shape)) != 1:
+            return None
+        rank = self.seen[tensors[0]].rank
+        return _Op(
+            node, "norm", tensors, rule="fixed", fixed_in=rank - 1, fixed_out=rank - 1, module=module, how="norm"
+        )
+
+    def _spatial(self, node: fx.Node, tensors: list[fx.Node], module: nn.Module | None = None) -> _Op | None:
+        """Pooling, resizing and padding over the axes after the channels: channel ``c`` from channel ``c``."""
+        if module is not None and getattr(module, "return_indices", False):
+            return None
+        if module is None and node.target is not F.pad and _bound(node) is not None:
+            bound = cast(inspect.BoundArguments, _bound(node))
+            if bound.arguments.get("return_indices") is True:
+                return None
+        if node.target is F.pad:
+            pad, mode = self.argument(node, "pad", 1), self.argument(node, "mode", 2, "constant")
+            if (
+                not isinstance(pad, (tuple, list))
+                or mode != "constant"
+                or len(pad) // 2 > self.seen[tensors[0]].rank - 2
+            ):
+                return None
+        return _Op(node, "channelwise", tensors, rule="fixed", fixed_in=1, fixed_out=1, module=module)
+
+
+def _random_like(seen: _Seen, device: torch.device, generator: torch.Generator) -> Tensor:
+    """Random values of the shape and dtype the probe saw at its larger batch (0s and 1s for integers and bools)."""
+    shape, dtype = seen.shapes[1], seen.dtype or torch.float32
+    if dtype.is_floating_point or dtype.is_complex:
+        return torch.randn(shape, dtype=dtype, device=device, generator=generator)
+    return torch.randint(0, 2, shape, device=device, generator=generator).to(dtype)
+
+
+def _evaluate(capture: _Capture, node: fx.Node, values: dict[fx.Node, Any], run: int = 0) -> Any:
+    """Run one node of the traced graph on given values for its model inputs (other arguments as the probe saw them
+    in ``run``: 0 at the example's batch size, 1 at one more)."""
+
+    def value(a: Any) -> Any:
+        if not isinstance(a, fx.Node):
+            return a
+        if a in values:
+            return values[a]
+        if a in capture.dynamic:
+            return capture.seen[a].values[run]
+        return capture.constants.get(a)
+
+    args = fx.node.map_aggregate(node.args, value)
+    kwargs = fx.node.map_aggregate(node.kwargs, value)
+    with torch.no_grad():
+        if node.op == "call_module":
+            return capture.gm.get_submodule(str(node.target))(*args, **kwargs)
+        if node.op == "call_method":
+            return getattr(args[0], str(node.target))(*args[1:], **kwargs)
+        return cast(Callable[..., Any], node.target)(*args, **kwargs)

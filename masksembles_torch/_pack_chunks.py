@@ -1,0 +1,150 @@
+"""On CPU, a packed program proven to compute each sample from that sample alone runs on chunks of the batch (large
+fresh buffers page-fault on every call): the proof over the traced graph and the module that runs the chunks.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, fx, nn
+
+from masksembles_core.packing import (
+    OUTPUT,
+    Program,
+)
+
+from . import _packed_ops as ops
+from ._pack_capture import _Capture, _Seen, _target_name
+from ._pack_emit import MATMULS
+from ._pack_graph import _leaves
+
+# a CPU program proven per-sample whose largest tensor exceeds twice this size runs on chunks of the batch where it is
+# about this size: glibc hands blocks over 32 MiB straight back to the system, and every call page-faults on them
+CHUNK_BYTES = 16 * 2**20
+
+
+def _samples_per_chunk(capture: _Capture, program: Program, example: Tensor) -> int:
+    """How many samples a CPU program runs at a time, so that no tensor it makes is much over ``CHUNK_BYTES`` (large
+    fresh buffers page-fault on every call); 0 for one call on the whole batch, as when its largest tensor is at most
+    twice that at the example's batch size. Only a program proven to compute each sample's outputs from that sample
+    alone is split: what falls back is an operation known to keep samples apart (``_keeps_samples``), every tensor
+    the input reaches has one axis of exactly the batch size or none, no tensor without one is made from one with one
+    (a reduction over the batch), none with one from none unless it broadcasts a tensor along it (a tensor built from
+    the batch size), and every output has one."""
+    by_name = {node.name: node for node in capture.gm.graph.nodes}
+    fallbacks = [by_name[name] for name in program.fallbacks if name != OUTPUT]
+    if example.device.type != "cpu" or not all(_keeps_samples(capture, node) for node in fallbacks):
+        return 0
+    batch, largest = example.shape[0], 1
+
+    def follows(seen: _Seen) -> bool | None:  # True: the batch is its one axis; False: no batch axis; None: neither
+        if seen.parts:
+            kinds = {follows(part) for part in seen.parts}
+            return None if None in kinds or len(kinds) > 1 else kinds.pop()
+        if not seen.tensor:
+            return False
+        axes = seen.batch_axes
+        if not axes:
+            return False
+        if len(axes) != 1 or seen.shapes[0][axes[0]] != batch or seen.shapes[1][axes[0]] != batch + 1:
+            return None
+        nonlocal largest
+        largest = max(largest, seen.per_sample * (seen.dtype.itemsize if seen.dtype else 4))
+        return True
+
+    for node in capture.dynamic:
+        if node.op == "output":
+            leaves = [leaf for leaf in _leaves(node.args[0]) if isinstance(leaf, fx.Node)]
+            if not leaves or not all(follows(capture.seen[leaf]) for leaf in leaves):
+                return 0
+            continue
+        seen = capture.seen[node]
+        kind = follows(seen)
+        if kind is None:
+            return 0
+        if node.op != "placeholder" and (seen.tensor or seen.parts):  # sizes and other values: each chunk its own
+            inputs = [follows(capture.seen[n]) for n in node.all_input_nodes if n in capture.dynamic]
+            if None in inputs or (kind != any(inputs) and not (kind and _broadcast(capture, node))):
+                return 0
+    total = largest * len(program.members) * batch  # at most: every member's tensor as wide as the dense one
+    if total <= 2 * CHUNK_BYTES:
+        return 0
+    return -(-batch // -(-total // CHUNK_BYTES))  # the batch in ceil(total / CHUNK_BYTES) chunks of equal size
+
+
+def _batch_axis(capture: _Capture, node: fx.Node) -> int | None:
+    seen = capture.seen[node]
+    return seen.batch_axis if node in capture.dynamic and seen.tensor and seen.batch_axis >= 0 else None
+
+
+def _called(node: fx.Node) -> str:
+    """The name of the function or method a node calls ("" for a module, whose name says nothing of what it does)."""
+    return "" if node.op == "call_module" else _target_name(node)
+
+
+def _broadcast(capture: _Capture, node: fx.Node) -> bool:
+    """``expand``/``broadcast_to`` whose batch axis is a broadcast of its input (a new axis or one of size 1): every
+    sample gets the same values, whatever its place in the batch (a class token expanded to the batch)."""
+    if _called(node) not in ("expand", "broadcast_to") or not node.args or not isinstance(node.args[0], fx.Node):
+        return False
+    axis, source = _batch_axis(capture, node), capture.seen[node.args[0]]
+    if axis is None or not source.tensor:
+        return False
+    position = axis - (capture.seen[node].rank - source.rank)  # shapes align on the right
+    return position < 0 or source.shapes[0][position] == 1
+
+
+def _keeps_samples(capture: _Capture, node: fx.Node) -> bool:
+    """An operation that falls back yet computes each sample from that sample alone, given that its tensors have
+    one batch axis each (``_samples_per_chunk`` checks that): a tuple's element, ``unbind`` of another axis, a
+    ``reshape``/``view`` with the batch first before and after (row-major order keeps each sample's block), a
+    broadcast along the batch, a concatenation along another axis, a softmax over another axis, and attention or a
+    matmul of two activations of one rank whose batch axes are the same leading one (they mix the last two axes
+    only). Anything else is not proven and keeps the whole batch in one call."""
+    name = _called(node)
+    tensors = [n for n in node.all_input_nodes if n in capture.dynamic and capture.seen[n].tensor]
+    axes = [_batch_axis(capture, n) for n in tensors]
+    out = _batch_axis(capture, node)
+    if node.op == "call_function" and node.target is operator.getitem:
+        return bool(node.args) and isinstance(node.args[0], fx.Node) and bool(capture.seen[node.args[0]].parts)
+    if name == "unbind" and len(tensors) == 1 and axes[0] is not None:
+        dim = capture.argument(node, "dim", 1, 0)
+        return isinstance(dim, int) and dim % capture.seen[tensors[0]].rank != axes[0]
+    if name in ("reshape", "view") and len(tensors) == 1:
+        return axes == [0] and out == 0
+    if name in ("expand", "broadcast_to"):
+        return _broadcast(capture, node) or (
+            len(tensors) == 1
+            and axes[0] is not None
+            and out is not None
+            and capture.seen[node].rank - out == capture.seen[tensors[0]].rank - axes[0]  # the same axis, aligned right
+        )
+    if node.target in (torch.cat, torch.concat):
+        dim = capture.argument(node, "dim", 1, 0)
+        rank = capture.seen[node].rank
+        return out is not None and isinstance(dim, int) and dim % rank != out and all(a == out for a in axes)
+    if node.target is F.scaled_dot_product_attention or (node.target in MATMULS and len(tensors) == 2):
+        rank = capture.seen[tensors[0]].rank if tensors else 0
+        return bool(axes) and all(
+            a is not None and a == axes[0] and a < rank - 2 and capture.seen[t].rank == rank
+            for a, t in zip(axes, tensors, strict=True)
+        )
+    if name in ("softmax", "log_softmax") and len(tensors) == 1 and axes[0] is not None:
+        dim = capture.argument(node, "dim", 1)
+        return isinstance(dim, int) and dim % capture.seen[tensors[0]].rank != axes[0]
+    return False
+
+
+def _in_chunks(packed: fx.GraphModule, example: Tensor, samples: int) -> tuple[nn.Module, fx.Graph]:
+    """The root and graph of a program that runs ``packed`` on chunks of at most ``samples`` samples (the root holds
+    it as ``per_chunk``)."""
+    with torch.no_grad():
+        axes = ops.leaf_batch_axes(packed(example[:1]), packed(example[:2]), 1)
+    root = nn.Module()
+    root.per_chunk = fx.GraphModule(packed, packed.graph, class_name="PerChunk")
+    graph = fx.Graph()
+    result = graph.call_function(ops.in_chunks, (graph.get_attr("per_chunk"), graph.placeholder("x"), samples, axes))
+    graph.output(result)
+    return root, graph

@@ -1,0 +1,780 @@
+"""Writes a ``masksembles_core.packing.Program`` as a torch.fx graph: one kernel per step and per move over a root
+module that holds the compacted layers, then rewrites for speed (in-place activations and sums, member-major blocks
+between members' Linear layers, token MLPs as one ``MemberMLP``, outputs read as views). Counts multiply-adds.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any, cast
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, fx, nn
+
+from masksembles_core.packing import (
+    OUTPUT,
+    Move,
+    Program,
+    Step,
+    block_indices,
+    channel_indices,
+)
+
+from . import _packed_ops as ops
+from ._layers import Masksembles
+from ._pack_capture import (
+    CONV_TYPES,
+    ELEMENTWISE_FUNCTIONS,
+    ELEMENTWISE_MODULES,
+    IN_PLACE_OPERATORS,
+    METADATA,
+    _Capture,
+    _in_place,
+    _Op,
+    _target_name,
+)
+from ._pack_graph import _leaves
+
+
+class _Emitter:
+    """Writes the program as an fx graph over a root module that holds the compacted layers and the moves' indices."""
+
+    def __init__(
+        self, capture: _Capture, axis: dict[fx.Node, int], program: Program, squeeze: bool, samples: int,
+        chosen: Sequence[int],
+    ) -> None:  # fmt: skip
+        self.capture, self.axis, self.program, self.samples = capture, axis, program, samples
+        self.m = len(program.members)
+        # the members returned, as positions in the program's (None: all of them, in order)
+        self.returned = None if list(chosen) == list(program.members) else [program.members.index(k) for k in chosen]
+        self.root = nn.Module()
+        self.graph = fx.Graph()
+        self.by_name = {node.name: node for node in capture.gm.graph.nodes}
+        self.values: dict[str, fx.Node] = {}
+        self.scalars: dict[fx.Node, Any] = {}
+        self.moved: dict[tuple[Any, ...], fx.Node] = {}
+        self.copies: dict[str, str] = {}
+        self.macs = {"dense": 0, "packed": 0, "fallback": 0}
+        self.same_shape: dict[fx.Node, tuple[int, ...]] = {}  # combines: the arguments shaped like the result
+        self.last_axis_frames: dict[fx.Node, int] = {}  # to_batch/to_channels of (B, ..., m*C): C
+        self.mlps: list[tuple[fx.Node, list[fx.Node], fx.Node]] = []  # members' Linear, activations, members' Linear
+        for step in program.steps:
+            self.values[step.name] = self._step(step)
+        self._output(squeeze)
+        self._in_place()
+        self._member_major()
+        self._fuse_mlps()
+        self._direct_outputs()
+
+    # ---- attributes of the root
+
+    def _attribute(self, prefix: str, value: Tensor) -> fx.Node:
+        """A tensor held by the root as a buffer, read in the graph."""
+        name = f"{prefix}_{len(self.root._buffers)}"
+        self.root.register_buffer(name, value)
+        return self.graph.get_attr(name)
+
+    def _call(self, prefix: str, module: nn.Module, *args: Any) -> fx.Node:
+        """A module held by the root, called in the graph."""
+        name = f"{prefix}_{len(self.root._modules)}"
+        self.root.add_module(name, module)
+        return self.graph.call_module(name, args)
+
+    def _module(self, target: str) -> str:
+        """The model's own module, copied once into the root (for the operations run as the model runs them)."""
+        if target not in self.copies:
+            module = copy.deepcopy(self.capture.gm.get_submodule(target))
+            module.eval().requires_grad_(False)
+            if getattr(module, "inplace", False) is True:
+                module.inplace = False  # type: ignore[assignment]
+            if isinstance(module, Masksembles):  # block j of the member-stacked batch is member members[j]
+                module.masks = module.masks[list(self.program.members)]
+                module.n = len(self.program.members)
+            name = f"model_{target}".replace(".", "_")
+            self.root.add_module(name, module)
+            self.copies[target] = name
+        return self.copies[target]
+
+    # ---- values that are not model tensors: constants, sizes as the dense model sees them
+
+    def _argument(self, value: Any) -> Any:
+        """An argument for an emitted node: model values as emitted, constants folded, sizes in the dense frame."""
+        return fx.node.map_arg(value, self._scalar)
+
+    def _scalar(self, node: fx.Node) -> Any:
+        if node.name in self.values:
+            return self.values[node.name]
+        if node in self.scalars:
+            return self.scalars[node]
+        capture = self.capture
+        if node not in capture.dynamic:
+            constant = capture.constants.get(node)
+            if isinstance(constant, Tensor):
+                result: Any = self._attribute("constant", constant)
+            elif isinstance(constant, nn.Module):
+                result = self.graph.get_attr(self._module(str(node.target)))
+            else:
+                result = constant
+        elif capture.is_query(node):
+            result = self._query(node)
+        else:
+            args, kwargs = self._argument(node.args), self._argument(node.kwargs)
+            result = self.graph.create_node(node.op, node.target, args, kwargs)
+        self.scalars[node] = result
+        return result
+
+    def _query(self, node: fx.Node) -> fx.Node:
+        """A size or metadata query, answered as the dense model (member-stacked batch, every channel) would."""
+        tensor = cast(fx.Node, node.args[0])
+        value = self.values[tensor.name]
+        name = str(node.args[1]) if node.target is getattr else _target_name(node)
+        if name in METADATA:
+            return self.graph.create_node(node.op, node.target, (value, *node.args[1:]), dict(node.kwargs))
+        step = self.program.step(tensor.name)
+        seen = self.capture.seen[tensor]
+        dense = step.placement.dense
+        factor = 1 if dense and not step.placement.shared else self.m
+        channel_axis = -1 if dense or tensor is self.capture.input else self.axis[tensor]  # the input: every channel
+        channels = seen.shapes[0][channel_axis] if channel_axis >= 0 else 0
+        size = self.graph.call_function(ops.frame_size, (value, seen.batch_axes, factor, channel_axis, channels))
+        if name in ("numel", "nelement") or node.target is torch.numel:
+            return self.graph.call_function(math.prod, (size,))
+        if name == "size" and len(node.args) + len(node.kwargs) > 1:
+            dim = self._argument(node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None))
+            return self.graph.call_function(operator.getitem, (size, dim))
+        return size
+
+    # ---- moves
+
+    def _edge(self, step: Step, index: int) -> fx.Node:
+        edge = step.edges[index]
+        value = self.values[edge.source]
+        source = self.by_name.get(edge.source)
+        key: tuple[Any, ...] = (edge.source,)
+        for move in edge.moves:
+            key = (*key, move.kind, _bytes(move.index), _bytes(move.scale))
+            if key in self.moved:
+                value = self.moved[key]
+                continue
+            value = self._move(move, value, cast(fx.Node, source))
+            self.moved[key] = value
+        return value
+
+    def _move(self, move: Move, value: fx.Node, source: fx.Node) -> fx.Node:
+        seen = self.capture.seen[source]
+        if move.kind == "tile":
+            if seen.parts:
+                axes = tuple(part.batch_axis if part.batch_axes else -1 for part in seen.parts)
+                return self.graph.call_function(ops.tile_parts, (value, self.m, axes))
+            if not seen.tensor or not seen.batch_axes:
+                return value  # the same for every member
+            return self.graph.call_function(ops.tile, (value, self.m, seen.batch_axis))
+        axis = self.axis[source] if source in self.axis else self._input_axis()
+        if move.kind in ("to_batch", "to_channels"):
+            function = ops.to_batch if move.kind == "to_batch" else ops.to_channels
+            frame = self.graph.call_function(function, (value, self.m, seen.batch_axis, axis))
+            if seen.batch_axis == 0 and axis == seen.rank - 1:  # batch first, channels last: see _member_major
+                self.last_axis_frames[frame] = seen.shapes[0][axis]
+            return frame
+        assert move.index is not None and move.scale is not None
+        rank = seen.rank
+        if np.array_equal(move.index, np.arange(len(move.index))):
+            value = self.graph.call_method("narrow", (value, axis, 0, len(move.index)))
+        else:
+            index = self._attribute("index", torch.as_tensor(move.index, dtype=torch.long, device=self.capture.device))
+            value = self.graph.call_function(ops.gather_channels, (value, axis, index))
+        if not (move.scale == 1).all():
+            shape = [1] * rank
+            shape[axis] = len(move.scale)
+            scale = torch.as_tensor(move.scale, dtype=seen.dtype, device=self.capture.device).view(shape)
+            value = self.graph.call_function(operator.mul, (value, self._attribute("scale", scale)))
+        return value
+
+    def _input_axis(self) -> int:
+        return self.axis.get(self.capture.input, self.capture.seen[self.capture.input].rank - 1)
+
+    # ---- steps
+
+    def _step(self, step: Step) -> fx.Node:
+        if step.node.kind == "input":
+            return self.graph.placeholder(step.name)
+        shared_sum = self._shared_sum(step)
+        if shared_sum is not None:
+            return shared_sum
+        inputs = [self._edge(step, i) for i in range(len(step.edges))]
+        if step.name == OUTPUT:
+            return self.graph.call_function(tuple, (inputs,))
+        node = self.by_name[step.name]
+        op = self.capture.ops[node]
+        self._count(step, op)
+        if step.placement.dense and op.kind == "flatten":  # (B, ...) -> (B, features) on the frame's batch, which
+            return self.graph.call_function(torch.flatten, (inputs[0], 1))  # the model's view(B, -1) does not know
+        if step.placement.dense:
+            return self._as_model(op, inputs)
+        return self._compact(step, op, inputs)
+
+    def _shared_sum(self, step: Step) -> fx.Node | None:
+        """``member + shared`` where the shared tensor is repeated for every member: added by broadcasting its one
+        block instead of copying it m times (a residual connection around the first masked block)."""
+        node = self.by_name.get(step.name)
+        op = self.capture.ops.get(node) if node is not None else None
+        if op is None or step.node.kind != "combine" or step.placement.dense or step.placement.shared or self.m < 2:
+            return None
+        if node is None or node.target not in (operator.add, torch.add, operator.iadd) or node.kwargs:
+            return None
+        for shared, other in ((0, 1), (1, 0)):
+            (move, *rest) = step.edges[shared].moves or (None,)
+            if move is None or rest or move.repeats != self.m or move.index is None:
+                continue
+            source = self.values[step.edges[shared].source]
+            block = move.index[: len(move.index) // self.m]
+            if not np.array_equal(block, np.arange(self.program.step(step.edges[shared].source).placement.width)):
+                index = torch.as_tensor(block, dtype=torch.long, device=self.capture.device)
+                axis = self.axis[cast(fx.Node, self.by_name[step.edges[shared].source])]
+                source = self.graph.call_function(ops.gather_channels, (source, axis, self._attribute("index", index)))
+            value = self._edge(step, other)
+            self._count(step, op)
+            result = self.graph.call_function(ops.add_shared, (value, source, self.m, op.axis))
+            seen, member = self.capture.seen, op.tensors[other]
+            if (seen[member].shapes[0], seen[member].dtype) == (seen[node].shapes[0], seen[node].dtype):
+                self.same_shape[result] = (0,)  # it may be computed in place on the members' tensor
+            return result
+        return None
+
+    def _as_model(self, op: _Op, inputs: list[fx.Node], constants: Callable[[Tensor], Any] | None = None) -> fx.Node:
+        """The model's own operation on the given values of its model inputs (dense, or compacted elementwise)."""
+        node = op.node
+        given = dict(zip(op.tensors, inputs, strict=True))
+        if _in_place(node, self.capture.gm) and node.args and node.args[0] in given:
+            mutated = cast(fx.Node, node.args[0])
+            given[mutated] = self.graph.call_method("clone", (given[mutated],))
+
+        def argument(a: fx.Node) -> Any:
+            if a in given:
+                return given[a]
+            if (
+                constants is not None
+                and a not in self.capture.dynamic
+                and isinstance(self.capture.constants.get(a), Tensor)
+            ):
+                return constants(self.capture.constants[a])
+            return self._scalar(a)
+
+        args = fx.node.map_arg(node.args, argument)
+        kwargs = fx.node.map_arg(node.kwargs, argument)
+        target: Any = node.target
+        if node.op == "call_module":
+            target = self._module(str(node.target))
+        elif node.op == "call_method" and target in RESHAPING_VIEWS and not _dtype_view(node):
+            target = RESHAPING_VIEWS[target]  # the values a view gives, on tensors laid out unlike the dense model's
+        elif node.op == "call_function" and target in IN_PLACE_OPERATORS and constants is not None:
+            target = IN_PLACE_OPERATORS[target]
+        elif (
+            node.op == "call_method"
+            and constants is not None
+            and str(target).endswith("_")
+            and not str(target).endswith("__")
+        ):
+            target = str(target)[:-1]
+        return self.graph.create_node(node.op, target, args, kwargs)
+
+    def _compact(self, step: Step, op: _Op, inputs: list[fx.Node]) -> fx.Node:
+        kind, placement = step.node.kind, step.placement
+        member = not placement.shared and self.m > 1
+        if kind == "masks" or op.how == "identity":
+            return inputs[0]
+        if kind in ("mixing", "grouped"):
+            return self._mixing(step, op, inputs[0])
+        if op.how == "affine":
+            assert op.weight is not None and op.bias is not None
+            scale = _per_channel(op.weight, placement.layouts, 1.0)
+            shift = _per_channel(op.bias, placement.layouts, 0.0)
+            affine = ops.Affine(scale, shift, op.axis, self.capture.seen[op.node].rank)
+            return self._call("affine", affine, inputs[0])
+        if op.how == "prelu":
+            weight = _per_channel(cast(nn.PReLU, op.module).weight.detach(), placement.layouts, 0.0)
+            return self.graph.call_function(F.prelu, (inputs[0], self._attribute("prelu", weight)))
+        if kind == "concat":
+            parts = [value for value, edge in zip(inputs, step.edges, strict=True) if edge.placement.width > 0]
+            if member:
+                return self.graph.call_function(ops.concat_members, (parts, self.m, op.axis))
+            return self.graph.call_function(torch.cat, (parts, op.axis))
+        if kind == "norm":
+            return self._norm(op, inputs[0], member) if member else self._as_model(op, inputs)
+        if kind == "flatten":
+            last = step.node.channels_last
+            if last and member:
+                return self.graph.call_function(ops.flatten_members_last, (inputs[0], self.m))
+            return self.graph.call_function(torch.flatten, (inputs[0], 1))
+        if kind == "combine" and len(inputs) == 2:
+            return self._note_same_shape(op, inputs, self._as_model(op, inputs, constants=lambda t: t))
+        result = self._as_model(op, inputs, constants=lambda t: self._laid_out(t, step, op))
+        return self._note_same_shape(op, inputs, result)
+
+    def _note_same_shape(self, op: _Op, inputs: list[fx.Node], result: fx.Node) -> fx.Node:
+        """Record which arguments of a sum or product ``result`` have its shape and dtype (it may be computed in
+        place on one of them)."""
+        if result.op != "call_function" or result.target not in (operator.add, operator.mul) or result.kwargs:
+            return result
+        seen = self.capture.seen
+        like_result = {
+            value for value, tensor in zip(inputs, op.tensors, strict=True)
+            if (seen[tensor].shapes[0], seen[tensor].dtype) == (seen[op.node].shapes[0], seen[op.node].dtype)
+        }  # fmt: skip
+        self.same_shape[result] = tuple(i for i, argument in enumerate(result.args) if argument in like_result)
+        return result
+
+    def _laid_out(self, constant: Tensor, step: Step, op: _Op) -> fx.Node:
+        """A constant operand of an elementwise operation, with its channels laid out like the compacted tensor."""
+        rank = self.capture.seen[op.node].rank
+        at = op.axis - (rank - constant.dim())
+        if 0 <= at < constant.dim() and constant.shape[at] > 1:
+            index, _ = channel_indices(step.placement.layouts)
+            constant = constant.index_select(at, torch.as_tensor(index, device=constant.device))
+        return self._attribute("operand", constant)
+
+    def _mixing(self, step: Step, op: _Op, value: fx.Node) -> fx.Node:
+        assert op.weight is not None
+        rows = step.placement.layouts
+        member = not step.placement.shared and self.m > 1
+        bias = None if op.bias is None else _per_channel(op.bias, rows, 0.0)
+        if step.node.kind == "grouped":
+            index, valid = channel_indices(rows)
+            weight = op.weight[torch.as_tensor(index, device=op.weight.device)]
+            keep = torch.as_tensor(valid, device=weight.device).view(-1, *([1] * (weight.dim() - 1)))
+            weight = torch.where(keep, weight, torch.zeros((), dtype=weight.dtype, device=weight.device))
+            groups = step.groups * (len(rows) if not step.placement.shared else 1)
+        else:
+            cols = step.edges[0].placement.member_layouts(len(rows))
+            r, c, valid = block_indices(rows, cols)
+            picked = op.weight[torch.as_tensor(r), torch.as_tensor(c)]
+            keep = torch.as_tensor(valid, device=picked.device).view(*valid.shape, *([1] * (op.weight.dim() - 2)))
+            blocks = torch.where(keep, picked, torch.zeros((), dtype=picked.dtype, device=picked.device))
+            if op.how == "linear" and member:
+                shape = self.capture.seen[op.node].shapes[0]  # rows per call: at the example's batch, or chunk
+                count = math.prod(shape[:-1]) * self.samples // self.capture.seen[self.capture.input].shapes[0][0]
+                return self._call("linear", ops.MemberLinear(blocks, bias, per_member=count >= PER_MEMBER_ROWS), value)
+            weight = blocks.flatten(0, 1)
+            groups = len(rows) if member else 1
+        if op.how == "linear":
+            linear = nn.Linear(
+                weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device, dtype=weight.dtype
+            )
+            _load(linear, weight, bias)
+            return self._call("linear", linear, value)
+        settings = op.conv
+        conv_type = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[settings["dims"]]
+        conv = conv_type(
+            weight.shape[1] * groups, weight.shape[0], cast(Any, tuple(weight.shape[2:])), stride=settings["stride"],
+            padding=settings["padding"], dilation=settings["dilation"], groups=groups, bias=bias is not None,
+            padding_mode=settings["padding_mode"], device=weight.device, dtype=weight.dtype,
+        )  # fmt: skip
+        _load(conv, weight, bias)
+        memory_format = {4: torch.channels_last, 5: torch.channels_last_3d}.get(weight.dim())
+        if memory_format is not None:
+            conv = conv.to(memory_format=memory_format)  # type: ignore[call-overload]
+            value = self.graph.call_method("contiguous", (value,), {"memory_format": memory_format})
+        return self._call("conv", conv, value)
+
+    def _norm(self, op: _Op, value: fx.Node, member: bool) -> fx.Node:
+        node, module = op.node, op.module
+        if isinstance(module, nn.LayerNorm) or node.target is F.layer_norm:
+            if isinstance(module, nn.LayerNorm):
+                weight, bias, eps = module.weight, module.bias, module.eps
+            else:
+                c = self.capture
+                weight, bias, eps = (
+                    c.argument(node, "weight", 2),
+                    c.argument(node, "bias", 3),
+                    c.argument(node, "eps", 4, 1e-5),
+                )
+            args = (value, self.m, self._optional(weight), self._optional(bias), eps)
+            return self.graph.call_function(ops.layer_norm_members, args)
+        if isinstance(module, nn.GroupNorm):
+            groups, weight, bias, eps = module.num_groups, module.weight, module.bias, module.eps
+        else:
+            c = self.capture
+            groups, weight, bias = (
+                c.argument(node, "num_groups", 1),
+                c.argument(node, "weight", 2),
+                c.argument(node, "bias", 3),
+            )
+            eps = c.argument(node, "eps", 4, 1e-5)
+        return self.graph.call_function(
+            ops.group_norm_members, (value, self.m, groups, self._optional(weight), self._optional(bias), eps)
+        )
+
+    def _optional(self, tensor: Any) -> fx.Node | None:
+        return None if tensor is None else self._attribute("norm", tensor.detach())
+
+    def _count(self, step: Step, op: _Op) -> None:
+        """Multiply-adds of Linear, convolution and attention nodes: as m dense models, as emitted."""
+        seen = self.capture.seen[op.node]
+        seen = seen.parts[0] if seen.parts else seen  # nn.MultiheadAttention: (output, weights or None)
+        if not seen.tensor or len(seen.batch_axes) != 1:
+            return
+        per_sample = seen.per_sample
+        if step.node.kind == "fallback":
+            dense = _fallback_macs(op, self.capture, per_sample) * self.m
+            self.macs["dense"] += dense
+            self.macs["packed"] += dense
+            self.macs["fallback"] += dense
+            return
+        if op.weight is None or op.how not in ("linear", "conv"):
+            return
+        per_output = math.prod(op.weight.shape[1:])
+        dense = per_sample * per_output * self.m
+        self.macs["dense"] += dense
+        outputs = per_sample
+        positions = outputs // seen.shapes[0][op.axis]
+        copies = 1 if step.placement.shared else self.m
+        width = step.placement.width
+        if step.node.kind == "grouped":
+            self.macs["packed"] += positions * copies * width * math.prod(op.weight.shape[1:])
+        else:
+            inputs = step.edges[0].placement.width
+            self.macs["packed"] += positions * copies * width * inputs * math.prod(op.weight.shape[2:])
+
+    # ---- in place where nothing else reads
+
+    def _in_place(self) -> None:
+        """Run elementwise operations, BatchNorm maps and sums in place on tensors that this graph made and that
+        nothing else reads (fresh allocations of large activations cost more than the operations themselves)."""
+        for node in list(self.graph.nodes):
+            module = self.root.get_submodule(str(node.target)) if node.op == "call_module" else None
+            if not node.args or (not self._owned(node.args[0]) and node not in self.same_shape):
+                continue
+            if isinstance(module, ops.Affine):
+                module.inplace = True
+            elif isinstance(module, nn.GELU) or (node.op == "call_function" and node.target is F.gelu):
+                approximate = module.approximate if isinstance(module, nn.GELU) else node.kwargs.get("approximate")
+                if len(node.args) == 1 and set(node.kwargs) <= {"approximate"}:
+                    with self.graph.inserting_before(node):
+                        gelu = self.graph.call_function(
+                            torch.ops.aten.gelu_, node.args, {"approximate": approximate or "none"}
+                        )
+                    node.replace_all_uses_with(gelu)
+                    self.graph.erase_node(node)
+            elif _activation(module):
+                twin = copy.copy(module)
+                twin.inplace = True  # type: ignore[union-attr]
+                name = f"{node.target}_inplace"
+                self.root.add_module(name, twin)
+                node.target = name
+            elif node.op == "call_function" and node.target in IN_PLACE_FUNCTIONS:
+                if len(node.args) == 1 and not node.kwargs:
+                    node.target = IN_PLACE_FUNCTIONS[node.target]
+            elif node.op == "call_function" and node.target in INPLACE_KEYWORD:
+                if ("inplace" not in node.kwargs and len(node.args) == 1) or node.kwargs.get("inplace") is False:
+                    node.kwargs = {**node.kwargs, "inplace": True}
+            elif node.target is ops.add_shared:
+                if node in self.same_shape and self._owned(node.args[0]):
+                    node.target = ops.add_shared_
+            elif node in self.same_shape:
+                for i in self.same_shape[node]:
+                    if self._owned(node.args[i]):
+                        name = "add_" if node.target is operator.add else "mul_"
+                        with self.graph.inserting_before(node):
+                            replacement = self.graph.call_method(name, (node.args[i], node.args[1 - i]))
+                        node.replace_all_uses_with(replacement)
+                        self.graph.erase_node(node)
+                        break
+
+    def _member_major(self) -> None:
+        """Hold each member's rows as one block, (m, ..., C), where a members' Linear layer reads or writes it
+        without a copy: between two of them joined only by elementwise activations, from one into the
+        member-stacked batch (``to_batch`` is then a view) and from the member-stacked batch through a channel
+        gather into one (the gather picks each member's channels in its block)."""
+        for node in list(self.graph.nodes):
+            if self._member_linear(node):
+                self._member_major_after(node)
+            elif node in self.last_axis_frames and node.target is ops.to_channels:
+                self._member_major_gather(node)
+
+    def _member_major_after(self, node: fx.Node) -> None:
+        current, chain = node, list[fx.Node]()
+        while len(current.users) == 1:
+            (user,) = current.users
+            if self._member_linear(user) and user.args[0] is current:
+                self._linear(node).member_major_out = self._linear(user).member_major_in = True
+                self.mlps.append((node, chain, user))
+                return
+            if user in self.last_axis_frames and user.target is ops.to_batch and current is node:
+                self._linear(node).member_major_out = True
+                with self.graph.inserting_before(user):
+                    user.replace_all_uses_with(self.graph.call_method("flatten", (node, 0, 1)))
+                self.graph.erase_node(user)
+                return
+            if not self._activation_of(user, current):
+                return
+            current = user
+            chain.append(user)
+
+    def _fuse_mlps(self) -> None:
+        """Each members' Linear -> elementwise activations -> members' Linear becomes one ``MemberMLP`` (which runs
+        them on tiles of rows on CPU)."""
+        fused: set[fx.Node] = set()
+        for first, chain, second in self.mlps:
+            if first in fused:  # the second layer of the previous pair: that pair holds it
+                continue
+            graph = fx.Graph()
+            copied = {first: graph.placeholder("hidden")}
+            for node in chain:
+                copied[node] = graph.node_copy(node, copied.__getitem__)
+            graph.output(copied[chain[-1] if chain else first])
+            modules = {str(n.target): self.root.get_submodule(str(n.target)) for n in chain if n.op == "call_module"}
+            layers = self._linear(first), self._linear(second)
+            for layer in layers:
+                layer.per_member = False  # each tile runs one batched matmul
+            activation = fx.GraphModule(modules, graph, class_name="Activation")
+            name = f"mlp_{len(fused)}"
+            self.root.add_module(name, ops.MemberMLP(layers[0], activation, layers[1]))
+            with self.graph.inserting_before(second):
+                second.replace_all_uses_with(self.graph.call_module(name, (first.args[0],)))
+            for node in (second, *reversed(chain), first):
+                self.graph.erase_node(node)
+            fused.add(second)
+
+    def _direct_outputs(self) -> None:
+        """An output leaf read from the members' blocks by a view of them, without the member-stacked batch in
+        between: ``members_first(to_batch(x))`` becomes ``members_first`` of ``x``'s channel axis, and
+        ``members_first`` of a member-major members' Linear's flattened output that output itself. Fewer copies,
+        and no reshape whose size guards stop ``torch.export`` with a dynamic batch."""
+        unread: list[fx.Node] = []  # what the outputs read before, erased once nothing reads it
+        for node in list(self.graph.nodes):
+            if node.op != "call_function" or node.target is not ops.members_first:
+                continue
+            source, members, axis = node.args
+            held = source
+            if source.op == "call_function" and source.target is operator.getitem:
+                parts, i = source.args
+                if parts.op == "call_function" and parts.target is tuple:
+                    held = parts.args[0][i]
+                    unread.append(parts)
+            if held.op == "call_function" and held.target is ops.to_batch and held.args[1:3] == (members, axis):
+                with self.graph.inserting_before(node):
+                    direct = self.graph.call_function(ops.members_first, (held.args[0], members, held.args[3]))
+            elif (
+                held.op == "call_method" and held.target == "flatten" and held.args[1:] == (0, 1) and axis == 0
+                and self._member_linear(held.args[0]) and self._linear(held.args[0]).member_major_out
+            ):  # fmt: skip
+                direct = held.args[0]
+            else:
+                continue
+            node.replace_all_uses_with(direct)
+            unread += [held, source, node]
+        unread = list(dict.fromkeys(unread))
+        while dead := [node for node in unread if not node.users]:
+            for node in dead:
+                self.graph.erase_node(node)
+                unread.remove(node)
+
+    def _member_major_gather(self, frame: fx.Node) -> None:
+        """``to_channels`` -> (``gather_channels`` on the channel axis ->) a members' Linear: each member's block of
+        the member-stacked batch read as it is (a view), or its channels gathered from there."""
+        if len(frame.users) != 1:
+            return
+        (user,) = frame.users
+        if self._member_linear(user) and user.args[0] is frame:
+            with self.graph.inserting_before(frame):
+                frame.replace_all_uses_with(self.graph.call_method("unflatten", (frame.args[0], 0, (self.m, -1))))
+            self.graph.erase_node(frame)
+            self._linear(user).member_major_in = True
+            return
+        gather = user
+        if gather.target is not ops.gather_channels or len(gather.users) != 1 or gather.args[1] != frame.args[3]:
+            return
+        (linear,) = gather.users
+        if not self._member_linear(linear) or linear.args[0] is not gather:
+            return
+        index = self.root.get_buffer(str(cast(fx.Node, gather.args[2]).target))
+        channels, width = self.last_axis_frames[frame], index.numel() // self.m
+        local = index.view(self.m, width) - torch.arange(self.m, device=index.device).view(-1, 1) * channels
+        if index.numel() != self.m * width or bool(((local < 0) | (local >= channels)).any()):
+            return
+        with self.graph.inserting_before(gather):
+            picked = self.graph.call_function(
+                ops.gather_member_blocks, (frame.args[0], self.m, self._attribute("index", local))
+            )
+        gather.replace_all_uses_with(picked)
+        self.graph.erase_node(gather)
+        self.graph.erase_node(frame)
+        self._linear(linear).member_major_in = True
+
+    def _linear(self, node: fx.Node) -> ops.MemberLinear:
+        return cast(ops.MemberLinear, self.root.get_submodule(str(node.target)))
+
+    def _member_linear(self, node: fx.Node) -> bool:
+        return node.op == "call_module" and isinstance(self.root.get_submodule(str(node.target)), ops.MemberLinear)
+
+    def _activation_of(self, node: fx.Node, value: fx.Node) -> bool:
+        """``node`` is an elementwise activation of ``value`` alone (its other arguments constants), whatever the
+        layout of ``value``."""
+        if not node.args or node.args[0] is not value:
+            return False
+        others = [*node.args[1:], *node.kwargs.values()]
+        if any(isinstance(other, fx.Node) for other in others):
+            return False
+        if node.op == "call_module":
+            module = self.root.get_submodule(str(node.target))
+            return _activation(module) and not any(True for _ in module.parameters())
+        if node.op == "call_function":
+            return node.target in IN_PLACE_RESULTS or (
+                node.target in ELEMENTWISE_FUNCTIONS and node.target is not F.rrelu
+            )
+        return False
+
+    def _owned(self, value: Any) -> bool:
+        """A tensor only one node reads that this graph allocated (not the caller's input or a buffer), or a view of
+        one or an in-place result on one, each read by one node only."""
+        if not isinstance(value, fx.Node) or len(value.users) != 1:
+            return False
+        if value.op == "call_module":
+            module = self.root.get_submodule(str(value.target))
+            if getattr(module, "inplace", False) is True:
+                return self._owned(value.args[0])
+            return isinstance(module, FRESH_MODULES) or _activation(module)
+        if value.op == "call_function":
+            written = value.target in IN_PLACE_RESULTS or value.target is ops.add_shared_
+            if written or value.kwargs.get("inplace") is True:
+                return self._owned(value.args[0])
+            return value.target in FRESH_FUNCTIONS or (
+                value.target in (operator.add, operator.mul) and value in self.same_shape
+            )
+        if value.op == "call_method" and str(value.target) in ("add_", "mul_", *VIEW_METHODS):
+            return self._owned(value.args[0])
+        return False
+
+    # ---- the result
+
+    def _output(self, squeeze: bool) -> None:
+        program, capture = self.program, self.capture
+        final = program.step(program.output)
+        value = self.values[program.output]
+        if program.output == OUTPUT:
+            structure = next(n for n in capture.gm.graph.nodes if n.op == "output").args[0]
+            leaves = [leaf for leaf in _leaves(structure) if leaf in capture.values]
+            results = {}
+            for i, leaf in enumerate(leaves):
+                part = self.graph.call_function(operator.getitem, (value, i))
+                results[leaf] = self._members_first(part, capture.seen[leaf].batch_axis, squeeze)
+            self.graph.output(fx.node.map_arg(structure, lambda n: results[n] if n in results else self._scalar(n)))
+            return
+        if final.placement.shared:
+            if not squeeze:
+                members = self.m if self.returned is None else len(self.returned)
+                value = self.graph.call_function(ops.repeat_members, (value, members))
+        else:
+            node = self.by_name[program.output]
+            axis = capture.seen[node].batch_axis if final.placement.dense else self.axis[node]
+            value = self._members_first(value, axis, squeeze)
+        self.graph.output(value)
+
+    def _members_first(self, value: fx.Node, axis: int, squeeze: bool) -> fx.Node:
+        if self.returned is not None:  # computed for every member, some returned
+            first = self.graph.call_function(ops.members_first, (value, self.m, axis))
+            picked = self.graph.call_function(operator.getitem, (first, self.returned))
+            return self.graph.call_function(operator.getitem, (picked, 0)) if squeeze else picked
+        if squeeze:
+            return value
+        return self.graph.call_function(ops.members_first, (value, self.m, axis))
+
+
+def _fallback_macs(op: _Op, capture: _Capture, per_sample: int) -> int:
+    """Multiply-adds per sample of one dense model's fallback node, where it is a Linear, a convolution, an
+    nn.MultiheadAttention (projections and attention products), ``F.scaled_dot_product_attention`` or a matmul."""
+    node = op.node
+    if node.op == "call_module":
+        module = capture.gm.get_submodule(str(node.target))
+        if isinstance(module, (nn.Linear, *CONV_TYPES)):
+            weight = module.weight
+            return per_sample // weight.shape[0] * weight.numel()
+        if isinstance(module, nn.MultiheadAttention):
+            query, key = (_argument(node, i, name) for i, name in enumerate(("query", "key")))
+            width = module.embed_dim
+            tokens, keys = (capture.seen[value].per_sample // width for value in (query, key))
+            return int(tokens * 4 * width * width + 2 * tokens * keys * width)
+        return 0
+    output = capture.seen[node].shapes[0]
+    if node.target is F.scaled_dot_product_attention:
+        q, k, v = (capture.seen[_argument(node, i, n)].shapes[0] for i, n in enumerate(("query", "key", "value")))
+        return math.prod(q[:-1]) * k[-2] * (q[-1] + v[-1]) * per_sample // math.prod(output)
+    if node.target in MATMULS or (node.op == "call_method" and node.target in ("matmul", "bmm")):
+        left = capture.seen[_argument(node, 0, "input")].shapes[0]
+        return per_sample * left[-1]
+    return 0
+
+
+def _argument(node: fx.Node, position: int, name: str) -> fx.Node:
+    value = node.args[position] if len(node.args) > position else node.kwargs[name]
+    return cast(fx.Node, value)
+
+
+MATMULS = {torch.matmul, operator.matmul, torch.bmm}
+
+
+# members' Linear layers on at least this many rows (at the example's batch size) run one matmul per member, reading
+# and writing each member's block in place; fewer run one batched matmul (measured faster on CPU below ~1000 rows)
+PER_MEMBER_ROWS = 1024
+
+
+# producers whose result is a new tensor, and elementwise functions with an in-place form
+FRESH_MODULES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear, ops.MemberLinear, ops.Affine)
+
+
+FRESH_FUNCTIONS = {
+    ops.gather_channels, ops.add_shared, ops.concat_members, ops.layer_norm_members, ops.group_norm_members,
+    torch.relu, torch.sigmoid, torch.tanh, F.relu, F.gelu, F.silu, F.hardswish, F.hardsigmoid, F.prelu,
+}  # fmt: skip
+
+
+IN_PLACE_FUNCTIONS = {torch.relu: torch.relu_, torch.sigmoid: torch.sigmoid_, torch.tanh: torch.tanh_}
+
+
+IN_PLACE_RESULTS = {*IN_PLACE_FUNCTIONS.values(), torch.ops.aten.gelu_}  # return their first argument, written
+
+
+VIEW_METHODS = ("permute", "transpose", "view", "reshape", "flatten", "unflatten", "movedim", "contiguous")
+
+
+INPLACE_KEYWORD = {F.relu, F.relu6, F.silu, F.hardswish, F.hardsigmoid, F.leaky_relu, F.elu, F.selu, F.celu, F.mish}
+
+
+# views whose strides the packed program does not keep as the dense model has them (channels-last convolutions, the
+# member-stacked batch): reshapes give the same values, copying where a view cannot
+RESHAPING_VIEWS = {"view": "reshape", "view_as": "reshape_as"}
+
+
+def _dtype_view(node: fx.Node) -> bool:
+    """``x.view(torch.float16)``: a reinterpretation of the bits, not a reshape."""
+    return any(isinstance(a, torch.dtype) for a in (*node.args[1:], *node.kwargs.values()))
+
+
+def _activation(module: nn.Module | None) -> bool:
+    """An elementwise activation module with an ``inplace`` switch."""
+    return isinstance(module, ELEMENTWISE_MODULES) and isinstance(getattr(module, "inplace", None), bool)
+
+
+def _bytes(array: np.ndarray | None) -> bytes | None:
+    return None if array is None else array.tobytes()
+
+
+def _per_channel(vector: Tensor, layouts: Sequence[np.ndarray], padding: float) -> Tensor:
+    """A per-channel vector laid out like ``layouts`` (member blocks side by side), ``padding`` at padded positions."""
+    index, valid = channel_indices(layouts)
+    picked = vector.detach()[torch.as_tensor(index, device=vector.device)]
+    return torch.where(torch.as_tensor(valid, device=vector.device), picked, torch.full_like(picked, padding))
+
+
+def _load(module: nn.Module, weight: Tensor, bias: Tensor | None) -> None:
+    with torch.no_grad():
+        cast(Tensor, module.weight).copy_(weight)
+        if bias is not None:
+            cast(Tensor, module.bias).copy_(bias)
+    for parameter in module.parameters():
+        parameter.requires_grad_(False)
