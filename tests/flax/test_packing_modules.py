@@ -418,6 +418,7 @@ class BatchMixing(nnx.Module):
         return self.masks2(h - h.mean(axis=0))
 
 
+@pytest.mark.verification_fallback
 def test_operations_that_read_the_batch_run_on_the_member_stacked_batch() -> None:
     """pack reproduces predict's tiled batch. A compacted member alone would see one member's copy of it: verification
     finds the difference, so extract_member runs every member at full width and returns member k's output."""
@@ -574,3 +575,37 @@ def test_the_packed_module_jits_and_traces_once_per_batch_size() -> None:
         x = random_input((batch, 6, 6, 3), batch)
         assert relative_error(forward(state, x), mf.predict(model, x, N)) <= 1e-5
     assert forward._cache_size() == 3
+
+
+class SigmoidBetweenMasks(nnx.Module):
+    """linear -> masks -> sigmoid (1/2 at zero: a dropped channel is live again) -> masks -> linear."""
+
+    def __init__(self) -> None:
+        rngs = nnx.Rngs(0)
+        self.stem, self.head = linear(4, 8, rngs), linear(8, 3, rngs)
+        self.masks1, self.masks2 = Masksembles(8, N, 2.0, seed=1), Masksembles(8, N, 2.0, seed=2)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.head(self.masks2(jax.nn.sigmoid(self.masks1(self.stem(x)))))
+
+
+@pytest.mark.verification_fallback
+def test_a_program_built_on_a_wrong_proof_is_never_returned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The safety net: with a broken zero proof (every channel 'stays zero' through sigmoid) the packed program
+    differs from predict, so every operation runs at full width instead and the first fallback says why."""
+    from masksembles_flax import _capture
+
+    model = SigmoidBetweenMasks()
+    x = random_input((5, 4), 0)
+    expected = mf.predict(model, x, N)
+    monkeypatch.setattr(
+        _capture.Answers, "zero_map", lambda self, op: np.ones(self.capture.values[op.var].shape[op.axis], bool)
+    )
+    assert relative_error(pack(model, x, program="packed", verify=False)(x), expected) > 1e-2  # the bug is real
+    packed = pack(model, x, program="packed")
+    assert packed.program == "dense"
+    assert packed.fallbacks[0].startswith("verification: the packed program differed from predict")
+    assert "verification" in repr(packed)
+    assert relative_error(packed(x), expected) <= 1e-5
+    member = extract_member(model, 1, x)
+    assert member.fallbacks[0].startswith("verification: ") and relative_error(member(x), expected[1]) <= 1e-5

@@ -41,6 +41,7 @@ def wrong_zero_proof(monkeypatch: pytest.MonkeyPatch) -> None:
     )
 
 
+@pytest.mark.verification_fallback
 @pytest.mark.parametrize("program", ["packed", "auto"])
 def test_a_wrong_program_is_never_returned(program: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The safety net: a program built on a wrong proof differs from predict, so every node runs at full width
@@ -62,6 +63,7 @@ def test_a_wrong_program_is_never_returned(program: str, monkeypatch: pytest.Mon
     assert relative_error(member(x), expected[2]) <= 1e-6
 
 
+@pytest.mark.verification_fallback
 def test_when_the_full_width_graph_differs_too_the_whole_model_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.manual_seed(0)
     model = SigmoidBetweenMasks().eval()
