@@ -13,16 +13,13 @@ from typing import Any, TypeVar
 import jax
 from flax import nnx
 
-import masksembles_core as mc
 from masksembles_core.insertion import (
-    CONVERTED,
-    LEFT,
     PER_SAMPLE,
     ZERO_RATE,
-    LayerChange,
-    LayerReport,
+    Candidate,
     attention_dropout_reason,
     check_insert_arguments,
+    plan_conversion,
 )
 
 from ._insertion import STACKED, _dotted, _keep_attribute_order, _masksembles, _node_at, _replace, _walk
@@ -142,28 +139,20 @@ def convert_dropout(model: ModuleT, example: Any, n: int, scale: float, *, seed:
         if isinstance(node, nnx.Dropout):
             dropouts.setdefault(id(node), []).append(path)
     shapes = _input_shapes(model, example, dropouts)
-    rows: list[LayerChange] = []
+    candidates: list[Candidate] = []
     stacks: dict[str, tuple[int, ...]] = {}
     for path, node, _ in nodes:
         dotted = _dotted(path)
         kind = type(node).__name__
         if isinstance(node, nnx.MultiHeadAttention) and node.dropout_rate > 0:
             source = f"{kind}'s dropout_rate={node.dropout_rate:g}"
-            rows.append(LayerChange(dotted, kind, LEFT, reason=attention_dropout_reason(source)))
+            candidates.append(Candidate(dotted, kind, 0, -1, reason=attention_dropout_reason(source)))
         elif isinstance(node, nnx.Dropout) and dropouts[id(node)][0] == path:
             reason, channels = dropout_reason(node.rate, node.broadcast_dims, str(path[-1]), shapes[id(node)])
-            if reason:
-                rows.append(LayerChange(dotted, kind, LEFT, reason=reason))
-                continue
             stacks[dotted] = _stack_shape(node)
             note = STACKED.format(layers=math.prod(stacks[dotted])) if stacks[dotted] else ""
-            layer_seed = mc.derive_seed(seed, sum(row.action == CONVERTED for row in rows))
-            rows.append(LayerChange(dotted, kind, CONVERTED, channels, -1, layer_seed, note))
-    report = LayerReport("convert_dropout", n, scale, tuple(rows))
-    if not report.changed:
-        raise ValueError(
-            f"convert_dropout converted no dropout ({len(rows)} looked at; it converts nnx.Dropout layers)\n{report}"
-        )
+            candidates.append(Candidate(dotted, kind, channels, -1, reason=reason, note=note))
+    report = plan_conversion(candidates, n, scale, seed=seed, converts="nnx.Dropout layers")
     copy = nnx.clone(model, arrays=True)
     _keep_attribute_order(model, copy)
     for path, node, _ in nodes:

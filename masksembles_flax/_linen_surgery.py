@@ -23,13 +23,12 @@ import numpy as np
 
 import masksembles_core as mc
 from masksembles_core.insertion import (
-    CONVERTED,
-    LEFT,
     Candidate,
     LayerChange,
     LayerReport,
     attention_dropout_reason,
     check_insert_arguments,
+    plan_conversion,
     plan_insertion,
 )
 
@@ -285,29 +284,19 @@ class Converted(_Rewired):
 
     @nn.nowrap
     def _decide(self, calls: list[_Call]) -> LayerReport:
-        rows: list[LayerChange] = []
+        candidates: list[Candidate] = []
         shapes: dict[str, set[tuple[int, ...] | None]] = {}
         for call in calls:
             shapes.setdefault(call.path, set()).add(call.shape)
         for call in _first_calls(calls):
             if isinstance(call.module, nn.MultiHeadDotProductAttention) and call.module.dropout_rate > 0:
                 source = f"{type(call.module).__name__}'s dropout_rate={call.module.dropout_rate:g}"
-                rows.append(
-                    LayerChange(call.path, type(call.module).__name__, LEFT, reason=attention_dropout_reason(source))
-                )
+                reason = attention_dropout_reason(source)
+                candidates.append(Candidate(call.path, type(call.module).__name__, 0, -1, reason=reason))
             elif isinstance(call.module, nn.Dropout):
                 reason, channels = _dropout_reason(call, shapes[call.path])
-                if reason:
-                    rows.append(LayerChange(call.path, "Dropout", LEFT, reason=reason))
-                else:
-                    layer_seed = mc.derive_seed(self.seed, sum(row.action == CONVERTED for row in rows))
-                    rows.append(LayerChange(call.path, "Dropout", CONVERTED, channels, -1, layer_seed))
-        report = LayerReport("convert_dropout", self.n, self.scale, tuple(rows))
-        if not report.changed:
-            raise ValueError(
-                f"convert_dropout converted no dropout ({len(rows)} looked at; it converts nn.Dropout layers)\n{report}"
-            )
-        return report
+                candidates.append(Candidate(call.path, "Dropout", channels, -1, reason=reason))
+        return plan_conversion(candidates, self.n, self.scale, seed=self.seed, converts="nn.Dropout layers")
 
 
 def _dropout_reason(call: _Call, shapes: set[tuple[int, ...] | None]) -> tuple[str, int]:

@@ -25,6 +25,7 @@ import keras
 
 from masksembles_core.insertion import (
     CONVERTED,
+    ZERO_RATE,
     Candidate,
     check_insert_arguments,
     plan_conversion,
@@ -425,7 +426,7 @@ def insert(
 def _dropout_reason(layer: Any, axis: int) -> str:
     """Why a dropout layer is not channel dropout ("" when it is)."""
     if layer.rate == 0:
-        return "rate=0: it drops nothing"
+        return ZERO_RATE
     noise_shape = getattr(layer, "noise_shape", None)
     if noise_shape is not None and noise_shape[axis] == 1:
         return (

@@ -36,6 +36,7 @@ from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
 import masksembles_core.adapter as mca
 from masksembles_core.insertion import (
     CONVERTED,
+    PER_SAMPLE,
     Candidate,
     LayerChange,
     LayerReport,
@@ -448,7 +449,6 @@ DROPOUT_FUNCTIONS: dict[Callable[..., Any], tuple[str, bool]] = {
     F.dropout3d: ("F.dropout3d", True),
     torch.dropout: ("torch.dropout", False),
 }
-PER_SAMPLE = "per-sample dropout (stochastic depth): it drops whole samples, not channels"
 ATTENTION_NAMES = frozenset({"attn_drop", "attn_dropout", "attention_drop", "attention_dropout"})
 SOFTMAX = "softmax"
 # What produced a tensor -> the axis of its channels (1: channels first, -1: channels last).
