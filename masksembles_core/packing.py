@@ -635,6 +635,15 @@ AUTO_MARGIN = 0.9  # ``auto`` leaves the preferred program only for one at most 
 AUTO_WINS = 0.75  # ...that was faster in at least this fraction of the interleaved rounds
 
 
+def chosen_members(members: Sequence[int] | None, n: int) -> list[int]:
+    """The members a program computes: all n when ``members`` is None, else those given, each checked."""
+    chosen = list(range(n)) if members is None else list(members)
+    for k in chosen:
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < n:
+            raise ValueError(f"member must be an integer in [0, {n}); received {k!r}")
+    return chosen
+
+
 def output_mismatch(expected: Sequence[ArrayLike], actual: Sequence[ArrayLike], eps: Sequence[float]) -> str | None:
     """Why a built program's outputs differ from the dense model's (``predict``), or None when they agree.
 

@@ -53,6 +53,7 @@ from masksembles_core.packing import (
     block_indices,
     channel_indices,
     choose_program,
+    chosen_members,
     output_mismatch,
     plan_program,
     timed_rounds,
@@ -650,14 +651,6 @@ def _build(capture: Capture, chosen: Sequence[int], squeeze: bool, *, dense: boo
     return PackedMasksembles(emitter.plan, emitter.weights, emitter.constants)
 
 
-def _chosen(members: Sequence[int] | None, n: int) -> list[int]:
-    chosen = list(range(n)) if members is None else list(members)
-    for k in chosen:
-        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < n:
-            raise ValueError(f"member must be an integer in [0, {n}); received {k!r}")
-    return chosen
-
-
 def _example_values(example_input: jax.Array | jax.ShapeDtypeStruct) -> jax.Array:
     """The example as an array: itself, or for a ``jax.ShapeDtypeStruct`` seeded normal values (zeros if integer)."""
     if not isinstance(example_input, jax.ShapeDtypeStruct):
@@ -753,7 +746,7 @@ def _packed(
     """``pack``/``extract_member``: capture once, build the program(s), verify, and choose."""
     check_program(program)
     capture = Capture(model, example_input)
-    chosen = _chosen(members, capture.n)
+    chosen = chosen_members(members, capture.n)
     x = _example_values(example_input)
     verifier = _Verifier(model, x, capture.n, chosen, squeeze) if verify else None
     if program != "auto":

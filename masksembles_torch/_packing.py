@@ -43,6 +43,7 @@ from masksembles_core.packing import (
     OUTPUT,
     VERIFY_SAMPLES,
     choose_program,
+    chosen_members,
     output_mismatch,
     plan_program,
     timed_rounds,
@@ -156,14 +157,6 @@ def _build(
     return packed.eval()
 
 
-def _chosen(members: Sequence[int] | None, n: int) -> list[int]:
-    chosen = list(range(n)) if members is None else list(members)
-    for k in chosen:
-        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < n:
-            raise ValueError(f"member must be an integer in [0, {n}); received {k!r}")
-    return chosen
-
-
 def _member_outputs(model: nn.Module, x: Tensor, n: int) -> tuple[Any, tuple[int, ...]]:
     """The model's output on ``x`` tiled ``n`` times (what ``predict`` runs) and each output leaf's batch axis (-1 for
     a leaf without one), found from a second run on one more sample."""
@@ -272,10 +265,10 @@ def _packed(
             capture = _Capture(model, example_input)
         except _SharedInPlace as error:
             n = _members_of([layer for layer in model.modules() if isinstance(layer, Masksembles)])
-            whole = _whole_model(model, example_input, _chosen(members, n), squeeze, n)
+            whole = _whole_model(model, example_input, chosen_members(members, n), squeeze, n)
             whole.meta["masksembles"]["fallbacks"] = (f"the whole model, tiled: {error}",)
             return whole
-        chosen = _chosen(members, capture.n)
+        chosen = chosen_members(members, capture.n)
         verifier = _Verifier(model, example_input, capture.n, chosen, squeeze) if verify else None
 
         def candidate(*, dense: bool = False, chunks: bool = True) -> PackedMasksembles:

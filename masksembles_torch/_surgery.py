@@ -468,13 +468,7 @@ CHANNELS_FIRST_MODULES = (
     nn.Dropout2d,
     nn.Dropout3d,
 )
-CHANNELS_LAST_MODULES = (
-    nn.Linear,
-    nn.Bilinear,
-    nn.Embedding,
-    nn.EmbeddingBag,
-    nn.LayerNorm,
-    nn.RMSNorm,
+SEQUENCE_MODULES = (  # attention, recurrent and transformer modules: channels last, and they mix the channels
     nn.MultiheadAttention,
     nn.RNNBase,
     nn.Transformer,
@@ -483,6 +477,9 @@ CHANNELS_LAST_MODULES = (
     nn.TransformerEncoderLayer,
     nn.TransformerDecoderLayer,
 )
+CHANNELS_LAST_MODULES = (
+    nn.Linear, nn.Bilinear, nn.Embedding, nn.EmbeddingBag, nn.LayerNorm, nn.RMSNorm, *SEQUENCE_MODULES,
+)  # fmt: skip
 CHANNELS_FIRST_FUNCTIONS = frozenset(
     {
         F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d,
@@ -500,17 +497,7 @@ CHANNELS_LAST_FUNCTIONS = frozenset(
 CHANNELS_LAST_METHODS = frozenset({"matmul", "bmm"})
 SOFTMAX_FUNCTIONS = frozenset({F.softmax, torch.softmax})
 # What mixes the channels of the raw input: a dropout after one of these does not read the raw input.
-MIXING_MODULES = (
-    *INPUT_LAYERS,
-    nn.Bilinear,
-    nn.MultiheadAttention,
-    nn.RNNBase,
-    nn.Transformer,
-    nn.TransformerEncoder,
-    nn.TransformerDecoder,
-    nn.TransformerEncoderLayer,
-    nn.TransformerDecoderLayer,
-)
+MIXING_MODULES = (*INPUT_LAYERS, nn.Bilinear, *SEQUENCE_MODULES)
 MIXING_FUNCTIONS = (CHANNELS_LAST_FUNCTIONS - {F.layer_norm, F.rms_norm}) | {
     F.conv1d,
     F.conv2d,

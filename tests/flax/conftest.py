@@ -22,23 +22,10 @@ else:
 if "flax" in requested_backends():
     import pytest
 
+    from tests.pack_safety import no_verification_fallback
+
     @pytest.fixture(autouse=True)
     def _pack_needs_no_safety_net(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-        """Every program pack/extract_member builds in these tests equals predict as built: verification (the safety
-        net that replaces a program that differs) must find nothing, except in tests marked
-        ``verification_fallback``."""
         from masksembles_flax import _packing
 
-        found: list[str] = []
-        check = _packing._Verifier.mismatch
-
-        def recorded(self: _packing._Verifier, packed: _packing.PackedMasksembles) -> str | None:
-            why = check(self, packed)
-            if why is not None:
-                found.append(why)
-            return why
-
-        monkeypatch.setattr(_packing._Verifier, "mismatch", recorded)
-        yield
-        if request.node.get_closest_marker("verification_fallback") is None:
-            assert not found, f"pack built a program that differs from predict: {found}"
+        yield from no_verification_fallback(request, monkeypatch, _packing._Verifier)
