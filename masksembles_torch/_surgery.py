@@ -153,6 +153,17 @@ def _selector(before: object) -> Callable[[str, nn.Module], object]:
     raise TypeError(f"before must be module types or a predicate (path, module) -> bool; received {before!r}")
 
 
+def _default_selection(select: Callable[[str, nn.Module], object], path: str, module: nn.Module) -> object:
+    return select(path, module) or _transposed_linear(module)
+
+
+def _transposed_linear(module: nn.Module) -> bool:
+    """Hugging Face ``transformers``' ``Conv1D`` (GPT-2's layers): a Linear whose weight is stored (in, out)."""
+    weight = getattr(module, "weight", None)
+    named = type(module).__name__ == "Conv1D" and type(module).__module__.startswith("transformers.")
+    return named and isinstance(weight, Tensor) and weight.ndim == 2
+
+
 def _candidate(model: nn.Module, path: str, module: nn.Module, paths: list[str], default: bool) -> Candidate:
     """``module`` as a candidate for masks on its input, with the reason to leave it alone if there is one."""
     kind = type(module).__name__
@@ -169,6 +180,8 @@ def _candidate(model: nn.Module, path: str, module: nn.Module, paths: list[str],
     if isinstance(module, nn.modules.conv._ConvNd):
         depthwise = default and module.groups > 1 and module.groups == module.in_channels
         return Candidate(path, kind, module.in_channels, 1, reason=DEPTHWISE if depthwise else "")
+    if _transposed_linear(module):
+        return Candidate(path, kind, cast(Tensor, module.weight).shape[0], -1)
     channels = getattr(module, "in_features", None)
     if isinstance(channels, int):
         return Candidate(path, kind, channels, -1)
@@ -394,6 +407,8 @@ def insert(
     n, scale, seed = check_insert_arguments(n, scale, seed, start)
     select = _selector(before)
     default = isinstance(before, tuple | list) and set(before) == set(DEFAULT_BEFORE)
+    if default:  # also the linear layers of transformers that are not nn.Linear (GPT-2's Conv1D)
+        select = functools.partial(_default_selection, select)
     if not inplace:
         model = copy.deepcopy(model)
     paths = _paths(model)
