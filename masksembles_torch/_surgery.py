@@ -1009,38 +1009,49 @@ def _functional_sites(model: nn.Module, traced: _Traced) -> list[tuple[_Site, _O
 
 
 def _attention_rates(traced: _Traced) -> list[tuple[str, float, fx.Node]]:
-    """(path of the calling module, ``dropout_p``, call) of every scaled_dot_product_attention call with a dropout
-    rate in a torch.export graph (read in training mode, where models pass their rate)."""
+    """(path of the calling module, rate, call) of every dropout of attention weights in a torch.export graph (read
+    in training mode, where models pass their rates): scaled_dot_product_attention calls with a ``dropout_p``, and
+    functional dropouts of a softmax output (``transformers``' eager attention)."""
     found: list[tuple[str, float, fx.Node]] = []
     for node in traced.graph.nodes if traced.exported and traced.graph is not None else ():
-        if _aten(node.target) == ATEN_ATTENTION:
+        owner, name = _exported_path(node), _aten(node.target)
+        if name == ATEN_ATTENTION:
             p = _argument(node, "dropout_p", 4, 0.0)
-            if isinstance(p, int | float) and p > 0:
-                found.append((_exported_path(node), float(p), node))
+        elif name == ATEN_DROPOUT and _functional(node, traced) and SOFTMAX in _producers(node.args[0], traced.modules):
+            p = _argument(node, "p", 1, 0.5)
+        else:
+            continue
+        if isinstance(p, int | float) and p > 0:
+            found.append((owner, float(p), node))
     return found
 
 
+def _functional(node: fx.Node, traced: _Traced) -> bool:
+    """Whether a dropout call of a torch.export graph is a functional one (not a dropout module's)."""
+    return not isinstance(traced.modules.get(_exported_path(node)), DROPOUT_TYPES)
+
+
 def _rate_reason(path: str, p: float, rates: list[tuple[str, float, fx.Node]], modules: dict[str, nn.Module]) -> str:
-    """Why a dropout module the model never calls is an attention-weight dropout: its parent module passes its ``p``
-    to scaled_dot_product_attention (Hugging Face ``transformers``' attention), found in ``rates``; "" if not. The
-    entry found is removed from ``rates``."""
+    """Why a dropout module the model never calls is an attention-weight dropout: its parent module uses its ``p``
+    for an attention-weight dropout in ``rates`` (Hugging Face ``transformers``' attention keeps the module for its
+    rate); "" if none. The entry found is removed from ``rates``."""
     parent = path.rpartition(".")[0]
-    for index, (owner, rate, _) in enumerate(rates):
+    for index, (owner, rate, node) in enumerate(rates):
         if owner == parent and rate == p:
             del rates[index]
-            user = _user(owner, modules)
-            return attention_dropout_reason(
-                f"never called: its p is the dropout_p of scaled_dot_product_attention in {user}"
-            )
+            attention = _aten(node.target) == ATEN_ATTENTION
+            use = "the dropout_p of scaled_dot_product_attention" if attention else "the rate of F.dropout on a softmax"
+            return attention_dropout_reason(f"never called: its p is {use} in {_user(owner, modules)}")
     return ""
 
 
 def _exported_sites(traced: _Traced, rates: list[tuple[str, float, fx.Node]]) -> list[_Site]:
     """What a torch.export graph shows besides dropout modules, reported and left as is: functional dropout calls
-    (only a model torch.fx traces has its calls converted) and the scaled_dot_product_attention calls in ``rates``
-    (attention-weight dropout). Each is named ``<path of the calling module>.<operation>[_<i>]``."""
+    (only a model torch.fx traces has its calls converted) and the attention-weight dropouts of ``rates`` (those no
+    module row reports). Each is named ``<path of the calling module>.<operation>[_<i>]``."""
     sites: list[_Site] = []
-    taken: set[str] = set()
+    taken = set(traced.modules)
+    left = {node: p for _, p, node in rates}
 
     def named(owner: str, operation: str) -> str:
         base = f"{owner}.{operation}" if owner else operation
@@ -1052,19 +1063,23 @@ def _exported_sites(traced: _Traced, rates: list[tuple[str, float, fx.Node]]) ->
         return name
 
     for node in traced.graph.nodes if traced.exported and traced.graph is not None else ():
-        owner = _exported_path(node)
-        if _aten(node.target) != ATEN_DROPOUT or isinstance(traced.modules.get(owner), DROPOUT_TYPES):
-            continue
-        p = float(cast(float, _argument(node, "p", 1, 0.5)))
-        if SOFTMAX in _producers(node.args[0], traced.modules):
-            reason = "attention-weight dropout: its input is a softmax output, not channels"
-        else:
-            reason = "a functional dropout seen by torch.export: only a model torch.fx traces has its calls converted"
-        sites.append(_Site(named(owner, "dropout"), "F.dropout", p, False, [node], [_shape(node.args[0])], reason))
-    for owner, p, node in rates:
-        reason = attention_dropout_reason(f"dropout_p={p:g} of scaled_dot_product_attention")
-        name = named(owner, "scaled_dot_product_attention")
-        sites.append(_Site(name, "F.scaled_dot_product_attention", p, False, [node], [_shape(node.args[0])], reason))
+        owner, operation = _exported_path(node), _aten(node.target)
+        shapes = [_shape(node.args[0])] if node.args else []
+        if operation == ATEN_ATTENTION and node in left:
+            reason = attention_dropout_reason(f"dropout_p={left[node]:g} of scaled_dot_product_attention")
+            name = named(owner, "scaled_dot_product_attention")
+            sites.append(_Site(name, "F.scaled_dot_product_attention", left[node], False, [node], shapes, reason))
+        elif operation == ATEN_DROPOUT and _functional(node, traced):
+            p = float(cast(float, _argument(node, "p", 1, 0.5)))
+            if SOFTMAX in _producers(node.args[0], traced.modules):
+                if node not in left and p > 0:
+                    continue  # a dropout module's rate, reported on its row
+                reason = "attention-weight dropout: its input is a softmax output, not channels"
+            else:
+                reason = (
+                    "a functional dropout seen by torch.export: only a model torch.fx traces has its calls converted"
+                )
+            sites.append(_Site(named(owner, "dropout"), "F.dropout", p, False, [node], shapes, reason))
     return sites
 
 

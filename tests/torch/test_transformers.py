@@ -23,8 +23,8 @@ if "transformers" not in requested_backends():
         allow_module_level=True,
     )
 
-import transformers  # noqa: E402
-from transformers.pytorch_utils import Conv1D  # noqa: E402
+import transformers
+from transformers.pytorch_utils import Conv1D
 
 N = 4
 BATCH = 5  # not a multiple of N
@@ -157,6 +157,25 @@ def test_convert_dropout_converts_hidden_and_classifier_dropouts_and_reports_att
     assert type(converted) is type(model), "converted in place: the model keeps its class and methods"
 
 
+def test_eager_attention_dropouts_are_reported_from_their_functional_call() -> None:
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=32, num_labels=3, attn_implementation="eager",
+    )  # fmt: skip
+    example = transformers.BatchEncoding(inputs("bert"))  # what a tokenizer returns
+    converted = mt.convert_dropout(transformers.BertForSequenceClassification(config), example, N, 2.0, seed=0)
+    owner = "'bert.encoder.layer.0.attention.self' (BertSelfAttention)"
+    assert decisions(converted)["bert.encoder.layer.0.attention.self.dropout"] == (
+        LEFT,
+        None,
+        None,
+        f"attention-weight dropout (never called: its p is the rate of F.dropout on a softmax in {owner}): its input "
+        "is attention weights, not channels",
+    )
+    assert len(converted.masksembles_report.changed) == 4
+
+
 def linear_layers(model: nn.Module) -> dict[str, int]:
     """The linear layers of a transformers model (nn.Linear, GPT-2's Conv1D) -> their input features."""
     found = {path: m.in_features for path, m in model.named_modules() if isinstance(m, nn.Linear)}
@@ -213,7 +232,8 @@ def test_a_training_step_then_predict_equals_the_model_on_the_tiled_batch(name: 
     loss.backward()
     optimizer.step()
     assert torch.isfinite(loss)
-    assert all(not torch.equal(weights[key], value) for key, value in model.named_parameters() if value.grad is not None)
+    trained = [key for key, value in model.named_parameters() if value.grad is not None]
+    assert trained and all(not torch.equal(weights[key], model.get_parameter(key)) for key in trained)
     assert all(torch.equal(masks[key], model.state_dict()[key]) for key in masks), "the masks never train"
 
     members = mt.predict(model, batch)
