@@ -7,11 +7,12 @@ was done and why; ``print(model.masksembles_report)`` shows it as a Markdown tab
 ``insert`` decides with the rule every framework's ``insert`` shares (``masksembles_core.insertion``) and replaces
 each chosen layer by ``Masked(masksembles, layer)``, except where torch.fx sees the model use a layer's weights
 without calling it; given an example input, it runs the new model once and leaves alone the layers that would make
-it fail. ``convert_dropout`` reads the model with torch.fx and decides with the same rule (``plan_conversion``): a
-dropout's channel axis comes from the layer that produced its input, ``F.dropout`` calls are found, and dropouts of
-attention weights are recognized. Dropout modules are replaced in place, so the model keeps its classes and methods;
-only a module whose own ``forward`` calls ``F.dropout`` is replaced by a ``torch.fx.GraphModule`` of that
-``forward``.
+it fail. ``convert_dropout`` reads the model with torch.fx (with torch.export in training mode where torch.fx cannot
+trace it: Hugging Face ``transformers`` models) and decides with the same rule (``plan_conversion``): a dropout's
+channel axis comes from the layer that produced its input, ``F.dropout`` calls are found, and dropouts of attention
+weights are recognized. Both take the example input as the model is called (``masksembles_torch._structures``).
+Dropout modules are replaced in place, so the model keeps its classes and methods; only a module whose own
+``forward`` calls ``F.dropout`` is replaced by a ``torch.fx.GraphModule`` of that ``forward``.
 """
 
 from __future__ import annotations
@@ -364,7 +365,10 @@ def insert(
 
     Every trained weight and every layer's width is kept. Each chosen layer at path ``p`` is replaced by
     ``Masked(masksembles, layer)``; its masks cover the layer's ``in_channels`` (channels on axis 1, convolutions of
-    any ``groups``) or ``in_features`` (last axis) and are stored on the device and in the dtype of its weights.
+    any ``groups``) or ``in_features`` (last axis) and are stored on the device and in the dtype of its weights. The
+    default ``before`` also selects Hugging Face ``transformers``' ``Conv1D`` (GPT-2's linear layers, their weight
+    stored (in, out)): on a ``transformers`` model it masks the input of every attention projection, MLP layer,
+    pooler and classifier or LM head, not the embeddings.
     Layers are looked at in ``named_modules`` order and decided by ``masksembles_core.insertion.plan_insertion``:
     the network's first layer (its first convolution, linear or embedding layer, or an earlier one ``before``
     selects) reads the raw input and is skipped unless ``include_first``. A ``forward`` with several required
@@ -394,7 +398,8 @@ def insert(
         start: path of the module from which insertion begins (None: the whole model).
         include_first: also mask the input of the network's first layers (the raw input).
         inplace: change ``model`` itself instead of a deep copy.
-        example_input: a batch for ``model`` (a tensor, or a tuple of its inputs) to run the new model on once.
+        example_input: a batch for ``model`` to run the new model on once, as the model is called: a tensor, a tuple
+            of its inputs (``model(*inputs)``) or a dict of keyword inputs (``model(**inputs)``).
 
     Returns:
         the model with Masked layers and a ``masksembles_report`` attribute (a ``LayerReport``).
@@ -1136,11 +1141,19 @@ def convert_dropout(
     without gradients): axis 1 for ``Dropout1d/2d/3d``; for ``nn.Dropout`` and ``F.dropout`` the axis of the layer
     that produced the tensor, found with torch.fx through elementwise ops (Conv1d/2d/3d, BatchNorm, pooling: 1, so a
     Conv1d's (B, C, L) gets masks over C; Linear, LayerNorm, attention, RNNs: -1), unless ``channel_axis`` is given.
-    Where torch.fx cannot tell (an untraceable model, an unrecognized producer) the input's rank decides, 1 for 4-D
-    and 5-D inputs and -1 otherwise, and the report says so. Left as is, each with its reason in the report:
-    ``p=0`` dropouts (they do nothing), attention-weight dropouts (input from a softmax, or named ``attn_drop``,
-    ``attention_dropout``, ...), dropouts the example input does not reach, calls whose result is unused, and
-    per-sample dropouts (modules named like ``DropPath`` or ``StochasticDepth``, which are not channel dropout).
+    A model torch.fx cannot trace (Hugging Face ``transformers`` models) is read with torch.export in training mode
+    instead (neither the model nor the example changed): producers are its ATen operations, and reshapes that keep
+    the last axis are followed for a channels-last producer (GPT-2's ``Conv1D``). Where neither can tell (a model
+    neither reads, an unrecognized producer) the input's rank decides, 1 for 4-D and 5-D inputs and -1 otherwise,
+    and the report says so. Left as is, each with its reason in the report: ``p=0`` dropouts (they do nothing),
+    attention-weight dropouts (input from a softmax, or named ``attn_drop``, ``attention_dropout``, ...; a dropout
+    module that is never called while its parent passes its ``p`` to ``F.scaled_dot_product_attention`` as
+    ``dropout_p`` or to an ``F.dropout`` of a softmax, as ``transformers``' attention does), the
+    ``scaled_dot_product_attention`` calls of a torch.export graph with a ``dropout_p`` of their own and its other
+    functional dropout calls (converted only where torch.fx traces the model), dropouts the example input does not
+    reach, calls whose result is unused, and per-sample dropouts (modules named like ``DropPath`` or
+    ``StochasticDepth``, which are not channel dropout). ``example_input`` is a tensor, a tuple of the model's inputs
+    or a dict of its keyword inputs.
 
     The rest is decided by ``masksembles_core.insertion.plan_conversion``, with ``insert``'s rules: a dropout with a
     single input channel or too few for ``n`` distinct masks is left as is, and so is one that reads the raw input
