@@ -150,5 +150,5 @@ def test_check_batch_sizes() -> None:
     assert mca.check_batch_sizes([("inputs['input_ids']", 5), ("inputs['attention_mask']", 5)]) == 5
     with pytest.raises(ValueError, match=r"the same size in all; received inputs\[0\]: 5, inputs\[1\]: 4$"):
         mca.check_batch_sizes([("inputs[0]", 5), ("inputs[1]", 4)])
-    with pytest.raises(ValueError, match="^the inputs hold no tensor or array to take the batch from$"):
+    with pytest.raises(ValueError, match=r"^the inputs hold no tensor or array to take the batch from$"):
         mca.check_batch_sizes([])
