@@ -84,12 +84,12 @@ def core_min(session: nox.Session) -> None:
 
 @nox.session
 def torch(session: nox.Session) -> None:
-    """The PyTorch adapter (CPU build), with ONNX export checked in onnxruntime, the demo's and the GPU check's smoke
-    tests."""
+    """The PyTorch adapter (CPU build), with ONNX export checked in onnxruntime, Hugging Face ``transformers`` models
+    built from small configs, the demo's and the GPU check's smoke tests."""
     session.install(
         *CONSTRAINTS, "-e", ".[torch]", *TEST, *nox.project.dependency_groups(PYPROJECT, "test-torch"), *DEMO
     )
-    run_pytest(session, "torch", "tests/torch", *ADAPTER_TESTS, DEVICE_CHECK_SMOKE)
+    run_pytest(session, "torch,transformers", "tests/torch", *ADAPTER_TESTS, DEVICE_CHECK_SMOKE)
 
 
 KERAS_BACKEND_PACKAGES = {"tensorflow": ("tensorflow-cpu>=2.21",), "jax": ("jax>=0.10.2",), "torch": ("torch",)}

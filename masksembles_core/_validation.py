@@ -63,6 +63,27 @@ def check_members(layer_counts: Iterable[int], n: object = None) -> int:
     return requested
 
 
+def check_batch_sizes(sizes: Sequence[tuple[str, int]]) -> int:
+    """The batch size of a model's inputs: the one length of axis 0 that every input array has.
+
+    Args:
+        sizes: (name of an input array, e.g. ``"inputs['input_ids']"``, the length of its axis 0), for every array
+            of the inputs (a dict or tuple of batch-first arrays, or one array).
+
+    Raises:
+        ValueError: no array at all, or arrays whose axis 0 (the batch) differs.
+    """
+    if not sizes:
+        raise ValueError("the inputs hold no tensor or array to take the batch from")
+    batches = {int(size) for _, size in sizes}
+    if len(batches) > 1:
+        listed = ", ".join(f"{name}: {size}" for name, size in sizes)
+        raise ValueError(
+            f"every tensor or array of the inputs needs the batch on axis 0, the same size in all; received {listed}"
+        )
+    return batches.pop()
+
+
 def check_channels(channels: object) -> int:
     """Validate a channel count (an integer >= 1)."""
     return check_int("channels", channels, minimum=1)

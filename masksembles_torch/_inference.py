@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import cast
+import functools
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -10,6 +11,8 @@ from torch import Tensor, nn
 import masksembles_core.adapter as mca
 
 from ._layers import Masksembles
+from ._structures import Inputs, call, map_batched, stack_members
+from ._structures import batch_size as batch_size_of
 
 
 def tile(x: Tensor, n: int) -> Tensor:
@@ -23,29 +26,52 @@ def untile(y: Tensor, n: int) -> Tensor:
     return cast(Tensor, y.unflatten(0, (n, batch)))  # type: ignore[no-untyped-call]
 
 
-def predict(model: nn.Module, x: Tensor, n: int | None = None, *, batch_size: int | None = None) -> Tensor:
+def predict(model: nn.Module, x: Inputs, n: int | None = None, *, batch_size: int | None = None) -> Any:
     """Every member's output for every sample of ``x``: (B, ...) -> (n, B, ...).
 
-    Runs ``model`` on the tiled input under ``torch.no_grad()`` with every module in eval mode
-    (BatchNorm running statistics, dropout off; each module's own mode is restored afterwards, so
-    the model's state is never changed), ``batch_size`` samples of ``x`` at a time (all at once
-    when None).
+    ``x`` is what the model is called with: a tensor (``model(x)``), a tuple (``model(*x)``) or a dict of keyword
+    inputs (``model(**x)``, a ``transformers`` model's ``input_ids``, ``attention_mask``, ``pixel_values``, ...).
+    Every tensor in it (also in nested tuples, lists and dicts) has the batch on axis 0, and all are tiled together:
+    copy ``k`` of the batch goes through member ``k``. Other values (flags, 0-d tensors, None) are passed as they
+    are. The model runs on the tiled input under ``torch.no_grad()`` with every module in eval mode (BatchNorm
+    running statistics, dropout off; each module's own mode is restored afterwards, so the model's state is never
+    changed), ``batch_size`` samples of ``x`` at a time (all at once when None).
+
+    Returns:
+        the model's output with the members on a new leading axis: a tensor (n*B, ...) becomes (n, B, ...), and an
+        output of another structure (a tuple, a dict, a ``transformers`` ``ModelOutput``) keeps it, each tensor in it
+        whose axis 0 holds the tiled batch becoming (n, B, ...) (``out.logits[k]`` is member ``k``'s). Any other
+        value of it (a loss over the tiled batch, a key-value cache object) is the model's on the whole tiled batch
+        when ``x`` runs in one call, and None when it runs in chunks of ``batch_size`` (it cannot be joined).
 
     Args:
         n: the number of members; None reads it from the model's Masksembles layers.
 
     Raises:
-        ValueError: ``n`` differs from the n of the model's Masksembles layers, the layers have
-            different n, or ``n`` is None and the model has no Masksembles layer.
+        ValueError: ``n`` differs from the n of the model's Masksembles layers, the layers have different n, ``n``
+            is None and the model has no Masksembles layer, or the tensors of ``x`` have different batch sizes.
     """
     n = mca.check_members([layer.n for layer in model.modules() if isinstance(layer, Masksembles)], n)
-    step = x.shape[0] if batch_size is None else mca.check_int("batch_size", batch_size, minimum=1)
+    batch = batch_size_of(x)
+    step = max(batch if batch_size is None else mca.check_int("batch_size", batch_size, minimum=1), 1)
+    starts = range(0, max(batch, 1), step)
+    sizes = [min(step, batch - start) for start in starts]
     modes = [(module, module.training) for module in model.modules()]
     model.eval()
     try:
         with torch.no_grad():
-            chunks = [untile(model(tile(chunk, n)), n) for chunk in x.split(max(step, 1))]  # type: ignore[no-untyped-call]
+            outputs = [
+                call(model, map_batched(x, functools.partial(_tiled_rows, n=n, start=start, rows=rows)))
+                for start, rows in zip(starts, sizes, strict=True)
+            ]
     finally:
         for module, training in modes:
             module.training = training
-    return torch.cat(chunks, dim=1)
+    if isinstance(outputs[0], Tensor):
+        return torch.cat([untile(output, n) for output in outputs], dim=1)
+    return stack_members(outputs, n, sizes)
+
+
+def _tiled_rows(tensor: Tensor, n: int, start: int, rows: int) -> Tensor:
+    """Rows ``start`` to ``start + rows`` of ``tensor``, tiled ``n`` times."""
+    return tile(tensor.narrow(0, start, rows), n)

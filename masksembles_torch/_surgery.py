@@ -7,11 +7,12 @@ was done and why; ``print(model.masksembles_report)`` shows it as a Markdown tab
 ``insert`` decides with the rule every framework's ``insert`` shares (``masksembles_core.insertion``) and replaces
 each chosen layer by ``Masked(masksembles, layer)``, except where torch.fx sees the model use a layer's weights
 without calling it; given an example input, it runs the new model once and leaves alone the layers that would make
-it fail. ``convert_dropout`` reads the model with torch.fx and decides with the same rule (``plan_conversion``): a
-dropout's channel axis comes from the layer that produced its input, ``F.dropout`` calls are found, and dropouts of
-attention weights are recognized. Dropout modules are replaced in place, so the model keeps its classes and methods;
-only a module whose own ``forward`` calls ``F.dropout`` is replaced by a ``torch.fx.GraphModule`` of that
-``forward``.
+it fail. ``convert_dropout`` reads the model with torch.fx (with torch.export in training mode where torch.fx cannot
+trace it: Hugging Face ``transformers`` models) and decides with the same rule (``plan_conversion``): a dropout's
+channel axis comes from the layer that produced its input, ``F.dropout`` calls are found, and dropouts of attention
+weights are recognized. Both take the example input as the model is called (``masksembles_torch._structures``).
+Dropout modules are replaced in place, so the model keeps its classes and methods; only a module whose own
+``forward`` calls ``F.dropout`` is replaced by a ``torch.fx.GraphModule`` of that ``forward``.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import inspect
 import itertools
 import operator
 import warnings
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -40,6 +41,7 @@ from masksembles_core.insertion import (
     Candidate,
     LayerChange,
     LayerReport,
+    attention_dropout_reason,
     check_insert_arguments,
     plan_conversion,
     plan_insertion,
@@ -47,6 +49,7 @@ from masksembles_core.insertion import (
 )
 
 from ._layers import Masksembles, record_batch_size
+from ._structures import Inputs, batched_tensors, call
 
 DEFAULT_BEFORE: tuple[type[nn.Module], ...] = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
 DEPTHWISE = "depthwise convolution: each output channel reads one input channel (before=... includes it)"
@@ -54,7 +57,6 @@ INPUT_LAYERS = (nn.modules.conv._ConvNd, nn.Linear, nn.Embedding, nn.EmbeddingBa
 REPORT = "masksembles_report"
 CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 _NOTE_READS = "_masksembles_note_read"  # set on a Masked only while insert runs its example input
-Inputs = Tensor | tuple[Tensor, ...]
 
 
 class Masked(nn.Module):
@@ -153,6 +155,17 @@ def _selector(before: object) -> Callable[[str, nn.Module], object]:
     raise TypeError(f"before must be module types or a predicate (path, module) -> bool; received {before!r}")
 
 
+def _default_selection(select: Callable[[str, nn.Module], object], path: str, module: nn.Module) -> object:
+    return select(path, module) or _transposed_linear(module)
+
+
+def _transposed_linear(module: nn.Module) -> bool:
+    """Hugging Face ``transformers``' ``Conv1D`` (GPT-2's layers): a Linear whose weight is stored (in, out)."""
+    weight = getattr(module, "weight", None)
+    named = type(module).__name__ == "Conv1D" and type(module).__module__.startswith("transformers.")
+    return named and isinstance(weight, Tensor) and weight.ndim == 2
+
+
 def _candidate(model: nn.Module, path: str, module: nn.Module, paths: list[str], default: bool) -> Candidate:
     """``module`` as a candidate for masks on its input, with the reason to leave it alone if there is one."""
     kind = type(module).__name__
@@ -169,6 +182,8 @@ def _candidate(model: nn.Module, path: str, module: nn.Module, paths: list[str],
     if isinstance(module, nn.modules.conv._ConvNd):
         depthwise = default and module.groups > 1 and module.groups == module.in_channels
         return Candidate(path, kind, module.in_channels, 1, reason=DEPTHWISE if depthwise else "")
+    if _transposed_linear(module):
+        return Candidate(path, kind, cast(Tensor, module.weight).shape[0], -1)
     channels = getattr(module, "in_features", None)
     if isinstance(channels, int):
         return Candidate(path, kind, channels, -1)
@@ -186,13 +201,18 @@ def _trace_model(model: nn.Module, leaves: set[str]) -> fx.Graph | str:
         return f"torch.fx could not trace the model ({_first_line(error)})"
 
 
-def _reading_raw(graph: fx.Graph, stops: Callable[[fx.Node], bool]) -> list[fx.Node]:
-    """The nodes among ``stops`` that read the raw input: reached from an input of ``graph`` through no other stop."""
+def _reading_raw(
+    graph: fx.Graph, stops: Callable[[fx.Node], bool], inputs: Collection[str] | None = None
+) -> list[fx.Node]:
+    """The nodes among ``stops`` that read the raw input: reached from an input of ``graph`` through no other stop.
+    ``inputs``: the names of the placeholders that are inputs (None: all; torch.export lifts weights into
+    placeholders too)."""
     carrying: set[fx.Node] = set()
     found: list[fx.Node] = []
     for node in graph.nodes:
         if node.op == "placeholder":
-            carrying.add(node)
+            if inputs is None or node.name in inputs:
+                carrying.add(node)
         elif any(source in carrying for source in node.all_input_nodes):
             if stops(node):
                 found.append(node)
@@ -249,10 +269,6 @@ def _used_outside(model: nn.Module, graph: fx.Graph, paths: Sequence[str]) -> di
     return {path: used_outside_its_call(" and ".join(users), names) for path, (names, users) in found.items()}
 
 
-def _as_tuple(example_input: Inputs) -> tuple[Tensor, ...]:
-    return example_input if isinstance(example_input, tuple) else (example_input,)
-
-
 def _wrap(model: nn.Module, report: LayerReport) -> dict[str, Masked]:
     """Each layer the report gives masks, replaced by its ``Masked`` wrapper; {path: wrapper}."""
     wrappers: dict[str, Masked] = {}
@@ -276,7 +292,7 @@ def _read_reason(layer: nn.Module, names: Collection[str], users: Collection[str
     return f"its attributes ({', '.join(names)}) are read by {' and '.join(users)}, and Masked does not forward them"
 
 
-def _run_once(model: nn.Module, inputs: tuple[Tensor, ...], wrappers: dict[str, Masked]) -> dict[str, str]:
+def _run_once(model: nn.Module, inputs: Inputs, wrappers: dict[str, Masked]) -> dict[str, str]:
     """Run ``model`` on ``inputs`` (eval mode, no gradients, modes restored); {path of a wrapper: why it must go}.
 
     A wrapper goes when the model reads its layer's attributes through it (``self.qkv.weight``: noted, and read from
@@ -307,7 +323,7 @@ def _run_once(model: nn.Module, inputs: tuple[Tensor, ...], wrappers: dict[str, 
     failure: Exception | None = None
     try:
         with _evaluating(model):
-            model(*inputs)
+            call(model, inputs)
     except Exception as error:
         failure = error
     finally:
@@ -326,7 +342,7 @@ def _run_once(model: nn.Module, inputs: tuple[Tensor, ...], wrappers: dict[str, 
     _unwrap(model, wrappers)
     try:
         with _evaluating(model):
-            model(*inputs)
+            call(model, inputs)
     except Exception as plain:
         raise ValueError(f"insert: the model fails on example_input without masks ({_first_line(plain)})") from plain
     raise ValueError(
@@ -350,7 +366,10 @@ def insert(
 
     Every trained weight and every layer's width is kept. Each chosen layer at path ``p`` is replaced by
     ``Masked(masksembles, layer)``; its masks cover the layer's ``in_channels`` (channels on axis 1, convolutions of
-    any ``groups``) or ``in_features`` (last axis) and are stored on the device and in the dtype of its weights.
+    any ``groups``) or ``in_features`` (last axis) and are stored on the device and in the dtype of its weights. The
+    default ``before`` also selects Hugging Face ``transformers``' ``Conv1D`` (GPT-2's linear layers, their weight
+    stored (in, out)): on a ``transformers`` model it masks the input of every attention projection, MLP layer,
+    pooler and classifier or LM head, not the embeddings.
     Layers are looked at in ``named_modules`` order and decided by ``masksembles_core.insertion.plan_insertion``:
     the network's first layer (its first convolution, linear or embedding layer, or an earlier one ``before``
     selects) reads the raw input and is skipped unless ``include_first``. A ``forward`` with several required
@@ -380,7 +399,8 @@ def insert(
         start: path of the module from which insertion begins (None: the whole model).
         include_first: also mask the input of the network's first layers (the raw input).
         inplace: change ``model`` itself instead of a deep copy.
-        example_input: a batch for ``model`` (a tensor, or a tuple of its inputs) to run the new model on once.
+        example_input: a batch for ``model`` to run the new model on once, as the model is called: a tensor, a tuple
+            of its inputs (``model(*inputs)``) or a dict of keyword inputs (``model(**inputs)``).
 
     Returns:
         the model with Masked layers and a ``masksembles_report`` attribute (a ``LayerReport``).
@@ -393,6 +413,8 @@ def insert(
     n, scale, seed = check_insert_arguments(n, scale, seed, start)
     select = _selector(before)
     default = isinstance(before, tuple | list) and set(before) == set(DEFAULT_BEFORE)
+    if default:  # also the linear layers of transformers that are not nn.Linear (GPT-2's Conv1D)
+        select = functools.partial(_default_selection, select)
     if not inplace:
         model = copy.deepcopy(model)
     paths = _paths(model)
@@ -431,7 +453,7 @@ def insert(
             first_layers=first,
         )
         wrappers = _wrap(model, report)
-        failed = {} if example_input is None else _run_once(model, _as_tuple(example_input), wrappers)
+        failed = {} if example_input is None else _run_once(model, example_input, wrappers)
         if not failed:
             return _attach(model, report)
         _unwrap(model, wrappers)
@@ -508,6 +530,30 @@ MIXING_FUNCTIONS = (CHANNELS_LAST_FUNCTIONS - {F.layer_norm, F.rms_norm}) | {
 }
 # Ops that may keep a shape but move the channels: the search for the producer stops there.
 PERMUTING = frozenset({"permute", "transpose", "t", "movedim", "moveaxis", "swapaxes", "swapdims"})
+# Reshapes: where one keeps the last axis, channels-last producers before it still give the axis (-1).
+RESHAPING = frozenset({"view", "reshape", "_unsafe_view", "flatten", "unflatten"})
+RESHAPED = "reshaped"
+# The same for the ATen operations of a torch.export graph (the model read with torch.export when torch.fx cannot
+# trace it), by operation name.
+ATEN_CHANNELS_FIRST = frozenset(
+    {"convolution", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+     "batch_norm", "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_no_training",
+     "instance_norm", "group_norm", "native_group_norm", "max_pool1d", "max_pool2d", "max_pool3d",
+     "max_pool2d_with_indices", "max_pool3d_with_indices", "avg_pool1d", "avg_pool2d", "avg_pool3d",
+     "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d", "adaptive_max_pool1d",
+     "adaptive_max_pool2d", "adaptive_max_pool3d", "upsample_nearest2d", "upsample_bilinear2d", "feature_dropout"}
+)  # fmt: skip
+ATEN_CHANNELS_LAST = frozenset(
+    {"linear", "addmm", "mm", "matmul", "bmm", "baddbmm", "embedding", "layer_norm", "native_layer_norm", "rms_norm",
+     "scaled_dot_product_attention"}
+)  # fmt: skip
+ATEN_SOFTMAX = frozenset({"softmax", "_softmax", "_safe_softmax"})
+ATEN_MIXING = (ATEN_CHANNELS_LAST - {"layer_norm", "native_layer_norm", "rms_norm"}) | {
+    "convolution", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"
+}  # fmt: skip
+ATEN_DROPOUT = "dropout"
+ATEN_ATTENTION = "scaled_dot_product_attention"
+WRAPPED = "model"  # the model's attribute in the module torch.export reads it through
 
 
 def _per_sample(module: nn.Module) -> bool:
@@ -546,12 +592,16 @@ class _OwnTracer(fx.Tracer):
 
 @dataclass
 class _Traced:
-    """The model as torch.fx sees it, with shapes from the example input (``graph`` None when it failed)."""
+    """The model as torch.fx sees it, with shapes from the example input (``graph`` None when it failed), or, where
+    torch.fx cannot trace it, as torch.export sees it in training mode (``exported``: a graph of ATen operations,
+    every dropout a call, ``inputs`` the names of its placeholders that are the model's inputs)."""
 
     graph: fx.Graph | None
     modules: dict[str, nn.Module]
     calls: dict[str, list[tuple[tuple[Any, ...], dict[str, Any]]]] = field(default_factory=dict)
     failure: str = ""
+    exported: bool = False
+    inputs: frozenset[str] | None = None
 
 
 def _first_line(error: BaseException) -> str:
@@ -559,25 +609,100 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
-def _trace(model: nn.Module, inputs: tuple[Tensor, ...]) -> _Traced:
+def _positional(model: nn.Module, inputs: Inputs) -> tuple[Any, ...]:
+    """``inputs`` as the positional arguments of ``model.forward`` (a dict bound to its parameters, defaults filled)."""
+    if not isinstance(inputs, Mapping):
+        return inputs if isinstance(inputs, tuple) else (inputs,)
+    bound = inspect.signature(model.forward).bind(**inputs)
+    bound.apply_defaults()
+    if bound.kwargs:
+        raise TypeError(f"inputs {sorted(bound.kwargs)} are not parameters of forward that torch.fx can pass")
+    return bound.args
+
+
+def _output_tensors(output: object) -> list[Tensor]:
+    """The tensors of a model's output (in tuples, lists, dicts and dataclasses such as ``ModelOutput``)."""
+    if isinstance(output, Tensor):
+        return [output]
+    if dataclasses.is_dataclass(output) and not isinstance(output, type):
+        output = [getattr(output, item.name) for item in dataclasses.fields(output)]
+    if isinstance(output, Mapping):
+        output = list(output.values())
+    if isinstance(output, tuple | list):
+        return [tensor for item in output for tensor in _output_tensors(item)]
+    return []  # an object torch.export cannot return (a key-value cache): its tensors are not needed here
+
+
+class _TensorOutputs(nn.Module):
+    """``model`` returning only the tensors of its output, which torch.export can return whatever their holder."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        setattr(self, WRAPPED, model)
+
+    def forward(self, *args: Any, **kwargs: Any) -> tuple[Tensor, ...]:
+        return tuple(_output_tensors(getattr(self, WRAPPED)(*args, **kwargs)))
+
+
+def _export(model: nn.Module, inputs: Inputs) -> tuple[fx.Graph, frozenset[str]] | str:
+    """``model`` read by torch.export in training mode (every dropout a call, scaled_dot_product_attention with its
+    ``dropout_p``) on ``inputs``, with the names of the placeholders that are inputs; or why it could not be."""
+    args, kwargs = ((), dict(inputs)) if isinstance(inputs, Mapping) else (_positional(model, inputs), {})
+    modes = [(module, module.training) for module in model.modules()]
+    model.train()
+    try:
+        program = torch.export.export(_TensorOutputs(model), args, kwargs, strict=False)
+    except Exception as error:
+        return f"nor could torch.export ({_first_line(error)})"
+    finally:
+        for module, mode in modes:
+            module.training = mode
+    return program.graph, frozenset(program.graph_signature.user_inputs)
+
+
+def _trace(model: nn.Module, inputs: Inputs) -> _Traced:
+    """``model`` read with torch.fx (shapes from ``inputs``), or with torch.export where torch.fx cannot trace it."""
     modules = dict(model.named_modules())
     tracer = _Tracer()
     try:
         graph = tracer.trace(model)
-        ShapeProp(fx.GraphModule(model, graph)).propagate(*inputs)
-    except Exception as error:  # anything torch.fx cannot follow: the rank rule takes over
-        return _Traced(None, modules, failure=f"torch.fx could not trace the model ({_first_line(error)})")
+        ShapeProp(fx.GraphModule(model, graph)).propagate(*_positional(model, inputs))
+    except Exception as error:  # anything torch.fx cannot follow: torch.export, else the rank rule takes over
+        failure = f"torch.fx could not trace the model ({_first_line(error)})"
+        exported = _export(model, inputs)
+        if isinstance(exported, str):
+            return _Traced(None, modules, failure=f"{failure}; {exported}")
+        return _Traced(exported[0], modules, exported=True, inputs=exported[1])
     return _Traced(graph, modules, tracer.calls)
 
 
+def _aten(target: object) -> str | None:
+    """The name of an ATen operation (``"linear"`` for ``aten.linear.default``), None for anything else."""
+    if isinstance(target, torch._ops.OpOverload) and target.namespace == "aten":
+        return target._opname
+    return None
+
+
+def _exported_path(node: fx.Node) -> str:
+    """The path in the model of the module whose own ``forward`` made this call of a torch.export graph."""
+    path = _owner(node)[0]
+    return "" if path == WRAPPED else path.removeprefix(f"{WRAPPED}.")
+
+
 def _shape(node: object) -> tuple[int, ...] | None:
-    meta = node.meta.get("tensor_meta") if isinstance(node, fx.Node) else None
-    return tuple(meta.shape) if isinstance(meta, TensorMetadata) else None
+    if not isinstance(node, fx.Node):
+        return None
+    meta = node.meta.get("tensor_meta")
+    if isinstance(meta, TensorMetadata):
+        return tuple(meta.shape)
+    value = node.meta.get("val")  # torch.export's fake tensor
+    return tuple(int(size) for size in value.shape) if isinstance(value, Tensor) else None
 
 
 def _kind(node: fx.Node, modules: dict[str, nn.Module]) -> int | str | None:
     """What ``node`` says about the channel axis of its output: 1, -1, ``SOFTMAX``, ``"through"`` (the same shape
-    as an input, with channels where they were: look further back) or None (unknown)."""
+    as an input, with channels where they were: look further back), ``RESHAPED`` (a reshape of its first argument)
+    or None (unknown)."""
     if node.op == "call_module":
         module = modules[cast(str, node.target)]
         if isinstance(module, CHANNELS_FIRST_MODULES):
@@ -587,6 +712,17 @@ def _kind(node: fx.Node, modules: dict[str, nn.Module]) -> int | str | None:
         return SOFTMAX if isinstance(module, nn.Softmax) else "through"
     if node.op == "call_function":
         target = node.target
+        name = _aten(target)
+        if name is not None:
+            if name in ATEN_CHANNELS_FIRST:
+                return 1
+            if name in ATEN_CHANNELS_LAST:
+                return -1
+            if name in ATEN_SOFTMAX:
+                return SOFTMAX
+            if name in RESHAPING:
+                return RESHAPED
+            return None if name in PERMUTING else "through"
         if target is operator.getitem and isinstance(node.args[0], fx.Node) and _shape(node.args[0]) is None:
             source = _kind(node.args[0], modules)  # an item of a tuple output (nn.MultiheadAttention, LSTM)
             return None if source == "through" else source
@@ -596,31 +732,42 @@ def _kind(node: fx.Node, modules: dict[str, nn.Module]) -> int | str | None:
             return -1
         if target in SOFTMAX_FUNCTIONS:
             return SOFTMAX
-        return None if getattr(target, "__name__", "") in PERMUTING else "through"
+        name = getattr(target, "__name__", "")
+        return RESHAPED if name in RESHAPING else None if name in PERMUTING else "through"
     if node.op == "call_method":
         if node.target in CHANNELS_LAST_METHODS:
             return -1
         if node.target == SOFTMAX:
             return SOFTMAX
-        return None if node.target in PERMUTING else "through"
+        return RESHAPED if node.target in RESHAPING else None if node.target in PERMUTING else "through"
     return None
 
 
 def _producers(node: object, modules: dict[str, nn.Module]) -> set[int | str]:
-    """Channel axes (and ``SOFTMAX``) found walking back from ``node`` through shape-preserving elementwise ops."""
+    """Channel axes (and ``SOFTMAX``) found walking back from ``node`` through shape-preserving elementwise ops, and
+    through reshapes that keep the last axis (only a last-axis producer, -1, or a softmax counts behind those: a
+    Linear's (B*L, C) output viewed as (B, L, C))."""
     found: set[int | str] = set()
-    stack = [node] if isinstance(node, fx.Node) else []
-    seen: set[fx.Node] = set()
+    stack: list[tuple[fx.Node, bool]] = [(node, False)] if isinstance(node, fx.Node) else []
+    seen: set[tuple[fx.Node, bool]] = set()
     while stack:
-        current = stack.pop()
-        if current in seen:
+        current, last_only = stack.pop()
+        if (current, last_only) in seen:
             continue
-        seen.add(current)
+        seen.add((current, last_only))
         kind = _kind(current, modules)
+        shape = _shape(current)
         if kind == "through":
-            shape = _shape(current)
-            stack += [arg for arg in current.all_input_nodes if shape is not None and _shape(arg) == shape]
-        elif kind is not None:
+            stack += [(arg, last_only) for arg in current.all_input_nodes if shape is not None and _shape(arg) == shape]
+        elif kind == RESHAPED:
+            source = current.args[0] if current.args else None
+            before = _shape(source)
+            if isinstance(source, fx.Node) and shape is not None and before is not None:
+                if before == shape:
+                    stack.append((source, last_only))
+                elif len(before) >= 2 and len(shape) >= 2 and before[-1] == shape[-1]:
+                    stack.append((source, True))
+        elif kind is not None and (not last_only or kind in (-1, SOFTMAX)):
             found.add(kind)
     return found
 
@@ -639,7 +786,7 @@ def _evaluating(model: nn.Module) -> Iterator[None]:
 
 
 def _input_shapes(
-    model: nn.Module, inputs: tuple[Tensor, ...], modules: Sequence[nn.Module]
+    model: nn.Module, inputs: Inputs, modules: Sequence[nn.Module]
 ) -> tuple[dict[int, list[Any]], set[int]]:
     """Input shape of every call of each of ``modules`` on ``inputs`` (one forward pass), and the ids of the modules
     called on one of ``inputs`` itself."""
@@ -649,12 +796,12 @@ def _input_shapes(
     def record(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         x = args[0] if args else next(iter(kwargs.values()))
         seen[id(module)].append(tuple(x.shape))
-        if any(x is tensor for tensor in inputs):
+        if any(x is tensor for _, tensor in batched_tensors(inputs)):
             on_inputs.add(id(module))
 
     hooks = [module.register_forward_pre_hook(record, with_kwargs=True) for module in modules]
     try:
-        model(*inputs)
+        call(model, inputs)
     finally:
         for hook in hooks:
             hook.remove()
@@ -678,10 +825,16 @@ class _Site:
     failure: str = ""  # why it cannot be replaced
 
 
+def _calls(node: fx.Node, path: str, traced: _Traced) -> bool:
+    """Whether ``node`` is a call of the dropout module at ``path``."""
+    if traced.exported:
+        return _aten(node.target) == ATEN_DROPOUT and _exported_path(node) == path
+    return node.op == "call_module" and node.target == path
+
+
 def _module_site(path: str, module: nn.Module, traced: _Traced, shapes: list[Any]) -> _Site:
     """A dropout module as a site: its calls in the traced graph, its input shapes from there or else from the run."""
-    graph_nodes = traced.graph.nodes if traced.graph is not None else ()
-    nodes = [node for node in graph_nodes if node.op == "call_module" and node.target == path]
+    nodes = [node for node in (traced.graph.nodes if traced.graph is not None else ()) if _calls(node, path, traced)]
     return _Site(
         path,
         type(module).__name__,
@@ -713,7 +866,11 @@ def _decide(site: _Site, traced: _Traced, channel_axis: int | None) -> Candidate
         return left("attention-weight dropout: its input is a softmax output, not channels")
     if any(not node.users for node in site.nodes):
         return left("its result is not used (an in-place call): masks would change nothing")
-    why = traced.failure or "torch.fx did not see this call (inside a module it does not trace into)"
+    why = traced.failure or (
+        "torch.export did not see this call (in training mode)"
+        if traced.exported
+        else "torch.fx did not see this call (inside a module it does not trace into)"
+    )
     choices: set[tuple[int, int]] = set()
     notes: set[str] = set()
     for index, shape in enumerate(site.shapes):
@@ -843,6 +1000,81 @@ def _functional_sites(model: nn.Module, traced: _Traced) -> list[tuple[_Site, _O
     return sites
 
 
+def _attention_rates(traced: _Traced) -> list[tuple[str, float, fx.Node]]:
+    """(path of the calling module, rate, call) of every dropout of attention weights in a torch.export graph (read
+    in training mode, where models pass their rates): scaled_dot_product_attention calls with a ``dropout_p``, and
+    functional dropouts of a softmax output (``transformers``' eager attention)."""
+    found: list[tuple[str, float, fx.Node]] = []
+    for node in traced.graph.nodes if traced.exported and traced.graph is not None else ():
+        owner, name = _exported_path(node), _aten(node.target)
+        if name == ATEN_ATTENTION:
+            p = _argument(node, "dropout_p", 4, 0.0)
+        elif name == ATEN_DROPOUT and _functional(node, traced) and SOFTMAX in _producers(node.args[0], traced.modules):
+            p = _argument(node, "p", 1, 0.5)
+        else:
+            continue
+        if isinstance(p, int | float) and p > 0:
+            found.append((owner, float(p), node))
+    return found
+
+
+def _functional(node: fx.Node, traced: _Traced) -> bool:
+    """Whether a dropout call of a torch.export graph is a functional one (not a dropout module's)."""
+    return not isinstance(traced.modules.get(_exported_path(node)), DROPOUT_TYPES)
+
+
+def _rate_reason(path: str, p: float, rates: list[tuple[str, float, fx.Node]], modules: dict[str, nn.Module]) -> str:
+    """Why a dropout module the model never calls is an attention-weight dropout: its parent module uses its ``p``
+    for an attention-weight dropout in ``rates`` (Hugging Face ``transformers``' attention keeps the module for its
+    rate); "" if none. The entry found is removed from ``rates``."""
+    parent = path.rpartition(".")[0]
+    for index, (owner, rate, node) in enumerate(rates):
+        if owner == parent and rate == p:
+            del rates[index]
+            attention = _aten(node.target) == ATEN_ATTENTION
+            use = "the dropout_p of scaled_dot_product_attention" if attention else "the rate of F.dropout on a softmax"
+            return attention_dropout_reason(f"never called: its p is {use} in {_user(owner, modules)}")
+    return ""
+
+
+def _exported_sites(traced: _Traced, rates: list[tuple[str, float, fx.Node]]) -> list[_Site]:
+    """What a torch.export graph shows besides dropout modules, reported and left as is: functional dropout calls
+    (only a model torch.fx traces has its calls converted) and the attention-weight dropouts of ``rates`` (those no
+    module row reports). Each is named ``<path of the calling module>.<operation>[_<i>]``."""
+    sites: list[_Site] = []
+    taken = set(traced.modules)
+    left = {node: p for _, p, node in rates}
+
+    def named(owner: str, operation: str) -> str:
+        base = f"{owner}.{operation}" if owner else operation
+        name, count = base, 0
+        while name in taken:
+            count += 1
+            name = f"{base}_{count}"
+        taken.add(name)
+        return name
+
+    for node in traced.graph.nodes if traced.exported and traced.graph is not None else ():
+        owner, operation = _exported_path(node), _aten(node.target)
+        shapes = [_shape(node.args[0])] if node.args else []
+        if operation == ATEN_ATTENTION and node in left:
+            reason = attention_dropout_reason(f"dropout_p={left[node]:g} of scaled_dot_product_attention")
+            name = named(owner, "scaled_dot_product_attention")
+            sites.append(_Site(name, "F.scaled_dot_product_attention", left[node], False, [node], shapes, reason))
+        elif operation == ATEN_DROPOUT and _functional(node, traced):
+            p = float(cast(float, _argument(node, "p", 1, 0.5)))
+            if SOFTMAX in _producers(node.args[0], traced.modules):
+                if node not in left and p > 0:
+                    continue  # a dropout module's rate, reported on its row
+                reason = "attention-weight dropout: its input is a softmax output, not channels"
+            else:
+                reason = (
+                    "a functional dropout seen by torch.export: only a model torch.fx traces has its calls converted"
+                )
+            sites.append(_Site(named(owner, "dropout"), "F.dropout", p, False, [node], shapes, reason))
+    return sites
+
+
 def _rewrite(owner: _Owner) -> fx.GraphModule:
     """``owner``'s traced ``forward`` with each converted dropout call replaced by its Masksembles submodule."""
     rewritten = fx.GraphModule(owner.module, owner.graph, class_name=type(owner.module).__name__)
@@ -859,8 +1091,8 @@ def _rewrite(owner: _Owner) -> fx.GraphModule:
 
 def _input_dropouts(sites: Sequence[_Site], traced: _Traced, on_inputs: set[int]) -> set[str]:
     """The paths of the dropouts among ``sites`` that read the raw input: reached from an input through nothing that
-    mixes channels (``MIXING_MODULES``, ``MIXING_FUNCTIONS``, ``matmul``/``bmm`` methods) and no other dropout in the
-    traced graph; without a graph, the dropout modules called on an input itself."""
+    mixes channels (``MIXING_MODULES``, ``MIXING_FUNCTIONS``, ``matmul``/``bmm`` methods, ``ATEN_MIXING``) and no
+    other dropout in the traced or exported graph; without a graph, the dropout modules called on an input itself."""
     if traced.graph is None:
         return {site.path for site in sites if id(traced.modules.get(site.path)) in on_inputs}
 
@@ -869,9 +1101,12 @@ def _input_dropouts(sites: Sequence[_Site], traced: _Traced, on_inputs: set[int]
             return isinstance(traced.modules[cast(str, node.target)], (*MIXING_MODULES, *DROPOUT_TYPES))
         if node.op == "call_method":
             return node.target in CHANNELS_LAST_METHODS
+        name = _aten(node.target)
+        if name is not None:
+            return name in ATEN_MIXING or name == ATEN_DROPOUT
         return node.target in MIXING_FUNCTIONS or _is_dropout_call(node)
 
-    reading = set(_reading_raw(traced.graph, stop))
+    reading = set(_reading_raw(traced.graph, stop, traced.inputs))
     return {site.path for site in sites if any(node in reading for node in site.nodes)}
 
 
@@ -893,11 +1128,19 @@ def convert_dropout(
     without gradients): axis 1 for ``Dropout1d/2d/3d``; for ``nn.Dropout`` and ``F.dropout`` the axis of the layer
     that produced the tensor, found with torch.fx through elementwise ops (Conv1d/2d/3d, BatchNorm, pooling: 1, so a
     Conv1d's (B, C, L) gets masks over C; Linear, LayerNorm, attention, RNNs: -1), unless ``channel_axis`` is given.
-    Where torch.fx cannot tell (an untraceable model, an unrecognized producer) the input's rank decides, 1 for 4-D
-    and 5-D inputs and -1 otherwise, and the report says so. Left as is, each with its reason in the report:
-    ``p=0`` dropouts (they do nothing), attention-weight dropouts (input from a softmax, or named ``attn_drop``,
-    ``attention_dropout``, ...), dropouts the example input does not reach, calls whose result is unused, and
-    per-sample dropouts (modules named like ``DropPath`` or ``StochasticDepth``, which are not channel dropout).
+    A model torch.fx cannot trace (Hugging Face ``transformers`` models) is read with torch.export in training mode
+    instead (neither the model nor the example changed): producers are its ATen operations, and reshapes that keep
+    the last axis are followed for a channels-last producer (GPT-2's ``Conv1D``). Where neither can tell (a model
+    neither reads, an unrecognized producer) the input's rank decides, 1 for 4-D and 5-D inputs and -1 otherwise,
+    and the report says so. Left as is, each with its reason in the report: ``p=0`` dropouts (they do nothing),
+    attention-weight dropouts (input from a softmax, or named ``attn_drop``, ``attention_dropout``, ...; a dropout
+    module that is never called while its parent passes its ``p`` to ``F.scaled_dot_product_attention`` as
+    ``dropout_p`` or to an ``F.dropout`` of a softmax, as ``transformers``' attention does), the
+    ``scaled_dot_product_attention`` calls of a torch.export graph with a ``dropout_p`` of their own and its other
+    functional dropout calls (converted only where torch.fx traces the model), dropouts the example input does not
+    reach, calls whose result is unused, and per-sample dropouts (modules named like ``DropPath`` or
+    ``StochasticDepth``, which are not channel dropout). ``example_input`` is a tensor, a tuple of the model's inputs
+    or a dict of its keyword inputs.
 
     The rest is decided by ``masksembles_core.insertion.plan_conversion``, with ``insert``'s rules: a dropout with a
     single input channel or too few for ``n`` distinct masks is left as is, and so is one that reads the raw input
@@ -923,7 +1166,7 @@ def convert_dropout(
         mca.check_channel_axis(channel_axis)
     if not inplace:
         model = copy.deepcopy(model)
-    inputs = _as_tuple(example_input)
+    inputs = example_input
     dropouts = [(path, module) for path, module in model.named_modules() if isinstance(module, DROPOUT_TYPES)]
     with _evaluating(model):
         shapes, on_inputs = _input_shapes(model, inputs, [module for _, module in dropouts])
@@ -932,6 +1175,7 @@ def convert_dropout(
         axes = "channel axes follow the input's rank and " if channel_axis is None else ""
         warnings.warn(f"convert_dropout: {traced.failure}; {axes}F.dropout calls are not converted", stacklevel=2)
     paths = _paths(model)
+    rates = _attention_rates(traced)
     candidates: list[Candidate] = []
     sites: list[_Site] = []
     targets: list[nn.Module | tuple[_Owner | None, int] | None] = []  # what each candidate's masks replace
@@ -941,12 +1185,18 @@ def convert_dropout(
             targets.append(None)
         elif isinstance(module, DROPOUT_TYPES):
             sites.append(_module_site(path, module, traced, shapes[id(module)]))
+            if not sites[-1].shapes:
+                sites[-1].failure = _rate_reason(path, sites[-1].p, rates, traced.modules)
             candidates.append(_decide(sites[-1], traced, channel_axis))
             targets.append(module)
     for site, owner, index in _functional_sites(model, traced):
         sites.append(site)
         candidates.append(_decide(site, traced, channel_axis))
         targets.append((owner, index))
+    for site in _exported_sites(traced, rates):
+        sites.append(site)
+        candidates.append(_decide(site, traced, channel_axis))
+        targets.append(None)
     kinds = "nn.Dropout/Dropout1d/Dropout2d/Dropout3d modules or F.dropout calls"
     first = _input_dropouts(sites, traced, on_inputs)
     report = plan_conversion(

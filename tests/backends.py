@@ -16,6 +16,7 @@ import pytest
 BACKEND_MODULES: dict[str, tuple[str, ...]] = {
     "numpy": ("numpy", "masksembles_core"),
     "torch": ("torch", "masksembles_torch"),
+    "transformers": ("torch", "masksembles_torch", "transformers"),  # Hugging Face models (tests/torch)
     "keras-tensorflow": ("tensorflow", "keras", "masksembles_keras"),
     "keras-jax": ("jax", "keras", "masksembles_keras"),
     "keras-torch": ("torch", "keras", "masksembles_keras"),

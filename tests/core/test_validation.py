@@ -144,3 +144,11 @@ def test_gaussian_target_shapes(output: tuple[int | None, ...], target: tuple[in
 def test_bad_gaussian_target_shapes(output: tuple[int, ...], target: tuple[int, ...], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         mca.check_gaussian_target(output, target)
+
+
+def test_check_batch_sizes() -> None:
+    assert mca.check_batch_sizes([("inputs['input_ids']", 5), ("inputs['attention_mask']", 5)]) == 5
+    with pytest.raises(ValueError, match=r"the same size in all; received inputs\[0\]: 5, inputs\[1\]: 4$"):
+        mca.check_batch_sizes([("inputs[0]", 5), ("inputs[1]", 4)])
+    with pytest.raises(ValueError, match=r"^the inputs hold no tensor or array to take the batch from$"):
+        mca.check_batch_sizes([])
