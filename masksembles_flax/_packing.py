@@ -646,9 +646,24 @@ def _build(capture: Capture, chosen: Sequence[int], squeeze: bool, *, dense: boo
         capture.ops = {var: capture.fallback(op.eqn, var) for var, op in capture.ops.items()}
     axis = capture_module.solve_axes(capture)
     nodes = capture_module.graph_nodes(capture, axis)
+    pick = chosen[0] if squeeze and _reads_the_batch(capture) else -1
+    if pick >= 0:  # one member, where an operation reads the batch: predict's batch holds every member's copy
+        chosen, squeeze = list(range(capture.n)), False
     program = plan_program(nodes, OUTPUT, chosen)
     emitter = _Emitter(capture, axis, program, squeeze, dense)
-    return PackedMasksembles(emitter.plan, emitter.weights, emitter.constants)
+    packed = PackedMasksembles(emitter.plan, emitter.weights, emitter.constants)
+    packed.plan = dataclasses.replace(packed.plan, pick=pick)
+    return packed
+
+
+def _reads_the_batch(capture: Capture) -> bool:
+    """Whether an operation that runs at full width may read the batch (its size, or other samples) and so runs on
+    the member-stacked batch per member: one member's program must then compute every member, as ``predict`` does
+    (a Masksembles layer that runs at full width needs no other member: it applies the computed members' masks)."""
+    return any(
+        op.kind == "fallback" and op.batch_dependent and not capture_module.is_masking(op.eqn.name, op.eqn.params[0])
+        for op in capture.ops.values()
+    )
 
 
 def _example_values(example_input: jax.Array | jax.ShapeDtypeStruct) -> jax.Array:
