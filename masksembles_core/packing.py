@@ -51,6 +51,7 @@ consumer reads.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
@@ -631,6 +632,8 @@ def channel_indices(layouts: Sequence[IntArray]) -> tuple[IntArray, BoolArray]:
 
 K = TypeVar("K", bound=Hashable)
 VERIFY_SAMPLES = 4  # samples of the example input a built program is checked on
+VERIFICATION = "verification"  # how the fallback entry starts that adapters write when verification replaced a program
+AUTO_ROUNDS = 7  # interleaved timing rounds of pack(program="auto"), at most
 AUTO_MARGIN = 0.9  # ``auto`` leaves the preferred program only for one at most this fraction of its median time...
 AUTO_WINS = 0.75  # ...that was faster in at least this fraction of the interleaved rounds
 
@@ -675,9 +678,16 @@ def output_mismatch(expected: Sequence[ArrayLike], actual: Sequence[ArrayLike], 
     return None
 
 
-def timed_rounds(calls: Mapping[K, Callable[[], object]], *, rounds: int, warmup: int = 1) -> dict[K, list[float]]:
+def timed_rounds(
+    calls: Mapping[K, Callable[[], object]],
+    *,
+    rounds: int,
+    warmup: int = 1,
+    until: Callable[[Mapping[K, Sequence[float]]], bool] | None = None,
+) -> dict[K, list[float]]:
     """Wall time of each call in every round, the calls timed in turn within a round (noise hits all alike), after
-    ``warmup`` untimed rounds. Each call must wait for its own result (synchronize an accelerator)."""
+    ``warmup`` untimed rounds; fewer rounds where ``until(times)`` says, after a round, that the rest cannot matter.
+    Each call must wait for its own result (synchronize an accelerator)."""
     times: dict[K, list[float]] = {name: [] for name in calls}
     for counted in [False] * warmup + [True] * rounds:
         for name, call in calls.items():
@@ -685,7 +695,30 @@ def timed_rounds(calls: Mapping[K, Callable[[], object]], *, rounds: int, warmup
             call()
             if counted:
                 times[name].append(time.perf_counter() - start)
+        if counted and until is not None and until(times):
+            break
     return times
+
+
+def timed_choice(
+    calls: Mapping[str, Callable[[], object]], preferred: str, *, rounds: int = AUTO_ROUNDS
+) -> tuple[str, str, dict[str, list[float]]]:
+    """``choose_program`` on up to ``rounds`` interleaved rounds of ``calls``, stopped as soon as no other program
+    can still win the ``AUTO_WINS`` share of the rounds it needs (where the preferred one wins the first rounds, as it
+    usually does, that is after two of seven): the program, why, and the times."""
+    needed = math.ceil(AUTO_WINS * rounds)
+
+    def settled(times: Mapping[str, Sequence[float]]) -> bool:
+        done = len(times[preferred])
+        wins = {
+            name: sum(a < b for a, b in zip(values, times[preferred], strict=True))
+            for name, values in times.items()
+            if name != preferred
+        }
+        return all(won + rounds - done < needed for won in wins.values())
+
+    times = timed_rounds(calls, rounds=rounds, until=settled)
+    return (*choose_program(times, preferred), times)
 
 
 def choose_program(times: Mapping[str, Sequence[float]], preferred: str) -> tuple[str, str]:
@@ -704,7 +737,10 @@ def choose_program(times: Mapping[str, Sequence[float]], preferred: str) -> tupl
 
     faster = [name for name in times if name != preferred and clearly_faster(name)]
     if not faster:
-        return preferred, f"{preferred}: no other program was faster by {1 - AUTO_MARGIN:.0%} in most rounds"
+        return preferred, (
+            f"{preferred}: no other program was faster by {1 - AUTO_MARGIN:.0%} in {AUTO_WINS:.0%} of "
+            f"{len(base)} interleaved rounds"
+        )
     chosen = min(faster, key=medians.__getitem__)
     ratio = medians[chosen] / medians[preferred]
     return chosen, f"{chosen}: {ratio:.2f}x the time of {preferred} (median of {len(base)} interleaved rounds)"

@@ -45,6 +45,7 @@ from flax import nnx
 from masksembles_core.adapter import check_program
 from masksembles_core.packing import (
     OUTPUT,
+    VERIFICATION,
     VERIFY_SAMPLES,
     Move,
     Placement,
@@ -52,11 +53,10 @@ from masksembles_core.packing import (
     Step,
     block_indices,
     channel_indices,
-    choose_program,
     chosen_members,
     output_mismatch,
     plan_program,
-    timed_rounds,
+    timed_choice,
 )
 
 from . import _capture as capture_module
@@ -70,8 +70,6 @@ class Constant(nnx.Variable[jax.Array]):
     Masksembles layer run at full width."""
 
 
-VERIFICATION = "verification"  # how the fallback entry that verification writes starts
-AUTO_ROUNDS = 7  # interleaved timing rounds of program="auto"
 Values = tuple[jax.Array, ...]  # one array per member, one for a shared tensor or one on the member-stacked batch
 Arrays = dict[str, list[np.ndarray]]  # a packed module's arrays: one per copy
 
@@ -732,15 +730,10 @@ def _verified(
     raise RuntimeError(f"{PREFIX} could not build a program equal to predict: {'; '.join(tried)}")
 
 
-def _seconds(modules: dict[str, PackedMasksembles], x: jax.Array, rounds: int = AUTO_ROUNDS) -> dict[str, list[float]]:
-    """Wall time of each module jitted on ``x`` (B, ...) in interleaved rounds after one warm-up (compiling) round
-    (``masksembles_core.packing.timed_rounds``)."""
-
-    def call(module: PackedMasksembles) -> Callable[[], object]:
-        run = _jitted(module)
-        return lambda: jax.block_until_ready(run(x))  # type: ignore[no-untyped-call]
-
-    return timed_rounds({name: call(module) for name, module in modules.items()}, rounds=rounds)
+def _timed(module: PackedMasksembles, x: jax.Array) -> Callable[[], object]:
+    """One jitted call of ``module`` on ``x``, waiting for its result (the first call compiles)."""
+    run = _jitted(module)
+    return lambda: jax.block_until_ready(run(x))  # type: ignore[no-untyped-call]
 
 
 def _jitted(module: nnx.Module) -> Callable[[jax.Array], Any]:
@@ -770,8 +763,8 @@ def _packed(
     if packed.program == "dense":  # verification left nothing packed: nothing to choose
         return packed
     candidates = {"packed": packed, "dense": _verified(capture, verifier, chosen, squeeze, True)}
-    times = _seconds(candidates, x)
-    name, why = choose_program(times, "packed")
+    calls = {name: _timed(module, x) for name, module in candidates.items()}
+    name, why, times = timed_choice(calls, "packed")
     chosen_program = candidates[name]
     seconds = tuple((key, statistics.median(value)) for key, value in times.items())
     chosen_program.plan = dataclasses.replace(chosen_program.plan, seconds=seconds, choice=why)

@@ -31,7 +31,7 @@ import contextlib
 import copy
 import functools
 import statistics
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -41,12 +41,12 @@ from torch import Tensor, fx, nn
 from masksembles_core.adapter import check_program
 from masksembles_core.packing import (
     OUTPUT,
+    VERIFICATION,
     VERIFY_SAMPLES,
-    choose_program,
     chosen_members,
     output_mismatch,
     plan_program,
-    timed_rounds,
+    timed_choice,
 )
 
 from . import _packed_ops as ops
@@ -55,11 +55,6 @@ from ._pack_capture import _Capture, _describe, _members_of, _SharedInPlace
 from ._pack_chunks import _in_chunks, _samples_per_chunk
 from ._pack_emit import _Emitter
 from ._pack_graph import _graph_nodes, _planned, _solve_axes
-
-VERIFICATION = "verification"  # how the fallback entry that verification writes starts
-
-
-AUTO_ROUNDS = 7  # interleaved timing rounds of program="auto"
 
 
 class PackedMasksembles(fx.GraphModule):
@@ -240,19 +235,16 @@ def _verified(
     return whole
 
 
-def _seconds(modules: Mapping[str, nn.Module], x: Tensor, rounds: int = AUTO_ROUNDS) -> dict[str, list[float]]:
-    """Wall time of each module on ``x`` in interleaved rounds (``masksembles_core.packing.timed_rounds``)."""
+def _timed(module: nn.Module, x: Tensor) -> Callable[[], None]:
+    """One call of ``module`` on ``x``, waiting for its result."""
 
-    def call(module: nn.Module) -> Callable[[], None]:
-        def run() -> None:
-            with torch.no_grad():
-                module(x)
-            if x.is_cuda:
-                torch.cuda.synchronize(x.device)
+    def run() -> None:
+        with torch.no_grad():
+            module(x)
+        if x.is_cuda:
+            torch.cuda.synchronize(x.device)
 
-        return run
-
-    return timed_rounds({name: call(module) for name, module in modules.items()}, rounds=rounds)
+    return run
 
 
 def _packed(
@@ -285,8 +277,8 @@ def _packed(
         candidates = {"packed": packed, "dense": candidate(dense=True)}
         if packed.meta["masksembles"]["chunk"]:  # in one call too: faster where freed memory is kept for reuse
             candidates["packed, one call"] = candidate(chunks=False)
-        times = _seconds(candidates, example_input)
-        name, why = choose_program(times, "packed")
+        calls = {name: _timed(module, example_input) for name, module in candidates.items()}
+        name, why, times = timed_choice(calls, "packed")
         result = candidates[name]
         result.meta["masksembles"]["seconds"] = {key: statistics.median(value) for key, value in times.items()}
         result.meta["masksembles"]["choice"] = why

@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 
-from masksembles_core.packing import AUTO_MARGIN, choose_program, output_mismatch, timed_rounds
+from masksembles_core.packing import (
+    AUTO_MARGIN,
+    AUTO_ROUNDS,
+    choose_program,
+    output_mismatch,
+    timed_choice,
+    timed_rounds,
+)
 
 F32 = float(np.finfo(np.float32).eps)
 
@@ -66,3 +76,33 @@ def test_timed_rounds_interleave_the_calls_after_the_warmup() -> None:
     assert order == ["a", "b"] * 4
     assert {name: len(values) for name, values in times.items()} == {"a": 3, "b": 3}
     assert all(t >= 0 for values in times.values() for t in values)
+
+
+def fake_clock(monkeypatch: pytest.MonkeyPatch, durations: dict[str, list[float]]) -> dict[str, Callable[[], None]]:
+    """Calls whose wall times, as ``timed_rounds`` reads them, are ``durations`` (the warm-up round first)."""
+    now = [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])  # the clock timed_rounds reads
+    remaining = {name: iter(values) for name, values in durations.items()}
+
+    def call(name: str) -> Callable[[], None]:
+        def run() -> None:
+            now[0] += next(remaining[name])
+
+        return run
+
+    return {name: call(name) for name in durations}
+
+
+def test_timed_choice_stops_once_no_other_program_can_win(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With 7 rounds another program needs 6 wins: after the packed one wins the first two rounds, none can."""
+    calls = fake_clock(monkeypatch, {"packed": [9.0] + [1.0] * 7, "dense": [9.0] + [2.0] * 7})
+    name, why, times = timed_choice(calls, "packed")
+    assert name == "packed" and {key: len(values) for key, values in times.items()} == {"packed": 2, "dense": 2}
+    assert "of 2 interleaved rounds" in why
+
+
+def test_timed_choice_runs_every_round_while_another_program_may_still_win(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = fake_clock(monkeypatch, {"packed": [9.0] + [1.0] * 7, "dense": [9.0] + [0.5] * 6 + [2.0]})
+    name, why, times = timed_choice(calls, "packed")
+    assert name == "dense" and len(times["dense"]) == AUTO_ROUNDS
+    assert why.startswith("dense: 0.50x the time of packed")

@@ -232,13 +232,15 @@ def test_dense_program_is_the_tiled_model(name: str, batch: int) -> None:
     assert actual.shape == expected.shape and relative_error(actual, expected) <= 1e-5
 
 
-def test_auto_keeps_the_faster_program() -> None:
+def test_auto_reports_the_program_it_chose() -> None:
+    """``auto`` times both programs and keeps the packed one unless the dense one is clearly faster
+    (``masksembles_core.packing.timed_choice``, tested on its own in the core); ``choice`` says which and why."""
     model = randomized(inserted(CNN)())
     x = random_input((2, 8, 8, 3), 0)
-    for example in (x, jax.ShapeDtypeStruct(x.shape, x.dtype)):  # a ShapeDtypeStruct is timed on zeros
+    for example in (x, jax.ShapeDtypeStruct(x.shape, x.dtype)):  # a ShapeDtypeStruct is timed on normal values
         packed = pack(model, example)
         assert set(packed.seconds) == {"packed", "dense"} and all(t > 0 for t in packed.seconds.values())
-        assert packed.program == min(packed.seconds, key=lambda name: packed.seconds[name])
+        assert packed.choice.startswith(packed.program)
         actual, expected, _ = outputs(model, packed, [], x)
         assert relative_error(actual, expected) <= 1e-5
     with pytest.raises(ValueError, match=r"program must be one of \('auto', 'packed', 'dense'\); received 'fast'"):
