@@ -402,6 +402,32 @@ def channel_axes(rules: Sequence[AxisRule], rank: Callable[[Hashable], int]) -> 
         put(unknown[0].node, rank(unknown[0].node) - 1, unknown[0])
 
 
+def per_member_fallbacks(
+    nodes: Sequence[tuple[Hashable, str, Sequence[Hashable], bool]], repeatable: Callable[[Hashable], bool]
+) -> set[Hashable]:
+    """The fallbacks that must also run per member on the member-stacked batch: those whose shared result cannot be
+    repeated for every member (``repeatable`` says no: it has no exact batch axis) while a per-member node reads it.
+
+    ``nodes`` are ``(name, kind, inputs, batch_dependent)`` in topological order. A node is per member when it is a
+    Masksembles layer, already runs per member (``batch_dependent``: it reads the batch), was marked here, or reads a
+    per-member node; marking a fallback can make its readers per member, so this runs to a fixed point.
+    """
+    marked: set[Hashable] = set()
+    while True:
+        member: set[Hashable] = set()
+        for name, kind, inputs, dependent in nodes:
+            if kind == "masks" or dependent or name in marked or any(i in member for i in inputs):
+                member.add(name)
+        read = {i for name, _, inputs, _ in nodes if name in member for i in inputs}
+        new = {
+            name for name, kind, _, _ in nodes if kind == "fallback" and name not in member and name in read
+            and not repeatable(name)
+        }  # fmt: skip
+        if not new:
+            return marked
+        marked |= new
+
+
 def flatten_layout(layout: IntArray, spatial: int, *, channels: int = 0, channels_last: bool = False) -> IntArray:
     """Layout after flattening a compacted tensor whose channels follow ``layout``.
 

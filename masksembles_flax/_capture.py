@@ -34,7 +34,7 @@ from __future__ import annotations
 import functools
 import math
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -45,7 +45,7 @@ import numpy as np
 from flax import nnx
 from jax.extend import source_info_util
 
-from masksembles_core.packing import OUTPUT, AxisConflict, AxisRule, GraphNode, channel_axes
+from masksembles_core.packing import OUTPUT, AxisConflict, AxisRule, GraphNode, channel_axes, per_member_fallbacks
 
 from ._ops import GROUPED_MASKING, apply_masks
 
@@ -892,26 +892,16 @@ def _combine_rule(capture: Capture, op: Op) -> None:
 
 
 def _member_frames(capture: Capture) -> None:
-    """Mark the fallbacks that must run per member: those whose shared result could not be repeated per member (no
-    exact batch axis) while a per-member node reads it."""
-    readers: dict[int, list[int]] = {var: [] for var in capture.ops}
-    for var, op in capture.ops.items():
-        for t in op.tensors:
-            readers.setdefault(t, []).append(var)
-    while True:
-        member: set[int] = set()
-        for var, op in capture.ops.items():
-            if op.kind == "masks" or op.batch_dependent or any(t in member for t in op.tensors):
-                member.add(var)
-        changed = False
-        for var, op in capture.ops.items():
-            if var in member or op.kind != "fallback":
-                continue
-            seen = capture.values[var]
-            if any(r in member for r in readers[var]) and seen.batch_axes and seen.batch_axis < 0:
-                op.batch_dependent, changed = True, True
-        if not changed:
-            return
+    """Mark the fallbacks that must run per member (``masksembles_core.packing.per_member_fallbacks``): a shared
+    value is repeatable unless it follows the batch without an exact batch axis."""
+
+    def repeatable(var: Hashable) -> bool:
+        seen = capture.values[cast(int, var)]
+        return not (seen.batch_axes and seen.batch_axis < 0)
+
+    nodes = [(var, op.kind, op.tensors, op.batch_dependent) for var, op in capture.ops.items()]
+    for var in per_member_fallbacks(nodes, repeatable):
+        capture.ops[cast(int, var)].batch_dependent = True
 
 
 def fallbacks(capture: Capture, names: Sequence[str]) -> tuple[str, ...]:

@@ -20,6 +20,7 @@ from masksembles_core.packing import (
     AxisRule,
     GraphNode,
     channel_axes,
+    per_member_fallbacks,
 )
 
 from ._layers import Masksembles
@@ -215,22 +216,10 @@ def _leaves(value: Any) -> list[fx.Node]:
 
 
 def _member_frames(capture: _Capture) -> None:
-    """Mark the fallbacks that must run per member: those whose shared result could not be repeated per member
-    (no exact batch axis) while a per-member node reads it."""
-    while True:
-        member: set[fx.Node] = set()
-        for node, op in capture.ops.items():
-            if op.kind == "masks" or op.batch_dependent or any(t in member for t in op.tensors):
-                member.add(node)
-        changed = False
-        for node, op in capture.ops.items():
-            if node in member:
-                continue
-            readers = [user for user in node.users if user in member]
-            if readers and not _repeatable(capture.seen[node]) and op.kind == "fallback":
-                op.batch_dependent, changed = True, True
-        if not changed:
-            return
+    """Mark the fallbacks that must run per member (``masksembles_core.packing.per_member_fallbacks``)."""
+    nodes = [(node, op.kind, op.tensors, op.batch_dependent) for node, op in capture.ops.items()]
+    for node in per_member_fallbacks(nodes, lambda node: _repeatable(capture.seen[cast(fx.Node, node)])):
+        capture.ops[cast(fx.Node, node)].batch_dependent = True
 
 
 def _repeatable(seen: _Seen) -> bool:

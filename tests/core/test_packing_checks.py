@@ -13,6 +13,7 @@ from masksembles_core.packing import (
     AUTO_ROUNDS,
     choose_program,
     output_mismatch,
+    per_member_fallbacks,
     timed_choice,
     timed_rounds,
 )
@@ -106,3 +107,22 @@ def test_timed_choice_runs_every_round_while_another_program_may_still_win(monke
     name, why, times = timed_choice(calls, "packed")
     assert name == "dense" and len(times["dense"]) == AUTO_ROUNDS
     assert why.startswith("dense: 0.50x the time of packed")
+
+
+def test_a_shared_fallback_without_an_exact_batch_axis_runs_per_member_where_a_member_reads_it() -> None:
+    """input -> fold (a fallback whose rows are batch x windows: not repeatable) -> masks, and -> free -> masks;
+    a fallback that reads fold becomes per member too once fold is, to a fixed point."""
+    nodes = [
+        ("input", "input", (), False),
+        ("fold", "fallback", ("input",), False),
+        ("free", "fallback", ("input",), False),
+        ("masks", "masks", ("fold", "free"), False),
+        ("after", "fallback", ("fold",), False),
+        ("reads_after", "fallback", ("after",), False),
+        ("head", "mixing", ("masks", "reads_after"), False),
+    ]
+    not_repeatable = {"fold", "after"}
+    assert per_member_fallbacks(nodes, lambda name: name not in not_repeatable) == {"fold"}
+    nodes[5] = ("reads_after", "fallback", ("after",), True)  # reads the batch: per member, so 'after' must be too
+    assert per_member_fallbacks(nodes, lambda name: name not in not_repeatable) == {"fold", "after"}
+    assert per_member_fallbacks(nodes, lambda name: True) == set()
