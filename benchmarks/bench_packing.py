@@ -327,7 +327,8 @@ def build_times(models: list[str], device: torch.device) -> str:
         "",
         f"Seconds for one call of `pack` on the middle batch size of each model above, {machine()}; one measurement "
         "each (a build is not repeated), so read them as orders of magnitude. `auto` traces and probes the model "
-        "once for all its candidates and then times them in 7 interleaved rounds; the last column is its choice.",
+        "once for all its candidates, builds and verifies each, and times them in up to 7 interleaved rounds "
+        "(fewer once no other program can still be chosen); the last column is its choice.",
         "",
         '| model | batch | `pack(program="packed")` (s) | `pack()` (s) | auto ÷ packed | auto\'s choice |',
         "|---|---:|---:|---:|---:|---|",

@@ -744,6 +744,10 @@ def timed_choice(
         return all(won + rounds - done < needed for won in wins.values())
 
     times = timed_rounds(calls, rounds=rounds, until=settled)
+    done = len(times[preferred])
+    if done < rounds:  # stopped early: no other program could still be chosen
+        why = f"{preferred}: after {done} of {rounds} rounds no other program could still win {needed}"
+        return preferred, why, times
     return (*choose_program(times, preferred), times)
 
 

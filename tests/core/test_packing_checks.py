@@ -99,7 +99,7 @@ def test_timed_choice_stops_once_no_other_program_can_win(monkeypatch: pytest.Mo
     calls = fake_clock(monkeypatch, {"packed": [9.0] + [1.0] * 7, "dense": [9.0] + [2.0] * 7})
     name, why, times = timed_choice(calls, "packed")
     assert name == "packed" and {key: len(values) for key, values in times.items()} == {"packed": 2, "dense": 2}
-    assert "of 2 interleaved rounds" in why
+    assert why == "packed: after 2 of 7 rounds no other program could still win 6"
 
 
 def test_timed_choice_runs_every_round_while_another_program_may_still_win(monkeypatch: pytest.MonkeyPatch) -> None:
