@@ -47,6 +47,10 @@ part by part), the members' blocks side by side on the channel axis. A *dense* n
 whose inputs are all dense) holds every channel on the member-stacked batch instead: (m*B, C, ...) as the tiled dense
 model holds it, or (B, C, ...) when shared. ``Move``s bring a tensor from its producer's placement to the one its
 consumer reads.
+
+Around the plan, what every adapter's ``pack`` does the same way: ``per_member_fallbacks`` (the shared fallbacks that
+must run per member), ``chosen_members``, ``output_mismatch`` (a built program checked against ``predict`` before it
+is returned) and ``timed_choice`` (which program ``program="auto"`` keeps, from interleaved timings).
 """
 
 from __future__ import annotations
