@@ -720,7 +720,8 @@ def _verified(
         options.append((list(range(capture.n)), False, chosen[0]))
     for members, squeezed, pick in options:
         candidate = _build(capture, members, squeezed, dense=True)
-        candidate.plan = dataclasses.replace(candidate.plan, pick=pick)
+        if pick >= 0:  # otherwise keep the member _build picks where the batch is read
+            candidate.plan = dataclasses.replace(candidate.plan, pick=pick)
         if (also := verifier.mismatch(candidate)) is None:
             where = "every member at full width" if pick >= 0 else "every operation at full width"
             fallbacks = (f"{reason}; {where}", *candidate.plan.fallbacks)

@@ -608,3 +608,29 @@ def test_a_program_built_on_a_wrong_proof_is_never_returned(monkeypatch: pytest.
     assert relative_error(packed(x), expected) <= 1e-5
     member = extract_member(model, 1, x)
     assert member.fallbacks[0].startswith("verification: ") and relative_error(member(x), expected[1]) <= 1e-5
+
+
+@pytest.mark.verification_fallback
+def test_a_wrong_member_of_a_model_that_reads_the_batch_is_replaced_by_its_full_width_program(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where the compacted member is wrong, the full-width program replaces it: for a model that reads the batch it
+    computes every member and returns member k (the first replacement, not the last resort)."""
+    from masksembles_flax import _capture
+
+    class SigmoidThenBatchMean(SigmoidBetweenMasks):
+        def __call__(self, x: jax.Array) -> jax.Array:
+            h = jax.nn.sigmoid(self.masks1(self.stem(x)))
+            return self.head(self.masks2(h - h.mean(axis=0)))
+
+    model = SigmoidThenBatchMean()
+    x = random_input((5, 4), 1)
+    expected = mf.predict(model, x, N)
+    monkeypatch.setattr(
+        _capture.Answers, "zero_map", lambda self, op: np.ones(self.capture.values[op.var].shape[op.axis], bool)
+    )
+    assert relative_error(extract_member(model, 2, x, verify=False)(x), expected[2]) > 1e-2  # the bug is real
+    member = extract_member(model, 2, x)
+    assert member.program == "dense" and member.members == (2,)
+    assert member.fallbacks[0].endswith("every operation at full width")
+    assert relative_error(member(x), expected[2]) <= 1e-5
