@@ -161,11 +161,12 @@ def _member_outputs(model: nn.Module, x: Tensor, n: int) -> tuple[Any, tuple[int
     return small, ops.leaf_batch_axes(small, large, n * x.shape[0])
 
 
-def _whole_model(model: nn.Module, example: Tensor, chosen: Sequence[int], squeeze: bool, n: int) -> PackedMasksembles:
-    """The model itself (a copy, in eval mode) on the member-stacked batch: what ``predict`` computes, with every
-    output leaf's batch axis found by running two batch sizes. The caller says why in ``fallbacks``."""
+def _whole_model(
+    model: nn.Module, axes: Sequence[int], chosen: Sequence[int], squeeze: bool, n: int
+) -> PackedMasksembles:
+    """The model itself (a copy, in eval mode) on the member-stacked batch: what ``predict`` computes, each output
+    leaf's batch axis given by ``axes`` (``_member_outputs``). The caller says why in ``fallbacks``."""
     whole = copy.deepcopy(model).eval().requires_grad_(False)
-    _, axes = _member_outputs(whole, example, n)
     root = nn.Module()
     root.model = whole
     graph = fx.Graph()
@@ -199,8 +200,8 @@ class _Verifier:
 
     def __init__(self, model: nn.Module, example: Tensor, n: int, chosen: Sequence[int], squeeze: bool) -> None:
         self.x = example[:VERIFY_SAMPLES]
-        output, axes = _member_outputs(model, self.x, n)
-        self.expected = _leaf_arrays(ops.select_members(output, n, axes, chosen, squeeze))
+        output, self.axes = _member_outputs(model, self.x, n)
+        self.expected = _leaf_arrays(ops.select_members(output, n, self.axes, chosen, squeeze))
 
     def mismatch(self, packed: nn.Module) -> str | None:
         """Why ``packed`` differs from ``predict`` on the sample, or None."""
@@ -230,7 +231,7 @@ def _verified(
             dense.meta["masksembles"]["fallbacks"] = (f"{reason}; every node runs at full width", *dense.fallbacks)
             return dense
         reason += f"; so did every node at full width ({also})"
-    whole = _whole_model(model, verifier.x, packed.members, packed.meta["masksembles"]["squeeze"], capture.n)
+    whole = _whole_model(model, verifier.axes, packed.members, packed.meta["masksembles"]["squeeze"], capture.n)
     whole.meta["masksembles"]["fallbacks"] = (f"{reason}: the whole model runs tiled",)
     return whole
 
@@ -257,7 +258,8 @@ def _packed(
             capture = _Capture(model, example_input)
         except _SharedInPlace as error:
             n = _members_of([layer for layer in model.modules() if isinstance(layer, Masksembles)])
-            whole = _whole_model(model, example_input, chosen_members(members, n), squeeze, n)
+            axes = _member_outputs(model, example_input, n)[1]
+            whole = _whole_model(model, axes, chosen_members(members, n), squeeze, n)
             whole.meta["masksembles"]["fallbacks"] = (f"the whole model, tiled: {error}",)
             return whole
         chosen = chosen_members(members, capture.n)
