@@ -31,11 +31,9 @@ operand is (finite values).
 
 from __future__ import annotations
 
-import functools
-import math
 import re
-from collections.abc import Callable, Hashable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import jax
@@ -45,7 +43,9 @@ import numpy as np
 from flax import nnx
 from jax.extend import source_info_util
 
-from masksembles_core.packing import OUTPUT, AxisConflict, AxisRule, GraphNode, channel_axes, per_member_fallbacks
+from masksembles_core import captured
+from masksembles_core.captured import CapturedOp, Probed, array_repeatable
+from masksembles_core.packing import OUTPUT, GraphNode
 
 from ._ops import GROUPED_MASKING, apply_masks
 
@@ -87,32 +87,10 @@ Atom = int | Literal  # a variable (its index), or a literal
 
 
 @dataclass(frozen=True, eq=False)
-class Value:
+class Value(Probed):
     """A variable of the program: its shape at each probe batch size (``batch``, ``batch + 1``, ...), its dtype."""
 
-    shapes: tuple[tuple[int, ...], ...]
-    dtype: np.dtype
-    batch: int
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.shapes[0]
-
-    @property
-    def rank(self) -> int:
-        return len(self.shapes[0])
-
-    @property
-    def batch_axes(self) -> tuple[int, ...]:
-        """Axes whose size follows the batch."""
-        return tuple(a for a in range(self.rank) if len({shape[a] for shape in self.shapes}) > 1)
-
-    @property
-    def batch_axis(self) -> int:
-        """The one axis that follows the batch, if its size is exactly the batch (else -1)."""
-        axes = self.batch_axes
-        sizes = list(range(self.batch, self.batch + len(self.shapes)))
-        return axes[0] if len(axes) == 1 and [shape[axes[0]] for shape in self.shapes] == sizes else -1
+    dtype: np.dtype = field(kw_only=True)
 
 
 @dataclass(eq=False)
@@ -280,7 +258,7 @@ def _merge(flats: list[tuple[_Flat, list[Any]]], out_trees: list[Any], leaves: i
             )
     avals: list[list[Any]] = [flat.avals for flat, _ in flats]
     values = [
-        Value(tuple(tuple(int(d) for d in probe[i].shape) for probe in avals), avals[0][i].dtype, batch)
+        Value(tuple(tuple(int(d) for d in probe[i].shape) for probe in avals), batch, dtype=avals[0][i].dtype)
         for i in range(len(first.avals))
     ]
 
@@ -410,27 +388,16 @@ def bind(eqn: Eqn, args: Sequence[Any], params: dict[str, Any] | None = None) ->
 
 
 @dataclass(eq=False)
-class Op:
-    """A run-time variable as the core sees it: its kind, the run-time variables it reads, what emitting it needs."""
+class Op(CapturedOp[int]):
+    """A run-time variable as the core sees it (``key``: the variable), with the equation that computes it."""
 
-    eqn: Eqn
-    var: int  # the output it stands for
-    kind: str
-    tensors: list[int]  # the run-time variables it reads, each once, in order
-    rule: str = "same"  # how the channel axis goes through: same, fixed, map, concat, flatten, none
-    fixed_in: int = -1
-    fixed_out: int = -1
+    eqn: Eqn = field(kw_only=True)
     mapping: str = ""  # map rule: "evaluate" (index tensors) or "params" (reductions, windows, cumulative)
     weight: int = -1  # mixing/grouped: the constant operand
-    groups: int = 1
-    zero_rule: str = "all"
-    zero_inputs: tuple[int, ...] = ()
-    batch_dependent: bool = False
-    axis: int = -1  # the solved channel axis of its output (-1: none)
 
     @property
-    def compacted(self) -> bool:
-        return self.kind != "fallback"
+    def var(self) -> int:
+        return self.key
 
 
 class Capture:
@@ -467,9 +434,49 @@ class Capture:
     def tensors(self, eqn: Eqn) -> list[int]:
         return list(dict.fromkeys(a for a in _vars(eqn) if a in self.runtime))
 
-    def fallback(self, eqn: Eqn, var: int) -> Op:
+    def _fallback(self, eqn: Eqn, var: int) -> Op:
         """Run as the dense model runs it (whether per member is decided once the axes are: ``batch_dependent``)."""
-        return Op(eqn, var, "fallback", self.tensors(eqn), rule="none")
+        return Op(var, "fallback", self.tensors(eqn), rule="none", eqn=eqn)
+
+    # what the core's pipeline asks (``masksembles_core.captured.CapturedGraph``)
+
+    @property
+    def output(self) -> None:
+        return None  # the program's outputs are always gathered by the core's OUTPUT node
+
+    @property
+    def output_leaves(self) -> list[int]:
+        return [a for a in self.program.outputs if a in self.runtime]
+
+    def probed(self, key: int) -> Value:
+        return self.values[key]
+
+    def name(self, key: int) -> str:
+        return node_name(key)
+
+    def fallback(self, key: int) -> Op:
+        return self._fallback(self.ops[key].eqn, key)
+
+    def axis_map(self, op: Op, source_axis: int) -> int | None:
+        return self.answers.mapped_axis(op, source_axis) if op.mapping == "evaluate" else _param_map(op)(source_axis)
+
+    def zero_map(self, op: Op) -> np.ndarray:
+        return self.answers.zero_map(op)
+
+    def zero_rule(self, op: Op) -> tuple[str, tuple[int, ...]]:
+        """Zero when one operand is (products), or when its value operands are, if evaluating it on zero values
+        (every value of its boolean operands) gave 0 everywhere; else never known zero."""
+        booleans = [i for i, t in enumerate(op.tensors) if self.values[t].dtype == np.bool_]
+        numbers = [i for i in range(len(op.tensors)) if i not in booleans]
+        constants = any(not (isinstance(a, int) and a in self.runtime) for a in op.eqn.inputs)
+        if op.eqn.name in PRODUCTS and not constants:
+            return "any", ()
+        if self.answers.all_zero(op):
+            return "all", tuple(numbers) if numbers and booleans else ()
+        return "never", ()
+
+    def repeatable(self, key: int) -> bool:
+        return array_repeatable(self.values[key])
 
     def batch_dependent(self, op: Op) -> bool:
         """Whether a fallback must run on the member-stacked batch even when what it reads is shared: unless it
@@ -504,7 +511,7 @@ class Capture:
         tensors = self.tensors(eqn)
         name, params = eqn.name, eqn.params[0]
         if not tensors or len(eqn.outputs) != 1:
-            return self.fallback(eqn, var)
+            return self._fallback(eqn, var)
         if is_masking(name, params):
             op = self._masks(eqn, var, tensors)
         elif name == "dot_general":
@@ -514,20 +521,20 @@ class Capture:
         elif not self._batch_free(eqn, name):
             op = None
         elif name in ELEMENTWISE:
-            op = Op(eqn, var, "channelwise" if len(tensors) == 1 else "combine", tensors)
+            op = Op(var, "channelwise" if len(tensors) == 1 else "combine", tensors, eqn=eqn)
         elif name in REDUCTIONS | WINDOWS | CUMULATIVE and len(tensors) == 1:
-            op = Op(eqn, var, "channelwise", tensors, rule="map", mapping="params")
+            op = Op(var, "channelwise", tensors, rule="map", mapping="params", eqn=eqn)
         elif name == "reshape" and self._flatten(eqn, tensors[0], var):
-            op = Op(eqn, var, "flatten", tensors, rule="flatten")
+            op = Op(var, "flatten", tensors, rule="flatten", eqn=eqn)
         elif name in MOVES and len(tensors) == 1:
-            op = Op(eqn, var, "channelwise", tensors, rule="map", mapping="evaluate")
+            op = Op(var, "channelwise", tensors, rule="map", mapping="evaluate", eqn=eqn)
         elif name == "concatenate" and len(tensors) == len(eqn.inputs):
-            op = Op(eqn, var, "concat", tensors, rule="concat")
+            op = Op(var, "concat", tensors, rule="concat", concat_dim=int(params["dimension"]), eqn=eqn)
         else:
             op = None
         if op is not None and op.kind in ("channelwise", "combine") and not self._operands_align(eqn, var):
             op = None
-        return op if op is not None else self.fallback(eqn, var)
+        return op if op is not None else self._fallback(eqn, var)
 
     def _batch_free(self, eqn: Eqn, name: str) -> bool:
         """Whether only the shape parameters a compacted move recomputes follow the batch size (and no literal)."""
@@ -550,7 +557,8 @@ class Capture:
         if not self._constant(masks) or tensors != [x]:
             return None
         axis = masking_axis(eqn.params[0])
-        return Op(eqn, var, "masks", tensors, rule="fixed", fixed_in=axis, fixed_out=axis)
+        values = np.asarray(self.analysis.constants[cast(int, masks)]).astype(bool)
+        return Op(var, "masks", tensors, rule="fixed", fixed_in=axis, fixed_out=axis, masks=values, eqn=eqn)
 
     def _dot(self, eqn: Eqn, var: int, tensors: list[int]) -> Op | None:
         """A product of a model value and a constant over one axis of each, the constant with one other axis."""
@@ -564,8 +572,8 @@ class Capture:
         fixed_in = int(contracting[side][0])
         # output axes: the left operand's free axes, then the right one's; the weight has one free axis
         fixed_out = self.values[tensors[0]].rank - 1 if side == 0 else 0
-        return Op(eqn, var, "mixing", tensors, rule="fixed", fixed_in=fixed_in, fixed_out=fixed_out,
-                  weight=cast(int, weight))  # fmt: skip
+        return Op(var, "mixing", tensors, rule="fixed", fixed_in=fixed_in, fixed_out=fixed_out,
+                  weight=cast(int, weight), eqn=eqn)  # fmt: skip
 
     def _conv(self, eqn: Eqn, var: int, tensors: list[int]) -> Op | None:
         params = eqn.params[0]
@@ -575,8 +583,9 @@ class Capture:
         numbers = params["dimension_numbers"]
         groups = int(params["feature_group_count"])
         kind = "mixing" if groups == 1 else "grouped"
-        return Op(eqn, var, kind, tensors, rule="fixed", fixed_in=numbers.lhs_spec[1], fixed_out=numbers.out_spec[1],
-                  weight=cast(int, weight), groups=groups)  # fmt: skip
+        return Op(var, kind, tensors, rule="fixed", fixed_in=numbers.lhs_spec[1], fixed_out=numbers.out_spec[1],
+                  batch_in=numbers.lhs_spec[0], batch_out=numbers.out_spec[0], weight=cast(int, weight), groups=groups,
+                  eqn=eqn)  # fmt: skip
 
     def _flatten(self, eqn: Eqn, source: int, var: int) -> bool:
         """(B, ..., C) or (B, C, ...) -> (B, features), row-major."""
@@ -660,9 +669,7 @@ class Answers:
         """Per output channel (``op.axis``), whether every evaluation on zero inputs gave 0 there."""
         zero = np.ones(self.capture.values[op.var].shape[op.axis], dtype=bool)
         for question in self.zero_questions[op.var]:
-            result = self.results[question]
-            others = tuple(a for a in range(result.ndim) if a != op.axis)
-            zero &= result.all(axis=others) if others else result
+            zero &= captured.zero_channels(self.results[question], op.axis)
         return zero
 
     def all_zero(self, op: Op) -> bool:
@@ -700,90 +707,6 @@ def _whole_axis(out: np.ndarray, source: Value, axis: int) -> int | None:
 
 
 # ------------------------------------------------------------------------------------------------ channel axes
-
-
-def solve_axes(capture: Capture) -> dict[int, int]:
-    """The channel axis of every compacted node and of what it reads; nodes that cannot agree fall back. Then which
-    fallbacks run per member."""
-    while True:
-        _demote_dense(capture)
-        try:
-            axis = _propagate_axes(capture)
-        except AxisConflict as conflict:
-            op = capture.ops[cast(int, conflict.node)]
-            capture.ops[cast(int, conflict.node)] = capture.fallback(op.eqn, op.var)
-            continue
-        for op in capture.ops.values():
-            op.axis = axis.get(op.var, -1)
-            op.batch_dependent = op.kind == "fallback" and capture.batch_dependent(op)
-        return axis
-
-
-def _demote_dense(capture: Capture) -> None:
-    """Elementwise nodes that read only fallbacks run at full width anyway (the core places them dense): make them
-    fallbacks, so that their axes constrain nothing (the reductions of a LayerNorm, say)."""
-    changed = True
-    while changed:
-        changed = False
-        for var, op in capture.ops.items():
-            if op.kind in ("channelwise", "combine", "concat", "flatten") and all(
-                t in capture.ops and not capture.ops[t].compacted for t in op.tensors
-            ):
-                capture.ops[var] = capture.fallback(op.eqn, var)
-                changed = True
-
-
-def _propagate_axes(capture: Capture) -> dict[int, int]:
-    """The core's axes for the compacted nodes' rules, checked against the layouts each node needs."""
-    compact = [op for op in capture.ops.values() if op.compacted]
-    rules = [
-        AxisRule(
-            op.var, tuple(op.tensors), op.rule, op.fixed_in, op.fixed_out,
-            int(op.eqn.params[0]["dimension"]) if op.rule == "concat" else 0,
-            functools.partial(mapped_axis, capture, op) if op.rule == "map" else None,
-        )
-        for op in compact
-    ]  # fmt: skip
-    axis = cast(dict[int, int], channel_axes(rules, lambda var: capture.values[cast(int, var)].rank))
-    for op, rule in zip(compact, rules, strict=True):
-        _verify(capture, op, axis)
-        if op.rule == "concat":  # along the channels, or along another axis (then channel c of every part)
-            op.kind = "concat" if axis[op.var] == rule.concat_dim else "combine"
-    return axis
-
-
-def _verify(capture: Capture, op: Op, axis: dict[int, int]) -> None:
-    """Every tensor a compacted node touches has its batch on exactly one axis, not the channels'; operation-specific
-    layouts hold."""
-    values = capture.values
-    for var in [op.var, *op.tensors]:
-        seen = values[var]
-        if seen.batch_axis < 0 or seen.batch_axis == axis[var]:
-            raise AxisConflict(op.var)
-    channels = values[op.var].shape[axis[op.var]]
-    if op.rule == "same" and any(values[t].shape[axis[t]] != channels for t in op.tensors):
-        raise AxisConflict(op.var)  # an operand broadcast along the channels (a size-1 axis)
-    if op.eqn.name == "conv_general_dilated":
-        numbers = op.eqn.params[0]["dimension_numbers"]
-        if values[op.tensors[0]].batch_axis != numbers.lhs_spec[0] or values[op.var].batch_axis != numbers.out_spec[0]:
-            raise AxisConflict(op.var)
-    if op.kind == "flatten":
-        source = op.tensors[0]
-        if axis[source] not in (1, values[source].rank - 1):
-            raise AxisConflict(op.var)
-
-
-def mapped_axis(capture: Capture, op: Op, source_axis: int) -> int | None:
-    """Where a move or reduction puts what its input holds on ``source_axis`` (None: nowhere whole, or it mixes it
-    with the batch); the batch must land on the output's batch axis."""
-    source = capture.values[op.tensors[0]]
-    batch = source.batch_axis
-    if source_axis == batch or batch < 0:
-        return None
-    mapping = (lambda a: capture.answers.mapped_axis(op, a)) if op.mapping == "evaluate" else _param_map(op)
-    if mapping(batch) != capture.values[op.var].batch_axis:
-        return None
-    return mapping(source_axis)
 
 
 def _dot_batch_axis(eqn: Eqn, batch: dict[int, int], ranks: list[int]) -> int | None:
@@ -838,70 +761,18 @@ def node_name(var: int) -> str:
     return f"v{var}"
 
 
+def solve_axes(capture: Capture) -> dict[int, int]:
+    """The core's channel axes (``masksembles_core.captured.solve_axes``), then which fallbacks read the batch."""
+    axis = captured.solve_axes(capture)
+    for op in capture.ops.values():
+        op.batch_dependent = op.kind == "fallback" and capture.batch_dependent(op)
+    return axis
+
+
 def graph_nodes(capture: Capture, axis: dict[int, int]) -> list[GraphNode]:
     """The core's view of the program; the last node, ``OUTPUT``, reads every output on the member-stacked batch."""
-    values = capture.values
-
-    def channels(var: int) -> int:
-        return values[var].shape[axis[var]] if var in axis else 1
-
-    _member_frames(capture)
-    nodes = [GraphNode(node_name(capture.input), "input", (), channels(capture.input))]
-    for var, op in capture.ops.items():
-        names = tuple(node_name(t) for t in op.tensors)
-        size = channels(var)
-        if op.kind == "masks":
-            masks = np.asarray(capture.analysis.constants[cast(int, op.eqn.inputs[1])]).astype(bool)
-            nodes.append(GraphNode(node_name(var), "masks", names, size, masks=masks))
-        elif op.kind in ("channelwise", "grouped"):
-            zero = capture.answers.zero_map(op)
-            nodes.append(GraphNode(node_name(var), op.kind, names, size, zero_preserving=zero, groups=op.groups))
-        elif op.kind == "combine":
-            _combine_rule(capture, op)
-            nodes.append(GraphNode(node_name(var), "combine", names, size, zero_rule=op.zero_rule,
-                                   zero_inputs=op.zero_inputs))  # fmt: skip
-        elif op.kind == "concat":
-            nodes.append(GraphNode(node_name(var), "concat", names, size, parts=tuple(channels(t) for t in op.tensors)))
-        elif op.kind == "flatten":
-            source = values[op.tensors[0]]
-            spatial = math.prod(s for a, s in enumerate(source.shape) if a not in (0, axis[op.tensors[0]]))
-            last = axis[op.tensors[0]] == source.rank - 1
-            nodes.append(GraphNode(node_name(var), "flatten", names, size, spatial=spatial, channels_last=last))
-        elif op.kind == "fallback":
-            nodes.append(GraphNode(node_name(var), "fallback", names, size, batch_dependent=op.batch_dependent))
-        else:
-            nodes.append(GraphNode(node_name(var), op.kind, names, size))
-    leaves = tuple(dict.fromkeys(node_name(a) for a in capture.program.outputs if a in capture.runtime))
-    nodes.append(GraphNode(OUTPUT, "fallback", leaves, 1, batch_dependent=True))
+    nodes, _ = captured.graph_nodes(capture, axis)
     return nodes
-
-
-def _combine_rule(capture: Capture, op: Op) -> None:
-    """A combine's zero rule: zero when one operand is (products), or when its value operands are, if evaluating it
-    on zero values (every value of its boolean operands) gave 0 everywhere; else never known zero."""
-    values = capture.values
-    booleans = [i for i, t in enumerate(op.tensors) if values[t].dtype == np.bool_]
-    numbers = [i for i in range(len(op.tensors)) if i not in booleans]
-    constants = any(not (isinstance(a, int) and a in capture.runtime) for a in op.eqn.inputs)
-    if op.eqn.name in PRODUCTS and not constants:
-        op.zero_rule, op.zero_inputs = "any", ()
-    elif capture.answers.all_zero(op):
-        op.zero_rule, op.zero_inputs = "all", tuple(numbers) if numbers and booleans else ()
-    else:
-        op.zero_rule, op.zero_inputs = "never", ()
-
-
-def _member_frames(capture: Capture) -> None:
-    """Mark the fallbacks that must run per member (``masksembles_core.packing.per_member_fallbacks``): a shared
-    value is repeatable unless it follows the batch without an exact batch axis."""
-
-    def repeatable(var: Hashable) -> bool:
-        seen = capture.values[cast(int, var)]
-        return not (seen.batch_axes and seen.batch_axis < 0)
-
-    nodes = [(var, op.kind, op.tensors, op.batch_dependent) for var, op in capture.ops.items()]
-    for var in per_member_fallbacks(nodes, repeatable):
-        capture.ops[cast(int, var)].batch_dependent = True
 
 
 def fallbacks(capture: Capture, names: Sequence[str]) -> tuple[str, ...]:

@@ -641,7 +641,7 @@ def _bytes(array: np.ndarray | None) -> bytes | None:
 def _build(capture: Capture, chosen: Sequence[int], squeeze: bool, *, dense: bool = False) -> PackedMasksembles:
     if dense:  # the tiled dense model itself: every operation as the model runs it, on the member-stacked batch
         capture = copy.copy(capture)  # its own ops: the traced program can still be packed
-        capture.ops = {var: capture.fallback(op.eqn, var) for var, op in capture.ops.items()}
+        capture.ops = {var: capture.fallback(var) for var in capture.ops}
     axis = capture_module.solve_axes(capture)
     nodes = capture_module.graph_nodes(capture, axis)
     pick = chosen[0] if squeeze and _reads_the_batch(capture) else -1

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
+from masksembles_core.captured import CapturedOp
 from masksembles_core.packing import (
     norm_affine,
 )
@@ -370,25 +371,26 @@ def _probe(
     return seen, runs[0].kept
 
 
-@dataclass
-class _Op:
-    """A model node as the core sees it: its kind, the model values it reads, and what emitting it needs."""
+@dataclass(eq=False)
+class _Op(CapturedOp[fx.Node]):
+    """A model node as the core sees it (``key``: the node), with what emitting it needs. An operation with its
+    channels on axis 1 (convolutions, BatchNorm, pooling) reads and writes the batch on axis 0; ``how="identity"``
+    (a view, Dropout in eval) keeps zeros without being evaluated."""
 
-    node: fx.Node
-    kind: str
-    tensors: list[fx.Node]
-    rule: str = "same"  # how the channel axis goes through: same, fixed, map, concat, flatten, none
-    fixed_in: int = -1
-    fixed_out: int = -1
     module: nn.Module | None = None
     how: str = "call"  # call (the model's own operation), identity, affine, prelu, linear, conv, norm, flatten
-    zero_rule: str = "all"
-    groups: int = 1
     weight: Tensor | None = None
     bias: Tensor | None = None
     conv: dict[str, Any] = field(default_factory=dict)
-    batch_dependent: bool = False
-    axis: int = -1
+
+    def __post_init__(self) -> None:
+        if self.rule == "fixed" and self.fixed_in == 1:
+            self.batch_in = self.batch_out = 0
+        self.keeps_zeros = self.keeps_zeros or self.how == "identity"
+
+    @property
+    def node(self) -> fx.Node:
+        return self.key
 
 
 def _members_of(layers: Sequence[Masksembles]) -> int:
@@ -568,7 +570,10 @@ class _Capture:
             )
             return None if rule is None else _Op(node, "combine", tensors, zero_rule=rule)
         if target in (torch.cat, torch.concat):
-            return _Op(node, "concat", tensors, rule="concat")
+            dim = self.argument(node, "dim", 1, 0)
+            if not isinstance(dim, int):
+                return None
+            return _Op(node, "concat", tensors, rule="concat", concat_dim=dim % self.seen[node].rank)
         if len(tensors) != 1:
             return None
         if target is F.linear:
@@ -610,9 +615,9 @@ class _Capture:
         rank = self.seen[tensors[0]].rank
         if isinstance(module, Masksembles):
             axis = module.channel_axis % rank
-            return _Op(
-                node, "masks", tensors, rule="fixed", fixed_in=axis, fixed_out=axis, module=module, how="identity"
-            )
+            masks = (module.masks != 0).cpu().numpy()
+            return _Op(node, "masks", tensors, rule="fixed", fixed_in=axis, fixed_out=axis, masks=masks, module=module,
+                       how="identity")  # fmt: skip
         if isinstance(module, nn.Linear):
             return self._linear(node, tensors, module.weight, module.bias)
         if isinstance(module, CONV_TYPES) and not module.transposed:

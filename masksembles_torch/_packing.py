@@ -12,9 +12,10 @@ kind: what can be compacted (Linear and convolutions of any ``groups``, BatchNor
 channels, elementwise operations with scalar or per-channel arguments, pooling and reductions over other axes, moves
 of the channel axis, sums/products, concatenations, flattening, Masksembles) or a *fallback* that runs exactly as the
 dense model runs it, at full width on the member-stacked batch (``PackedMasksembles.fallbacks`` lists them);
-``_pack_graph`` solves the channel axes and builds the core's graph, from which the core decides which channels each
-member computes; ``_pack_emit`` writes the program as an fx graph over the kernels of ``_packed_ops``; ``_pack_chunks``
-proves a CPU program per-sample and runs it on chunks of the batch. This module builds, verifies against ``predict``
+``_pack_graph`` answers the core's questions about it (``masksembles_core.captured`` solves the channel axes and builds
+the core's graph, from which the core decides which channels each member computes); ``_pack_emit`` writes the program
+as an fx graph over the kernels of ``_packed_ops``; ``_pack_chunks`` proves a CPU program per-sample and runs it on
+chunks of the batch. This module builds, verifies against ``predict``
 and chooses (``pack``, ``extract_member``).
 
 "Zero stays zero" is never assumed from an operation's name: an elementwise operation counts as zero-preserving on a
@@ -38,6 +39,7 @@ import numpy as np
 import torch
 from torch import Tensor, fx, nn
 
+from masksembles_core import captured
 from masksembles_core.adapter import check_program
 from masksembles_core.packing import (
     OUTPUT,
@@ -54,7 +56,7 @@ from ._layers import Masksembles
 from ._pack_capture import _Capture, _describe, _members_of, _SharedInPlace
 from ._pack_chunks import _in_chunks, _samples_per_chunk
 from ._pack_emit import _Emitter
-from ._pack_graph import _graph_nodes, _planned, _solve_axes
+from ._pack_graph import _planned, _solve_axes
 
 
 class PackedMasksembles(fx.GraphModule):
@@ -134,8 +136,8 @@ def _build(
 ) -> PackedMasksembles:
     """One program from the capture: compacted where it can, or (``dense``) every node at full width."""
     capture.reset(dense)
-    axis = _solve_axes(capture)
-    nodes, output = _graph_nodes(capture, axis)
+    graph, axis = _solve_axes(capture)
+    nodes, output = captured.graph_nodes(graph, axis)
     program = plan_program(nodes, output, _planned(capture, chosen))
     samples = _samples_per_chunk(capture, program, example) if chunks else 0
     emitter = _Emitter(capture, axis, program, squeeze, samples or example.shape[0], chosen)

@@ -37,7 +37,7 @@ class SigmoidBetweenMasks(nn.Module):
 def wrong_zero_proof(monkeypatch: pytest.MonkeyPatch) -> None:
     """A broken proof: every elementwise operation 'maps zero to zero' (sigmoid does not)."""
     monkeypatch.setattr(
-        _pack_graph, "_zero_map", lambda capture, op: np.ones(capture.seen[op.node].shapes[0][op.axis], bool)
+        _pack_graph._Graph, "zero_map", lambda graph, op: np.ones(graph.capture.seen[op.node].shapes[0][op.axis], bool)
     )
 
 
