@@ -18,7 +18,7 @@ from masksembles_core.packing import (
 from . import _packed_ops as ops
 from ._pack_capture import _Capture, _Seen, _target_name
 from ._pack_emit import MATMULS
-from ._pack_graph import _leaves
+from ._pack_graph import _Graph, _leaves
 
 # a CPU program proven per-sample whose largest tensor exceeds twice this size runs on chunks of the batch where it is
 # about this size: glibc hands blocks over 32 MiB straight back to the system, and every call page-faults on them
@@ -100,9 +100,11 @@ def _keeps_samples(capture: _Capture, node: fx.Node) -> bool:
     """An operation that falls back yet computes each sample from that sample alone, given that its tensors have
     one batch axis each (``_samples_per_chunk`` checks that): a tuple's element, ``unbind`` of another axis, a
     ``reshape``/``view`` with the batch first before and after (row-major order keeps each sample's block), a
-    broadcast along the batch, a concatenation along another axis, a softmax over another axis, and attention or a
+    broadcast along the batch, a concatenation along another axis, a softmax over another axis, attention or a
     matmul of two activations of one rank whose batch axes are the same leading one (they mix the last two axes
-    only). Anything else is not proven and keeps the whole batch in one call."""
+    only), an elementwise operation whose tensors have their batch on the same axis, and a move or reduction whose
+    evaluation on batch indices gives them whole on its output's batch axis. Anything else is not proven and keeps
+    the whole batch in one call."""
     name = _called(node)
     tensors = [n for n in node.all_input_nodes if n in capture.dynamic and capture.seen[n].tensor]
     axes = [_batch_axis(capture, n) for n in tensors]
@@ -134,7 +136,12 @@ def _keeps_samples(capture: _Capture, node: fx.Node) -> bool:
     if name in ("softmax", "log_softmax") and len(tensors) == 1 and axes[0] is not None:
         dim = capture.argument(node, "dim", 1)
         return isinstance(dim, int) and dim % capture.seen[tensors[0]].rank != axes[0]
-    return False
+    classified = capture.classified.get(node)  # an operation that would compact, at full width as it reads fallbacks
+    if classified is None or classified.kind not in ("channelwise", "combine") or out is None:
+        return False
+    if classified.rule == "map":  # a move or a reduction: the batch indices must come out whole on the batch axis
+        return len(axes) == 1 and axes[0] is not None and _Graph(capture).axis_map(classified, axes[0]) == out
+    return all(a == out for a in axes)
 
 
 def _in_chunks(packed: fx.GraphModule, example: Tensor, samples: int) -> tuple[nn.Module, fx.Graph]:
