@@ -49,8 +49,10 @@ model holds it, or (B, C, ...) when shared. ``Move``s bring a tensor from its pr
 consumer reads.
 
 Around the plan, what every adapter's ``pack`` does the same way: ``per_member_fallbacks`` (the shared fallbacks that
-must run per member), ``chosen_members``, ``output_mismatch`` (a built program checked against ``predict`` before it
-is returned) and ``timed_choice`` (which program ``program="auto"`` keeps, from interleaved timings).
+must run per member), ``program_macs`` (multiply-adds of a program and of the members' dense models),
+``chosen_members``, ``output_mismatch`` (a built program checked against ``predict`` before it is returned) and
+``timed_choice`` (which program ``program="auto"`` keeps, from interleaved timings). ``masksembles_core.captured``
+turns an adapter's captured operations into the graph ``plan_program`` reads.
 """
 
 from __future__ import annotations
@@ -659,6 +661,43 @@ def channel_indices(layouts: Sequence[IntArray]) -> tuple[IntArray, BoolArray]:
 
 
 # ------------------------------------------------------------------------------------------------ checks at pack time
+
+
+@dataclass(frozen=True)
+class Cost:
+    """What multiply-adds a node costs, per sample, as its adapter measured it: a Linear/convolution's ``positions``
+    (output positions per channel) and ``kernel`` (inputs read per input channel: 1 for Linear, the kernel's size
+    for a convolution), or a fallback's own multiply-adds in one dense model (attention products, a layer that
+    falls back)."""
+
+    positions: int = 0
+    kernel: int = 1
+    fallback: int = 0
+
+
+def program_macs(program: Program, costs: Mapping[str, Cost]) -> dict[str, int]:
+    """Multiply-adds per sample of the nodes ``costs`` names: ``"dense"`` in the members' dense models (one each),
+    ``"packed"`` in the program, ``"fallback"`` in its fallbacks (counted as the dense models run them)."""
+    channels = {step.name: step.node.channels for step in program.steps}
+    members = len(program.members)
+    macs = {"dense": 0, "packed": 0, "fallback": 0}
+    for step in program.steps:
+        cost = costs.get(step.name)
+        if cost is None:
+            continue
+        kind = step.node.kind
+        if kind == "fallback":
+            for key in macs:
+                macs[key] += cost.fallback * members
+        elif kind in ("mixing", "grouped"):
+            source = channels[step.edges[0].source]
+            grouped = source // step.node.groups if kind == "grouped" else 0
+            macs["dense"] += cost.positions * step.node.channels * (grouped or source) * cost.kernel * members
+            copies = 1 if step.placement.shared else members
+            inputs = grouped or step.edges[0].placement.width
+            macs["packed"] += cost.positions * copies * step.placement.width * inputs * cost.kernel
+    return macs
+
 
 K = TypeVar("K", bound=Hashable)
 VERIFY_SAMPLES = 4  # samples of the example input a built program is checked on

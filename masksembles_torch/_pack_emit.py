@@ -18,11 +18,13 @@ from torch import Tensor, fx, nn
 
 from masksembles_core.packing import (
     OUTPUT,
+    Cost,
     Move,
     Program,
     Step,
     block_indices,
     channel_indices,
+    program_macs,
 )
 
 from . import _packed_ops as ops
@@ -59,12 +61,13 @@ class _Emitter:
         self.scalars: dict[fx.Node, Any] = {}
         self.moved: dict[tuple[Any, ...], fx.Node] = {}
         self.copies: dict[str, str] = {}
-        self.macs = {"dense": 0, "packed": 0, "fallback": 0}
+        self.costs: dict[str, Cost] = {}
         self.same_shape: dict[fx.Node, tuple[int, ...]] = {}  # combines: the arguments shaped like the result
         self.last_axis_frames: dict[fx.Node, int] = {}  # to_batch/to_channels of (B, ..., m*C): C
         self.mlps: list[tuple[fx.Node, list[fx.Node], fx.Node]] = []  # members' Linear, activations, members' Linear
         for step in program.steps:
             self.values[step.name] = self._step(step)
+        self.macs = program_macs(program, self.costs)
         self._output(squeeze)
         self._in_place()
         self._member_major()
@@ -413,32 +416,16 @@ class _Emitter:
         return None if tensor is None else self._attribute("norm", tensor.detach())
 
     def _count(self, step: Step, op: _Op) -> None:
-        """Multiply-adds of Linear, convolution and attention nodes: as m dense models, as emitted."""
+        """The cost of Linear, convolution and attention nodes (``masksembles_core.packing.program_macs``)."""
         seen = self.capture.seen[op.node]
         seen = seen.parts[0] if seen.parts else seen  # nn.MultiheadAttention: (output, weights or None)
         if not seen.tensor or len(seen.batch_axes) != 1:
             return
-        per_sample = seen.per_sample
         if step.node.kind == "fallback":
-            dense = _fallback_macs(op, self.capture, per_sample) * self.m
-            self.macs["dense"] += dense
-            self.macs["packed"] += dense
-            self.macs["fallback"] += dense
-            return
-        if op.weight is None or op.how not in ("linear", "conv"):
-            return
-        per_output = math.prod(op.weight.shape[1:])
-        dense = per_sample * per_output * self.m
-        self.macs["dense"] += dense
-        outputs = per_sample
-        positions = outputs // seen.shapes[0][op.axis]
-        copies = 1 if step.placement.shared else self.m
-        width = step.placement.width
-        if step.node.kind == "grouped":
-            self.macs["packed"] += positions * copies * width * math.prod(op.weight.shape[1:])
-        else:
-            inputs = step.edges[0].placement.width
-            self.macs["packed"] += positions * copies * width * inputs * math.prod(op.weight.shape[2:])
+            self.costs[step.name] = Cost(fallback=_fallback_macs(op, self.capture, seen.per_sample))
+        elif op.weight is not None and op.how in ("linear", "conv"):
+            positions = seen.per_sample // seen.shapes[0][op.axis]
+            self.costs[step.name] = Cost(positions, math.prod(op.weight.shape[2:]))
 
     # ---- in place where nothing else reads
 

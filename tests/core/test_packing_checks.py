@@ -11,9 +11,13 @@ import pytest
 from masksembles_core.packing import (
     AUTO_MARGIN,
     AUTO_ROUNDS,
+    Cost,
+    GraphNode,
     choose_program,
     output_mismatch,
     per_member_fallbacks,
+    plan_program,
+    program_macs,
     timed_choice,
     timed_rounds,
 )
@@ -126,3 +130,25 @@ def test_a_shared_fallback_without_an_exact_batch_axis_runs_per_member_where_a_m
     nodes[5] = ("reads_after", "fallback", ("after",), True)  # reads the batch: per member, so 'after' must be too
     assert per_member_fallbacks(nodes, lambda name: name not in not_repeatable) == {"fold", "after"}
     assert per_member_fallbacks(nodes, lambda name: True) == set()
+
+
+def test_program_macs_count_what_each_member_reads_and_fallbacks_as_the_dense_models_run_them() -> None:
+    masks = np.array([[1, 1, 0, 0, 1, 0], [0, 1, 1, 0, 0, 1]], dtype=bool)  # 3 live channels of 6 each
+    nodes = [
+        GraphNode("x", "input", (), 6),
+        GraphNode("m", "masks", ("x",), 6, masks=masks),
+        GraphNode("conv", "mixing", ("m",), 4),  # a 3x3 convolution over 5x5 positions
+        GraphNode("dw", "grouped", ("conv",), 4, groups=4, zero_preserving=False),  # depthwise 3x3
+        GraphNode("attn", "fallback", ("dw",), 4),
+        GraphNode("fc", "mixing", ("attn",), 2),
+    ]
+    program = plan_program(nodes, "fc", [0, 1])
+    costs = {"conv": Cost(25, 9), "dw": Cost(25, 9), "attn": Cost(fallback=1000), "fc": Cost(1)}
+    macs = program_macs(program, costs)
+    dense = 25 * 4 * 6 * 9 + 25 * 4 * 1 * 9 + 1000 + 1 * 2 * 4
+    assert macs["dense"] == 2 * dense
+    assert macs["fallback"] == 2 * 1000
+    conv_inputs = program.step("conv").edges[0].placement.width
+    assert conv_inputs == 3  # each member reads only its 3 live channels
+    assert macs["packed"] == 2 * (25 * 4 * 3 * 9 + 25 * 4 * 1 * 9 + 1000 + 2 * 4)
+    assert program_macs(program, {}) == {"dense": 0, "packed": 0, "fallback": 0}
