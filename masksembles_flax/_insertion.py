@@ -20,7 +20,14 @@ import numpy as np
 from flax import nnx
 
 import masksembles_core as mc
-from masksembles_core.insertion import Candidate, LayerChange, LayerReport, check_insert_arguments, plan_insertion
+from masksembles_core.insertion import (
+    Candidate,
+    LayerChange,
+    LayerReport,
+    check_insert_arguments,
+    plan_insertion,
+    used_outside_its_call,
+)
 
 from ._nnx_layers import Masks, Masksembles, record_batch_size
 
@@ -59,6 +66,26 @@ class Masked(nnx.Module):
     def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
         return self.layer(self.masksembles(x), *args, **kwargs)
 
+    def __getattr__(self, name: str) -> Any:
+        """Only for names ``Masked`` lacks: one of the layer's (``kernel``), read by code that uses the layer's
+        weights without calling it, is an error that says what to do (a mask on the input would not apply there)."""
+        layer = self.__dict__.get("layer")
+        if not name.startswith("__") and layer is not None and hasattr(layer, name):
+            raise ReadOutsideCall(self, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+
+class ReadOutsideCall(AttributeError):
+    """The model read an attribute of a layer ``insert`` wrapped, outside the layer's call."""
+
+    def __init__(self, masked: Masked, name: str) -> None:
+        layer = type(masked.layer).__name__
+        super().__init__(
+            f"the model reads {name!r} of a {layer} that insert gave masks, outside the layer's call, where a mask on "
+            "its input would not apply: pass example_input= to insert, which then leaves such layers alone"
+        )
+        self.masked, self.attribute = masked, name
+
 
 def insert(
     model: ModuleT,
@@ -69,6 +96,7 @@ def insert(
     before: LayerFilter = (nnx.Conv, nnx.Linear),
     start: str | None = None,
     include_first: bool = False,
+    example_input: Any = None,
 ) -> ModuleT:
     """A copy of ``model`` with a Masksembles layer on the input of every chosen layer (the paper's recipe).
 
@@ -97,6 +125,11 @@ def insert(
             ``in_features``.
         start: path of the layer (or block) insertion starts from, e.g. ``"blocks.2"``; None for the whole model.
         include_first: also mask the network's first layer's input (the raw input).
+        example_input: a batch to run the new model on once (on a clone, so nothing in the copy changes), as the
+            model is called: an array (``model(x)``), a tuple (``model(*x)``) or a dict (``model(**x)``). A layer
+            whose attributes the model reads outside the layer's call (``x @ self.fc.kernel``) is then left alone
+            with the reason (``masksembles_core.insertion.used_outside_its_call``); without it, such a read of a
+            wrapped layer raises an error that says so.
 
     Returns:
         the copy, with the decisions as ``masksembles_report`` (a ``masksembles_core.insertion.LayerReport``; print
@@ -104,7 +137,8 @@ def insert(
 
     Raises:
         TypeError: ``model`` is not an ``nnx.Module``, or ``before`` is neither types nor a callable.
-        ValueError: bad ``n``/``scale``/``seed``, ``start`` names no layer, or no layer gets masks.
+        ValueError: bad ``n``/``scale``/``seed``, ``start`` names no layer, no layer gets masks, or the model fails
+            on ``example_input`` (with masks, outside every masked layer's attributes, or without them).
     """
     n, scale, seed = check_insert_arguments(n, scale, seed, start)
     if not isinstance(model, nnx.Module):
@@ -127,21 +161,53 @@ def insert(
         dotted for dotted, (_, node, _) in zip(order, nodes, strict=True)
         if isinstance(node, INPUT_LAYERS) or dotted in path_parts
     ][:1]  # fmt: skip
-    report = plan_insertion(
-        candidates, order, n, scale, seed=seed, start=start, include_first=include_first, first_layers=first
-    )
-    stacks = {row.path: _stack_shape(_node_at(model, path_parts[row.path])) for row in report.changed}
-    report = _stacked_report(report, stacks)
-    copy = nnx.clone(model, arrays=True)
-    _keep_attribute_order(model, copy)
-    for path, node, _ in nodes:
-        if isinstance(node, nnx.Module):
-            _keep_attribute_order(node, _node_at(copy, path))
-    for row in report.changed:
-        path = path_parts[row.path]
-        _replace(copy, path, Masked(_masksembles(row, n, scale, stacks[row.path]), _node_at(copy, path)))
-    copy.masksembles_report = report  # type: ignore[attr-defined]  # a static attribute: LayerReport is hashable
-    return record_batch_size(copy)  # a sample meets one member in every layer, also where the model folds the batch
+    reasons: dict[str, str] = {}
+    while True:  # each round leaves at least one more layer alone, until the model runs on example_input
+        report = plan_insertion(
+            [dataclasses.replace(c, reason=c.reason or reasons.get(c.path, "")) for c in candidates],
+            order, n, scale, seed=seed, start=start, include_first=include_first, first_layers=first,
+        )  # fmt: skip
+        stacks = {row.path: _stack_shape(_node_at(model, path_parts[row.path])) for row in report.changed}
+        report = _stacked_report(report, stacks)
+        copy = nnx.clone(model, arrays=True)
+        _keep_attribute_order(model, copy)
+        for path, node, _ in nodes:
+            if isinstance(node, nnx.Module):
+                _keep_attribute_order(node, _node_at(copy, path))
+        for row in report.changed:
+            path = path_parts[row.path]
+            _replace(copy, path, Masked(_masksembles(row, n, scale, stacks[row.path]), _node_at(copy, path)))
+        failed = {} if example_input is None else _read_outside_calls(model, copy, example_input)
+        if not failed:
+            copy.masksembles_report = report  # type: ignore[attr-defined]  # static: LayerReport is hashable
+            return record_batch_size(copy)  # a sample meets one member in every layer, also where it folds the batch
+        reasons.update(failed)
+
+
+def _call(model: nnx.Module, inputs: Any) -> Any:
+    if isinstance(inputs, tuple):
+        return model(*inputs)
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    return model(inputs)
+
+
+def _read_outside_calls(model: nnx.Module, copy: nnx.Module, inputs: Any) -> dict[str, str]:
+    """Run a clone of ``copy`` on ``inputs``: the path of a layer whose attribute the model read outside the layer's
+    call, with the reason (empty when it runs)."""
+    trial = nnx.clone(copy)  # the run must not change the copy (BatchNorm statistics, RNG counts)
+    paths = {id(node): _dotted(path) for path, node, _ in _walk(trial) if isinstance(node, Masked)}
+    try:
+        _call(trial, inputs)
+    except ReadOutsideCall as read:
+        return {paths[id(read.masked)]: used_outside_its_call("the model's own code", (read.attribute,))}
+    except Exception as failure:
+        try:
+            _call(nnx.clone(model), inputs)
+        except Exception as plain:
+            raise ValueError(f"insert: the model fails on example_input without masks ({plain})") from plain
+        raise ValueError(f"insert: the model fails on example_input with masks ({failure})") from failure
+    return {}
 
 
 def _stacked_report(report: LayerReport, stacks: dict[str, tuple[int, ...]]) -> LayerReport:

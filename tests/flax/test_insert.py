@@ -375,3 +375,42 @@ def test_a_model_must_be_a_module_with_a_layer_to_mask() -> None:
         insert([CNN(nnx.Rngs(0))], 4, 2.0)  # type: ignore[type-var]
     with pytest.raises(ValueError, match=r"insert found no layer to put masks before \(1 candidates\)"):
         insert(nnx.Sequential(nnx.Linear(3, 4, rngs=nnx.Rngs(0))), 4, 2.0)
+
+
+class ReadsAKernel(nnx.Module):
+    """Uses ``qkv``'s weights without calling it, as torchvision's shifted-window attention does with F.linear."""
+
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.stem = nnx.Linear(3, 8, rngs=rngs)
+        self.qkv = nnx.Linear(8, 8, rngs=rngs)
+        self.head = nnx.Linear(8, 2, rngs=rngs)
+        self.norm = nnx.BatchNorm(8, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = self.norm(nnx.relu(self.stem(x)))
+        return self.head(h @ self.qkv.kernel[...] + self.qkv.bias[...])
+
+
+def test_a_layer_whose_weights_the_model_reads_outside_its_call_is_left_alone_with_example_input() -> None:
+    x = jax.random.normal(jax.random.key(0), (6, 3))
+    without = insert(ReadsAKernel(nnx.Rngs(0)), 4, 2.0, seed=0)
+    with pytest.raises(AttributeError, match=r"reads 'kernel' of a Linear that insert gave masks.*example_input="):
+        without(x)
+    model = ReadsAKernel(nnx.Rngs(0))
+    inserted = insert(model, 4, 2.0, seed=0, example_input=x)
+    report = inserted.masksembles_report
+    assert actions(report) == {"stem": LEFT, "qkv": LEFT, "head": INSERTED}
+    assert report.unchanged[1].reason == (
+        "its weights (kernel) are used by the model's own code outside its own call: a mask on its input would not "
+        "apply there"
+    )
+    assert report.changed[0].seed == mc.derive_seed(0, 0)  # seeds count the layers that got masks
+    assert isinstance(inserted.qkv, nnx.Linear) and isinstance(inserted.head, Masked)
+    statistics = np.asarray(inserted.norm.mean[...]).copy()
+    assert predict(inserted, x, 4).shape == (4, 6, 2)
+    np.testing.assert_array_equal(np.asarray(inserted.norm.mean[...]), statistics)  # the trial ran on a clone
+
+
+def test_a_model_that_fails_on_example_input_is_an_error_that_says_whether_masks_are_the_cause() -> None:
+    with pytest.raises(ValueError, match="insert: the model fails on example_input without masks"):
+        insert(ReadsAKernel(nnx.Rngs(0)), 4, 2.0, seed=0, example_input=jnp.ones((6, 5)))
