@@ -141,6 +141,20 @@ def used_outside_its_call(user: str, weights: Iterable[str] = ()) -> str:
     return f"its weights{listed} are used by {user} outside its own call: a mask on its input would not apply there"
 
 
+def read_through_wrapper(user: str, names: Iterable[str]) -> str:
+    """The reason a layer is left alone when the model reads attributes of it that are not weights (``out_features``)
+    through the wrapper ``insert`` puts in its place."""
+    return f"its attributes ({', '.join(names)}) are read by {user}, and Masked does not forward them"
+
+
+def wrapper_attribute_error(layer: str, name: str) -> str:
+    """The error for code that reads attribute ``name`` of a wrapped ``layer`` (a type name) through its wrapper."""
+    return (
+        f"Masked does not forward attributes to its {layer}: read .layer.{name} (code that uses a wrapped layer's "
+        "weights without calling it would skip the masks; insert(..., example_input=...) leaves such layers alone)"
+    )
+
+
 def check_insert_arguments(n: object, scale: object, seed: object, start: object) -> tuple[int, float, int | None]:
     """Validate ``insert``'s common arguments, in one order for every framework; return (n, scale, seed)."""
     n = check_n(n)

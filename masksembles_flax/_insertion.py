@@ -11,10 +11,12 @@ Which of the chosen layers get masks is decided by the rule every framework shar
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -26,7 +28,9 @@ from masksembles_core.insertion import (
     LayerReport,
     check_insert_arguments,
     plan_insertion,
+    read_through_wrapper,
     used_outside_its_call,
+    wrapper_attribute_error,
 )
 
 from ._nnx_layers import Masks, Masksembles, record_batch_size
@@ -63,8 +67,15 @@ class Masked(nnx.Module):
         self.masksembles = masksembles
         self.layer = layer
 
-    def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
-        return self.layer(self.masksembles(x), *args, **kwargs)
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """``layer`` on its masked first input, passed by position or by the name of the layer's first parameter
+        (``inputs=x`` for ``nnx.Linear``)."""
+        if args:
+            return self.layer(self.masksembles(args[0]), *args[1:], **kwargs)
+        name = next(iter(inspect.signature(self.layer).parameters), None)
+        if name not in kwargs:
+            raise TypeError(f"Masked() needs the input of its {type(self.layer).__name__} (x or {name}=)")
+        return self.layer(**{**kwargs, name: self.masksembles(kwargs[name])})
 
     def __getattr__(self, name: str) -> Any:
         """Only for names ``Masked`` lacks: one of the layer's (``kernel``), read by code that uses the layer's
@@ -79,10 +90,9 @@ class ReadOutsideCall(AttributeError):
     """The model read an attribute of a layer ``insert`` wrapped, outside the layer's call."""
 
     def __init__(self, masked: Masked, name: str) -> None:
-        layer = type(masked.layer).__name__
         super().__init__(
-            f"the model reads {name!r} of a {layer} that insert gave masks, outside the layer's call, where a mask on "
-            "its input would not apply: pass example_input= to insert, which then leaves such layers alone"
+            f"{type(masked).__name__!r} object has no attribute {name!r}; "
+            f"{wrapper_attribute_error(type(masked.layer).__name__, name)}"
         )
         self.masked, self.attribute = masked, name
 
@@ -200,7 +210,10 @@ def _read_outside_calls(model: nnx.Module, copy: nnx.Module, inputs: Any) -> dic
     try:
         _call(trial, inputs)
     except ReadOutsideCall as read:
-        return {paths[id(read.masked)]: used_outside_its_call("the model's own code", (read.attribute,))}
+        user = "the model's own code"
+        if isinstance(getattr(read.masked.layer, read.attribute), nnx.Variable | jax.Array):
+            return {paths[id(read.masked)]: used_outside_its_call(user, (read.attribute,))}
+        return {paths[id(read.masked)]: read_through_wrapper(user, (read.attribute,))}
     except Exception as failure:
         try:
             _call(nnx.clone(model), inputs)

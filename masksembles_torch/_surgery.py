@@ -45,7 +45,9 @@ from masksembles_core.insertion import (
     check_insert_arguments,
     plan_conversion,
     plan_insertion,
+    read_through_wrapper,
     used_outside_its_call,
+    wrapper_attribute_error,
 )
 
 from ._layers import Masksembles, record_batch_size
@@ -82,9 +84,15 @@ class Masked(nn.Module):
         self.masksembles = masksembles
         self.layer = layer
 
-    def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Any:
-        """``layer`` on the masked ``x``: (B, ...) -> ``layer``'s output."""
-        return self.layer(self.masksembles(x), *args, **kwargs)
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """``layer`` on its masked first input, passed by position or by the name of ``layer.forward``'s first
+        parameter (``input=x`` for ``nn.Linear``): (B, ...) -> ``layer``'s output."""
+        if args:
+            return self.layer(self.masksembles(args[0]), *args[1:], **kwargs)
+        name = next(iter(inspect.signature(self.layer.forward).parameters), None)
+        if name not in kwargs:
+            raise TypeError(f"Masked.forward() needs the input of its {type(self.layer).__name__} (x or {name}=)")
+        return self.layer(**{**kwargs, name: self.masksembles(kwargs[name])})
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -97,10 +105,7 @@ class Masked(nn.Module):
             if note_read is not None:  # insert's example run: note who reads what, and let the model go on
                 note_read(name)
                 return getattr(layer, name)
-            raise AttributeError(
-                f"{error}; Masked does not forward attributes to its {type(layer).__name__}: read .layer.{name} "
-                "(code that uses a wrapped layer's weights without calling it would skip the masks)"
-            ) from None
+            raise AttributeError(f"{error}; {wrapper_attribute_error(type(layer).__name__, name)}") from None
 
 
 # --- shared by insert and convert_dropout ---------------------------------------------------------------------------
@@ -289,7 +294,7 @@ def _read_reason(layer: nn.Module, names: Collection[str], users: Collection[str
     weights = [name for name in names if isinstance(getattr(layer, name), Tensor)]
     if weights:
         return used_outside_its_call(" and ".join(users), weights)
-    return f"its attributes ({', '.join(names)}) are read by {' and '.join(users)}, and Masked does not forward them"
+    return read_through_wrapper(" and ".join(users), names)
 
 
 def _run_once(model: nn.Module, inputs: Inputs, wrappers: dict[str, Masked]) -> dict[str, str]:

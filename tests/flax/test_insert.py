@@ -394,7 +394,7 @@ class ReadsAKernel(nnx.Module):
 def test_a_layer_whose_weights_the_model_reads_outside_its_call_is_left_alone_with_example_input() -> None:
     x = jax.random.normal(jax.random.key(0), (6, 3))
     without = insert(ReadsAKernel(nnx.Rngs(0)), 4, 2.0, seed=0)
-    with pytest.raises(AttributeError, match=r"reads 'kernel' of a Linear that insert gave masks.*example_input="):
+    with pytest.raises(AttributeError, match=r"does not forward attributes to its Linear: read \.layer\.kernel"):
         without(x)
     model = ReadsAKernel(nnx.Rngs(0))
     inserted = insert(model, 4, 2.0, seed=0, example_input=x)
@@ -414,3 +414,12 @@ def test_a_layer_whose_weights_the_model_reads_outside_its_call_is_left_alone_wi
 def test_a_model_that_fails_on_example_input_is_an_error_that_says_whether_masks_are_the_cause() -> None:
     with pytest.raises(ValueError, match="insert: the model fails on example_input without masks"):
         insert(ReadsAKernel(nnx.Rngs(0)), 4, 2.0, seed=0, example_input=jnp.ones((6, 5)))
+
+
+def test_a_wrapped_layer_called_with_its_input_by_keyword_gets_it_masked() -> None:
+    layer = insert(CNN(nnx.Rngs(0)), 4, 2.0, seed=0).linear2
+    assert isinstance(layer, Masked)
+    x = jax.random.normal(jax.random.key(1), (8, 32))
+    np.testing.assert_array_equal(np.asarray(layer(inputs=x)), np.asarray(layer(x)))
+    with pytest.raises(TypeError, match="needs the input of its Linear"):
+        layer(other=x)
