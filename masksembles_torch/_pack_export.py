@@ -27,10 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, fx, nn
 from torch.fx.graph import _PyTreeInfo
-from torch.utils import _pytree as pytree
 
 from ._layers import Masksembles
-from ._structures import Inputs, call_arguments, map_batched
+from ._structures import Inputs, batched_tensors, call_arguments, map_batched
 
 ATEN = torch.ops.aten
 
@@ -39,8 +38,9 @@ FUNCTIONS: dict[Any, tuple[Callable[..., Any], int | None]] = {
     ATEN.linear.default: (F.linear, None), ATEN.conv1d.default: (F.conv1d, None),
     ATEN.conv2d.default: (F.conv2d, None), ATEN.conv3d.default: (F.conv3d, None),
     ATEN.layer_norm.default: (F.layer_norm, 5), ATEN.group_norm.default: (F.group_norm, 5),
-    ATEN.dropout.default: (F.dropout, None), ATEN.gelu.default: (F.gelu, None), ATEN.relu.default: (torch.relu, None),
-    ATEN.tanh.default: (torch.tanh, None), ATEN.sigmoid.default: (torch.sigmoid, None), ATEN.silu.default: (F.silu, None),
+    ATEN.dropout.default: (F.dropout, None), ATEN.gelu.default: (F.gelu, None),
+    ATEN.relu.default: (torch.relu, None), ATEN.tanh.default: (torch.tanh, None),
+    ATEN.sigmoid.default: (torch.sigmoid, None), ATEN.silu.default: (F.silu, None),
     ATEN.erf.default: (torch.erf, None), ATEN.exp.default: (torch.exp, None), ATEN.sqrt.default: (torch.sqrt, None),
     ATEN.rsqrt.default: (torch.rsqrt, None), ATEN.neg.default: (torch.neg, None), ATEN.abs.default: (torch.abs, None),
     ATEN.pow.Tensor_Scalar: (torch.pow, None), ATEN.transpose.int: (torch.transpose, None),
@@ -102,9 +102,7 @@ def flat_inputs(info: _PyTreeInfo, inputs: Inputs) -> list[Any]:
 
 
 def _batched(inputs: Inputs) -> list[Tensor]:
-    found: list[Tensor] = []
-    map_batched(inputs, lambda tensor: found.append(tensor) or tensor)
-    return found
+    return [tensor for _, tensor in batched_tensors(inputs)]
 
 
 def _batch_dims(value: Any, batch: Any) -> Any:
@@ -134,34 +132,39 @@ def _drop_checks(gm: fx.GraphModule) -> None:
 
 
 def _layers_as_modules(gm: fx.GraphModule, model: nn.Module) -> None:
-    """Each call of a Masksembles layer, which export inlined, as one ``call_module`` of the layer."""
+    """Each call of a Masksembles layer, which export inlined, as one ``call_module`` of the layer: the nodes the
+    call's result is computed from within the layer (export may share some, such as the masks' cast, between two
+    calls of one layer), which must read one tensor from outside it."""
     layers = {path: module for path, module in model.named_modules() if isinstance(module, Masksembles)}
-    runs: list[tuple[str, list[fx.Node]]] = []
+    within: dict[str, list[fx.Node]] = {}
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "get_attr", "output") or node.target is ATEN.sym_size.int:
             continue
         path = next((p for p in reversed(node.meta.get("nn_module_stack") or {}) if p in layers), None)
-        if path is None:
-            continue
-        if runs and runs[-1][0] == path and runs[-1][1][-1].next is node:
-            runs[-1][1].append(node)
-        else:
-            runs.append((path, [node]))
-    for path, nodes in runs:
+        if path is not None:
+            within.setdefault(path, []).append(node)
+    for path, nodes in within.items():
         inside = set(nodes)
-        read = {a for node in nodes for a in node.all_input_nodes if a not in inside and a.op != "get_attr"}
-        tensors = [a for a in read if isinstance(a.meta.get("val"), Tensor)]
-        results = [node for node in nodes if any(user not in inside for user in node.users)]
-        if len(tensors) != 1 or len(results) != 1:
-            continue
-        if not isinstance(gm.get_submodule(path), Masksembles):
-            gm.set_submodule(path, layers[path])
-        with gm.graph.inserting_before(results[0]):
-            layer = gm.graph.call_module(path, (tensors[0],))
-        layer.meta = {key: results[0].meta[key] for key in ("val", "nn_module_stack") if key in results[0].meta}
-        results[0].replace_all_uses_with(layer)
+        for result in [node for node in nodes if any(user not in inside for user in node.users)]:
+            call, pending = set(), [result]
+            while pending:
+                node = pending.pop()
+                if node not in call:
+                    call.add(node)
+                    pending += [a for a in node.all_input_nodes if a in inside]
+            read = {a for node in call for a in node.all_input_nodes if a not in inside and a.op != "get_attr"}
+            tensors = [a for a in read if isinstance(a.meta.get("val"), Tensor)]
+            if len(tensors) != 1:
+                continue
+            if not isinstance(gm.get_submodule(path), Masksembles):
+                gm.set_submodule(path, layers[path])
+            with gm.graph.inserting_before(result):
+                layer = gm.graph.call_module(path, (tensors[0],))
+            layer.meta = {key: result.meta[key] for key in ("val", "nn_module_stack") if key in result.meta}
+            result.replace_all_uses_with(layer)
         for node in reversed(nodes):
-            gm.graph.erase_node(node)
+            if not node.users:
+                gm.graph.erase_node(node)
 
 
 def _rewrite(node: fx.Node) -> None:
@@ -189,12 +192,14 @@ def _as_index(node: fx.Node) -> None:
     (``dim`` leading full slices), for constant integer arguments."""
     source, dim, *rest = node.args
     rank = _rank(source)
-    if rank is None or not isinstance(dim, int) or not all(isinstance(a, int | None) for a in rest):
+    if rank is None or not isinstance(source, fx.Node) or not isinstance(dim, int):
+        return
+    if not all(isinstance(a, int | None) for a in rest):
         return
     if node.target is ATEN.select.int:
         entry: Any = rest[0]
     else:
-        start, end, step = (*rest, None, None, None)[:3]
+        start, end, step = cast(list[int | None], [*rest, None, None, None][:3])
         if start in (0, None) and (end is None or end >= sys.maxsize) and step in (1, None):
             node.replace_all_uses_with(source)  # the whole axis: the tensor itself
             return

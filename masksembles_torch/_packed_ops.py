@@ -8,7 +8,6 @@ blocks side by side on the channel axis, (B, m*P, ...); or *dense*, every channe
 from __future__ import annotations
 
 import copy
-
 import itertools
 import math
 from collections.abc import Callable, Sequence

@@ -198,18 +198,20 @@ def _whole_model(
     graph = fx.Graph()
     if isinstance(example, Tensor):
         tiled = graph.call_function(ops.tile, (graph.placeholder("x"), n, 0))
-        result = graph.call_function(ops.select_members, (graph.call_module("model", (tiled,)), n, axes, chosen, squeeze))
+        result = graph.call_function(
+            ops.select_members, (graph.call_module("model", (tiled,)), n, axes, chosen, squeeze)
+        )
         graph.output(result)
         return _dense_whole(root, graph, chosen, squeeze)
     args, kwargs = call_arguments(example)
     leaves, spec = pytree.tree_flatten((args, kwargs))
-    tiled = [
+    given = [
         graph.call_function(ops.tile, (graph.placeholder(f"leaf_{i}"), n, 0))
         if isinstance(leaf, Tensor) and leaf.ndim
         else graph.placeholder(f"leaf_{i}")
         for i, leaf in enumerate(leaves)
     ]
-    args, kwargs = pytree.tree_unflatten(tiled, spec)
+    args, kwargs = pytree.tree_unflatten(given, spec)
     result = graph.call_module("model", tuple(args), dict(kwargs))
     graph.output(graph.call_function(ops.select_members, (result, n, axes, chosen, squeeze)))
     names = [f"input_{i}" for i in range(len(args))] + list(kwargs)  # forward's: the model's positions and keywords
