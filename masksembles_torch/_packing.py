@@ -6,16 +6,17 @@ compacted weights instead of full-width layers on a tiled batch. ``extract_membe
 smaller dense model. Both have eval semantics (BatchNorm running statistics, Dropout off, grouped masks) and return an
 ordinary ``torch.fx.GraphModule``: printable, ``torch.compile``-able and exportable.
 
-How, one file a step: ``_pack_capture`` traces the model with torch.fx in eval mode, runs it on the example input at
-two batch sizes (every tensor's shape and batch axis) and classifies each operation as a ``masksembles_core.packing``
+How, one file a step: ``_pack_capture`` traces the model with torch.fx in eval mode (or captures it with
+``torch.export``, ``_pack_export``, for several inputs or a model torch.fx cannot trace), runs it on the example input
+at two batch sizes (every tensor's shape and batch axis) and classifies each operation as a ``masksembles_core.packing``
 kind: what can be compacted (Linear and convolutions of any ``groups``, BatchNorm, LayerNorm/GroupNorm over the
-channels, elementwise operations with scalar or per-channel arguments, pooling and reductions over other axes, moves
-of the channel axis, sums/products, concatenations, flattening, Masksembles) or a *fallback* that runs exactly as the
-dense model runs it, at full width on the member-stacked batch (``PackedMasksembles.fallbacks`` lists them);
-``_pack_graph`` solves the channel axes and builds the core's graph, from which the core decides which channels each
-member computes; ``_pack_emit`` writes the program as an fx graph over the kernels of ``_packed_ops``; ``_pack_chunks``
-proves a CPU program per-sample and runs it on chunks of the batch. This module builds, verifies against ``predict``
-and chooses (``pack``, ``extract_member``).
+channels, elementwise operations with scalar or per-channel arguments, pooling and reductions over other axes, moves of
+the channel axis, sums/products, concatenations, flattening, Masksembles) or a *fallback* that runs exactly as the dense
+model runs it, at full width on the member-stacked batch (``PackedMasksembles.fallbacks`` lists them); ``_pack_graph``
+solves the channel axes and builds the core's graph, from which the core decides which channels each member computes;
+``_pack_emit`` writes the program as an fx graph over the kernels of ``_packed_ops``; ``_pack_chunks`` proves a CPU
+program per-sample and runs it on chunks of the batch. This module builds, verifies against ``predict`` and chooses
+(``pack``, ``extract_member``).
 
 "Zero stays zero" is never assumed from an operation's name: an elementwise operation counts as zero-preserving on a
 channel only when evaluating it, with its own arguments, on +0 and -0 inputs gives 0 there.
@@ -340,32 +341,44 @@ def pack(model: nn.Module, example_input: Inputs, *, program: str = "auto", veri
     """All members of ``model`` in one call on compacted weights: (B, ...) -> (n, B, ...).
 
     Equals ``predict(model, x, n)`` (eval semantics) for finite activations, at about the cost the masks' overlap
-    allows instead of n dense forward passes. ``example_input`` is run through the traced model to record shapes; any
-    batch size works afterwards. ``forward`` is called with the input tensor alone: its other arguments keep their
-    defaults (a required one is refused). Any model torch.fx can trace in eval mode packs: what this module cannot
-    compact runs at full width (listed in ``fallbacks``); a model whose graph cannot be rewritten out of place (an
-    in-place operation on a view read after it) runs whole on the member-stacked batch (``program == "dense"``).
+    allows instead of n dense forward passes. ``example_input`` is what the model is called with, as in ``predict``:
+    a tensor (``model(x)``), a tuple (``model(*x)``) or a dict of keyword inputs (``model(**x)``, a ``transformers``
+    model's ``input_ids``, ``attention_mask``, ...), every tensor in it batch-first. It is run through the captured
+    model to record shapes; any batch size works afterwards, and the packed module is called the same way (the same
+    keys and flags), returning the model's output structure with the members first (``out.logits`` (n, B, ...)).
+
+    Capture: a tensor input goes through torch.fx (``forward`` called with it alone: its other arguments keep their
+    defaults, a required one is refused). A model torch.fx cannot trace (``transformers`` models), or a tuple or dict
+    of inputs, is captured with ``torch.export`` (eval mode, the batch symbolic): each Masksembles layer is found again
+    from export's module stacks, and the ATen operations with a torch-level twin are read as that twin; batch-first
+    inputs other than the first (an attention mask) are read as the model reads them, tiled for the members where a
+    full-width operation needs them. What this module cannot compact runs at full width (listed in ``fallbacks``:
+    attention in a transformer); a model whose graph cannot be rewritten out of place (an in-place operation on a
+    view read after it) runs whole on the member-stacked batch (``program == "dense"``).
 
     Args:
-        program: ``"packed"`` (compacted where it can; on CPU, on chunks of the batch where its tensors are large
-            and it is proven per-sample), ``"dense"`` (the tiled dense model as one graph: every node as the model
-            runs it, on the member-stacked batch), or ``"auto"`` (the default: both, and the packed program in one
-            call where it would run in chunks, are timed in interleaved rounds on ``example_input``; the packed
-            program is kept unless another was clearly faster (``masksembles_core.packing.choose_program``);
-            ``seconds`` holds the medians and ``choice`` the reason; give an example of the batch size you will run).
+        program: ``"packed"`` (compacted where it can; on CPU, on chunks of the batch where its tensors are large and a
+            torch.fx capture proves it per-sample), ``"dense"`` (the tiled dense model as one graph: every node as the
+            model runs it, on the member-stacked batch), or ``"auto"`` (the default: both, and the packed program in one
+            call where it would run in chunks, are timed in interleaved rounds on ``example_input``; the packed program
+            is kept unless another was clearly faster (``masksembles_core.packing.choose_program``); ``seconds`` holds
+            the medians and ``choice`` the reason; give an example of the batch size you will run).
         verify: compare the program with ``predict`` on the first few samples of ``example_input`` before returning
             it (the default). One that differs beyond float rounding is never returned: every node then runs at full
             width, or the whole model tiled, and the first entry of ``fallbacks`` says why. ``False`` skips it.
 
     Raises:
-        ValueError: the model cannot be traced, needs more than one input, has no Masksembles layer, or holds
-            Masksembles layers of different n.
+        ValueError: neither torch.fx nor torch.export can capture the model (an output holding an object such as a
+            key-value cache: pass ``use_cache=False``), it needs more than one input tensor and was given one, has no
+            Masksembles layer, or holds Masksembles layers of different n; or the tensors of ``example_input`` have
+            different batch sizes.
     """
     return _packed(model, example_input, None, False, program, verify)
 
 
 def extract_member(model: nn.Module, k: int, example_input: Inputs, *, verify: bool = True) -> PackedMasksembles:
-    """Member ``k`` of ``model`` as a standalone dense model: (B, ...) -> (B, ...).
+    """Member ``k`` of ``model`` as a standalone dense model: (B, ...) -> (B, ...), called as the model is called on
+    ``example_input`` (a tensor, tuple or dict, as in ``pack``) and returning the model's output structure.
 
     Every layer next to a Masksembles layer is physically shrunk to member ``k``'s live channels; the output equals
     group ``k``'s output of the masked model (eval semantics, finite values), verified as in ``pack``. Same support and
