@@ -140,3 +140,11 @@ def test_the_whole_model_fallback_is_called_as_the_model(monkeypatch: pytest.Mon
     member = mt.extract_member(model, 1, batch)
     expected = mt.predict(model, batch)
     assert_same_output(member(**batch), type(expected)(**{key: value[1] for key, value in expected.items()}))
+
+
+def test_the_packed_bert_exports_with_torch_export() -> None:
+    model = surgery("bert", "insert")
+    batch = inputs("bert")
+    packed = mt.pack(model, batch, program="packed")
+    exported = torch.export.export(packed, (), batch, strict=False).module()
+    assert_same_output(exported(**batch), packed(**batch))
