@@ -23,6 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, fx, nn
+from torch.fx.graph import _PyTreeInfo
 
 from masksembles_core.captured import CapturedOp
 from masksembles_core.packing import (
@@ -30,6 +31,8 @@ from masksembles_core.packing import (
 )
 
 from ._layers import Masksembles
+from ._pack_export import exported, flat_inputs
+from ._structures import Inputs, batch_size, batched_tensors, map_batched
 
 PREFIX = "pack/extract_member"
 
@@ -177,6 +180,21 @@ def _trace(model: nn.Module) -> fx.GraphModule:
         ) from error
     _drop_defaults(graph)
     return fx.GraphModule(model, graph)
+
+
+def _exported(model: nn.Module, example: Inputs, traced: ValueError | None) -> tuple[fx.GraphModule, _PyTreeInfo]:
+    """The model captured by ``torch.export`` (``_pack_export``), for inputs other than one tensor or a model
+    torch.fx could not trace (``traced``: why)."""
+    try:
+        return exported(model, example)
+    except Exception as error:  # torch.export raises many types for what it cannot capture
+        why = f"{type(error).__name__}: {str(error).strip().splitlines()[0]}"
+        if traced is not None:
+            raise ValueError(f"{traced}; torch.export failed too: {why}") from error
+        raise ValueError(
+            f"{PREFIX} need a model torch.export can capture in eval mode; exporting {type(model).__name__} failed: "
+            f"{why}"
+        ) from error
 
 
 def _drop_defaults(graph: fx.Graph) -> None:
@@ -352,23 +370,25 @@ class _Probe(fx.Interpreter):
 
 
 def _probe(
-    gm: fx.GraphModule, example: Tensor, constants: set[fx.Node]
+    gm: fx.GraphModule, runs: Sequence[list[Any]], constants: set[fx.Node]
 ) -> tuple[dict[fx.Node, _Seen], dict[fx.Node, Any]]:
-    """Run the graph at the example's batch size and at one more; return what was seen and the constants' values."""
-    runs = []
+    """Run the graph on the example's inputs and on one more sample (``runs``: the placeholders' values of each);
+    return what was seen and the constants' values."""
+    probes = []
     with torch.no_grad():
-        for index, batch in enumerate((example, torch.cat([example, example[:1]]))):
+        for index, values in enumerate(runs):
             probe = _Probe(gm, constants if index == 0 else set())
             try:
-                probe.run(batch.clone())
+                probe.run(*[value.clone() if isinstance(value, Tensor) else value for value in values])
             except Exception as error:
+                batch = next(value.shape[0] for value in values if isinstance(value, Tensor) and value.ndim)
                 raise ValueError(
-                    f"{PREFIX}: the traced model fails on the example input at batch {batch.shape[0]}: "
+                    f"{PREFIX}: the traced model fails on the example input at batch {batch}: "
                     f"{type(error).__name__}: {error}"
                 ) from error
-            runs.append(probe)
-    seen = {node: _merge(runs[0].seen[node], runs[1].seen[node]) for node in runs[0].seen}
-    return seen, runs[0].kept
+            probes.append(probe)
+    seen = {node: _merge(probes[0].seen[node], probes[1].seen[node]) for node in probes[0].seen}
+    return seen, probes[0].kept
 
 
 @dataclass(eq=False)
@@ -406,28 +426,43 @@ def _members_of(layers: Sequence[Masksembles]) -> int:
 class _Capture:
     """The traced model, what the probe saw, and every node's classification."""
 
-    def __init__(self, model: nn.Module, example: Tensor) -> None:
-        if not isinstance(example, Tensor) or example.dim() < 1 or example.shape[0] < 1:
-            raise ValueError(f"{PREFIX} need an example input tensor with a batch of at least 1 on axis 0")
-        self.gm = _trace(model)
-        _functionalize(self.gm)
-        self.gm.graph.eliminate_dead_code()
+    def __init__(self, model: nn.Module, example: Inputs) -> None:
+        tensors = batched_tensors(example, "example_input")
+        if not tensors or min(tensor.shape[0] for _, tensor in tensors) < 1:
+            raise ValueError(f"{PREFIX} need an example input with a batch of at least 1 on axis 0")
+        batch_size(example)  # every tensor's the same
+        self.entry: _PyTreeInfo | None = None  # a torch.export capture: how its placeholders take the model's inputs
+        if isinstance(example, Tensor):
+            try:
+                self.gm = _trace(model)
+            except ValueError as error:
+                self.gm, self.entry = _exported(model, example, error)
+        else:
+            self.gm, self.entry = _exported(model, example, None)
+        if self.entry is None:
+            _functionalize(self.gm)
+            self.gm.graph.eliminate_dead_code()
         placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
-        if len(placeholders) != 1:
+        if self.entry is None and len(placeholders) != 1:
             names = [str(node.target) for node in placeholders]
             raise ValueError(
                 f"{PREFIX} support models called with one input tensor (other arguments of forward need defaults); "
                 f"this one requires {len(placeholders)}: {names}"
             )
-        self.input = placeholders[0]
-        self.device = example.device
+        given = dict(zip(placeholders, self.flat(example), strict=True))
+        # the batch-first tensors among the inputs: the first is the input the core starts from, the others run as
+        # the model runs them (fallbacks without inputs) wherever they are read
+        self.placeholders = [node for node, value in given.items() if isinstance(value, Tensor) and value.ndim]
+        self.input = self.placeholders[0]
+        self.device = tensors[0][1].device
         self.dynamic: set[fx.Node] = set()
         for node in self.gm.graph.nodes:
             if node.op == "placeholder" or any(a in self.dynamic for a in node.all_input_nodes):
                 self.dynamic.add(node)
         constants = {n for n in self.gm.graph.nodes if n not in self.dynamic and n.op != "output"}
-        self.seen, self.constants = _probe(self.gm, example, constants)
-        self.values: set[fx.Node] = {self.input}  # the model values: tensors, tuples and what is read from them
+        larger = map_batched(example, lambda tensor: torch.cat([tensor, tensor[:1]]))
+        self.seen, self.constants = _probe(self.gm, [self.flat(example), self.flat(larger)], constants)
+        self.values: set[fx.Node] = set(self.placeholders)  # the model values: tensors, tuples and what they give
         for node in self.gm.graph.nodes:
             if node in self.dynamic and node.op not in ("placeholder", "output") and self._is_value(node):
                 self.values.add(node)
@@ -438,6 +473,10 @@ class _Capture:
                 self.ops[node] = self._classify(node)
         self.n = _members_of([cast(Masksembles, op.module) for op in self.ops.values() if op.kind == "masks"])
         self.classified = self.ops
+
+    def flat(self, inputs: Inputs) -> list[Any]:
+        """``inputs`` (of the example's structure) as the graph's placeholders take them."""
+        return [inputs] if self.entry is None else flat_inputs(self.entry, inputs)
 
     def reset(self, dense: bool) -> None:
         """Fresh operations for one build (the passes mark fallbacks and axes on them): as classified, or every one

@@ -7,6 +7,7 @@ blocks side by side on the channel axis, (B, m*P, ...); or *dense*, every channe
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 from collections.abc import Callable, Sequence
@@ -257,8 +258,11 @@ def _map_leaves(function: Callable[[Any], Any], tree: Any) -> Any:
     """``tree`` (tuples, lists and dicts of leaves) with ``function`` applied to every leaf, in order."""
     if isinstance(tree, (tuple, list)):
         return type(tree)(_map_leaves(function, item) for item in tree)
-    if isinstance(tree, dict):
-        return {key: _map_leaves(function, item) for key, item in tree.items()}
+    if isinstance(tree, dict):  # a transformers ModelOutput keeps its class
+        mapped = copy.copy(tree)
+        for key, item in tree.items():
+            mapped[key] = _map_leaves(function, item)
+        return mapped
     return function(tree)
 
 

@@ -6,8 +6,9 @@ compacted weights instead of full-width layers on a tiled batch. ``extract_membe
 smaller dense model. Both have eval semantics (BatchNorm running statistics, Dropout off, grouped masks) and return an
 ordinary ``torch.fx.GraphModule``: printable, ``torch.compile``-able and exportable.
 
-How, one file a step: ``_pack_capture`` traces the model with torch.fx in eval mode, runs it on the example input at
-two batch sizes (every tensor's shape and batch axis) and classifies each operation as a ``masksembles_core.packing``
+How, one file a step: ``_pack_capture`` traces the model with torch.fx in eval mode (or captures it with
+``torch.export``, ``_pack_export``, for several inputs or a model torch.fx cannot trace), runs it on the example input
+at two batch sizes (every tensor's shape and batch axis) and classifies each operation as a ``masksembles_core.packing``
 kind: what can be compacted (Linear and convolutions of any ``groups``, BatchNorm, LayerNorm/GroupNorm over the
 channels, elementwise operations with scalar or per-channel arguments, pooling and reductions over other axes, moves
 of the channel axis, sums/products, concatenations, flattening, Masksembles) or a *fallback* that runs exactly as the
@@ -15,8 +16,7 @@ dense model runs it, at full width on the member-stacked batch (``PackedMasksemb
 ``_pack_graph`` answers the core's questions about it (``masksembles_core.captured`` solves the channel axes and builds
 the core's graph, from which the core decides which channels each member computes); ``_pack_emit`` writes the program
 as an fx graph over the kernels of ``_packed_ops``; ``_pack_chunks`` proves a CPU program per-sample and runs it on
-chunks of the batch. This module builds, verifies against ``predict``
-and chooses (``pack``, ``extract_member``).
+chunks of the batch. This module builds, verifies against ``predict`` and chooses (``pack``, ``extract_member``).
 
 "Zero stays zero" is never assumed from an operation's name: an elementwise operation counts as zero-preserving on a
 channel only when evaluating it, with its own arguments, on +0 and -0 inputs gives 0 there.
@@ -38,6 +38,8 @@ from typing import Any, cast
 import numpy as np
 import torch
 from torch import Tensor, fx, nn
+from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
+from torch.utils import _pytree as pytree
 
 from masksembles_core import captured
 from masksembles_core.adapter import check_program
@@ -57,6 +59,7 @@ from ._pack_capture import _Capture, _describe, _members_of, _SharedInPlace
 from ._pack_chunks import _in_chunks, _samples_per_chunk
 from ._pack_emit import _Emitter
 from ._pack_graph import _planned, _solve_axes
+from ._structures import Inputs, batch_size, batched_tensors, call, call_arguments, map_batched
 
 
 class PackedMasksembles(fx.GraphModule):
@@ -127,7 +130,7 @@ def _eval_mode(model: nn.Module) -> Iterator[None]:
 
 def _build(
     capture: _Capture,
-    example: Tensor,
+    example: Inputs,
     chosen: Sequence[int],
     squeeze: bool,
     *,
@@ -139,13 +142,18 @@ def _build(
     graph, axis = _solve_axes(capture)
     nodes, output = captured.graph_nodes(graph, axis)
     program = plan_program(nodes, output, _planned(capture, chosen))
-    samples = _samples_per_chunk(capture, program, example) if chunks else 0
-    emitter = _Emitter(capture, axis, program, squeeze, samples or example.shape[0], chosen)
+    # a torch.export capture (several inputs) runs in one call
+    samples = _samples_per_chunk(capture, program, example) if chunks and isinstance(example, Tensor) else 0
+    emitter = _Emitter(capture, axis, program, squeeze, samples or batch_size(example), chosen)
     packed = PackedMasksembles(emitter.root, emitter.graph, class_name="PackedMasksembles")
     if samples:
-        packed = PackedMasksembles(*_in_chunks(packed, example, samples), class_name="PackedMasksembles")
+        packed = PackedMasksembles(*_in_chunks(packed, cast(Tensor, example), samples), class_name="PackedMasksembles")
+    if capture.entry is not None:
+        packed = _entry(packed, capture)
     fallbacks = tuple(
-        _describe(capture.ops[emitter.by_name[name]].node, capture.gm) for name in program.fallbacks if name != OUTPUT
+        _describe(capture.ops[emitter.by_name[name]].node, capture.gm)
+        for name in program.fallbacks
+        if name != OUTPUT and emitter.by_name[name].op != "placeholder"  # an input read as it is
     )
     packed.meta["masksembles"] = {
         "members": tuple(chosen), "fallbacks": fallbacks, "macs": dict(emitter.macs),
@@ -154,27 +162,66 @@ def _build(
     return packed.eval()
 
 
-def _member_outputs(model: nn.Module, x: Tensor, n: int) -> tuple[Any, tuple[int, ...]]:
+def _entry(program: PackedMasksembles, capture: _Capture) -> PackedMasksembles:
+    """The program of a torch.export capture called as the model is (``packed(**inputs)``, ``packed(*inputs)``),
+    returning the model's output structure: it takes the batch-first tensors of the inputs and returns the output's
+    leaves (``capture.entry`` says how they flatten and unflatten)."""
+    assert capture.entry is not None
+    root = nn.Module()
+    root.flat = program
+    graph = fx.Graph()
+    placeholders = {node: graph.placeholder(node.name) for node in capture.gm.graph.nodes if node.op == "placeholder"}
+    graph.output(graph.call_module("flat", tuple(placeholders[node] for node in capture.placeholders)))
+    graph._codegen = _PyTreeCodeGen(capture.entry)
+    packed = PackedMasksembles(root, graph, class_name="PackedMasksembles")
+    packed.meta = program.meta
+    return packed
+
+
+def _member_outputs(model: nn.Module, x: Inputs, n: int) -> tuple[Any, tuple[int, ...]]:
     """The model's output on ``x`` tiled ``n`` times (what ``predict`` runs) and each output leaf's batch axis (-1 for
     a leaf without one), found from a second run on one more sample."""
     with torch.no_grad():
-        small = model(ops.tile(x, n, 0))
-        large = model(ops.tile(torch.cat([x, x[:1]]), n, 0))
-    return small, ops.leaf_batch_axes(small, large, n * x.shape[0])
+        small = call(model, map_batched(x, functools.partial(ops.tile, members=n, batch_axis=0)))
+        larger = map_batched(x, lambda tensor: ops.tile(torch.cat([tensor, tensor[:1]]), n, 0))
+        large = call(model, larger)
+    return small, ops.leaf_batch_axes(small, large, n * batch_size(x))
 
 
 def _whole_model(
-    model: nn.Module, axes: Sequence[int], chosen: Sequence[int], squeeze: bool, n: int
+    model: nn.Module, example: Inputs, axes: Sequence[int], chosen: Sequence[int], squeeze: bool, n: int
 ) -> PackedMasksembles:
     """The model itself (a copy, in eval mode) on the member-stacked batch: what ``predict`` computes, each output
-    leaf's batch axis given by ``axes`` (``_member_outputs``). The caller says why in ``fallbacks``."""
+    leaf's batch axis given by ``axes`` (``_member_outputs``), called as the model is called on ``example``. The
+    caller says why in ``fallbacks``."""
     whole = copy.deepcopy(model).eval().requires_grad_(False)
     root = nn.Module()
     root.model = whole
     graph = fx.Graph()
-    tiled = graph.call_function(ops.tile, (graph.placeholder("x"), n, 0))
-    result = graph.call_function(ops.select_members, (graph.call_module("model", (tiled,)), n, axes, chosen, squeeze))
-    graph.output(result)
+    if isinstance(example, Tensor):
+        tiled = graph.call_function(ops.tile, (graph.placeholder("x"), n, 0))
+        result = graph.call_function(
+            ops.select_members, (graph.call_module("model", (tiled,)), n, axes, chosen, squeeze)
+        )
+        graph.output(result)
+        return _dense_whole(root, graph, chosen, squeeze)
+    args, kwargs = call_arguments(example)
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    given = [
+        graph.call_function(ops.tile, (graph.placeholder(f"leaf_{i}"), n, 0))
+        if isinstance(leaf, Tensor) and leaf.ndim
+        else graph.placeholder(f"leaf_{i}")
+        for i, leaf in enumerate(leaves)
+    ]
+    args, kwargs = pytree.tree_unflatten(given, spec)
+    result = graph.call_module("model", tuple(args), dict(kwargs))
+    graph.output(graph.call_function(ops.select_members, (result, n, axes, chosen, squeeze)))
+    names = [f"input_{i}" for i in range(len(args))] + list(kwargs)  # forward's: the model's positions and keywords
+    graph._codegen = _PyTreeCodeGen(_PyTreeInfo(names, spec, None))
+    return _dense_whole(root, graph, chosen, squeeze)
+
+
+def _dense_whole(root: nn.Module, graph: fx.Graph, chosen: Sequence[int], squeeze: bool) -> PackedMasksembles:
     packed = PackedMasksembles(root, graph, class_name="PackedMasksembles")
     packed.meta["masksembles"] = {
         "members": tuple(chosen), "fallbacks": (), "macs": {}, "program": "dense", "seconds": {}, "choice": "",
@@ -200,8 +247,8 @@ def _leaf_arrays(tree: Any) -> tuple[list[np.ndarray], list[float]]:
 class _Verifier:
     """Checks built programs against ``predict`` on the first ``VERIFY_SAMPLES`` samples of the example input."""
 
-    def __init__(self, model: nn.Module, example: Tensor, n: int, chosen: Sequence[int], squeeze: bool) -> None:
-        self.x = example[:VERIFY_SAMPLES]
+    def __init__(self, model: nn.Module, example: Inputs, n: int, chosen: Sequence[int], squeeze: bool) -> None:
+        self.x = map_batched(example, lambda tensor: tensor[:VERIFY_SAMPLES])
         output, self.axes = _member_outputs(model, self.x, n)
         self.expected = _leaf_arrays(ops.select_members(output, n, self.axes, chosen, squeeze))
 
@@ -209,7 +256,7 @@ class _Verifier:
         """Why ``packed`` differs from ``predict`` on the sample, or None."""
         try:
             with torch.no_grad():
-                actual = _leaf_arrays(packed(self.x))
+                actual = _leaf_arrays(call(packed, self.x))
         except Exception as error:  # a program that fails where the model runs differs from it
             return f"it raised {type(error).__name__}: {error}"
         return output_mismatch(self.expected[0], actual[0], self.expected[1])
@@ -233,25 +280,27 @@ def _verified(
             dense.meta["masksembles"]["fallbacks"] = (f"{reason}; every node runs at full width", *dense.fallbacks)
             return dense
         reason += f"; so did every node at full width ({also})"
-    whole = _whole_model(model, verifier.axes, packed.members, packed.meta["masksembles"]["squeeze"], capture.n)
+    squeeze = packed.meta["masksembles"]["squeeze"]
+    whole = _whole_model(model, verifier.x, verifier.axes, packed.members, squeeze, capture.n)
     whole.meta["masksembles"]["fallbacks"] = (f"{reason}: the whole model runs tiled",)
     return whole
 
 
-def _timed(module: nn.Module, x: Tensor) -> Callable[[], None]:
+def _timed(module: nn.Module, x: Inputs) -> Callable[[], None]:
     """One call of ``module`` on ``x``, waiting for its result."""
+    device = batched_tensors(x)[0][1].device
 
     def run() -> None:
         with torch.no_grad():
-            module(x)
-        if x.is_cuda:
-            torch.cuda.synchronize(x.device)
+            call(module, x)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
     return run
 
 
 def _packed(
-    model: nn.Module, example_input: Tensor, members: Sequence[int] | None, squeeze: bool, program: str, verify: bool
+    model: nn.Module, example_input: Inputs, members: Sequence[int] | None, squeeze: bool, program: str, verify: bool
 ) -> PackedMasksembles:
     """``pack``/``extract_member``: capture once, build the program(s), verify, and choose."""
     check_program(program)
@@ -261,7 +310,7 @@ def _packed(
         except _SharedInPlace as error:
             n = _members_of([layer for layer in model.modules() if isinstance(layer, Masksembles)])
             axes = _member_outputs(model, example_input, n)[1]
-            whole = _whole_model(model, axes, chosen_members(members, n), squeeze, n)
+            whole = _whole_model(model, example_input, axes, chosen_members(members, n), squeeze, n)
             whole.meta["masksembles"]["fallbacks"] = (f"the whole model, tiled: {error}",)
             return whole
         chosen = chosen_members(members, capture.n)
@@ -289,36 +338,48 @@ def _packed(
         return result
 
 
-def pack(model: nn.Module, example_input: Tensor, *, program: str = "auto", verify: bool = True) -> PackedMasksembles:
+def pack(model: nn.Module, example_input: Inputs, *, program: str = "auto", verify: bool = True) -> PackedMasksembles:
     """All members of ``model`` in one call on compacted weights: (B, ...) -> (n, B, ...).
 
     Equals ``predict(model, x, n)`` (eval semantics) for finite activations, at about the cost the masks' overlap
-    allows instead of n dense forward passes. ``example_input`` is run through the traced model to record shapes; any
-    batch size works afterwards. ``forward`` is called with the input tensor alone: its other arguments keep their
-    defaults (a required one is refused). Any model torch.fx can trace in eval mode packs: what this module cannot
-    compact runs at full width (listed in ``fallbacks``); a model whose graph cannot be rewritten out of place (an
-    in-place operation on a view read after it) runs whole on the member-stacked batch (``program == "dense"``).
+    allows instead of n dense forward passes. ``example_input`` is what the model is called with, as in ``predict``:
+    a tensor (``model(x)``), a tuple (``model(*x)``) or a dict of keyword inputs (``model(**x)``, a ``transformers``
+    model's ``input_ids``, ``attention_mask``, ...), every tensor in it batch-first. It is run through the captured
+    model to record shapes; any batch size works afterwards, and the packed module is called the same way (the same
+    keys and flags), returning the model's output structure with the members first (``out.logits`` (n, B, ...)).
+
+    Capture: a tensor input goes through torch.fx (``forward`` called with it alone: its other arguments keep their
+    defaults, a required one is refused). A model torch.fx cannot trace (``transformers`` models), or a tuple or dict
+    of inputs, is captured with ``torch.export`` (eval mode, the batch symbolic): each Masksembles layer is found again
+    from export's module stacks, and the ATen operations with a torch-level twin are read as that twin; batch-first
+    inputs other than the first (an attention mask) are read as the model reads them, tiled for the members where a
+    full-width operation needs them. What this module cannot compact runs at full width (listed in ``fallbacks``:
+    attention in a transformer); a model whose graph cannot be rewritten out of place (an in-place operation on a
+    view read after it) runs whole on the member-stacked batch (``program == "dense"``).
 
     Args:
-        program: ``"packed"`` (compacted where it can; on CPU, on chunks of the batch where its tensors are large
-            and it is proven per-sample), ``"dense"`` (the tiled dense model as one graph: every node as the model
-            runs it, on the member-stacked batch), or ``"auto"`` (the default: both, and the packed program in one
-            call where it would run in chunks, are timed in interleaved rounds on ``example_input``; the packed
-            program is kept unless another was clearly faster (``masksembles_core.packing.choose_program``);
-            ``seconds`` holds the medians and ``choice`` the reason; give an example of the batch size you will run).
+        program: ``"packed"`` (compacted where it can; on CPU, on chunks of the batch where its tensors are large and a
+            torch.fx capture proves it per-sample), ``"dense"`` (the tiled dense model as one graph: every node as the
+            model runs it, on the member-stacked batch), or ``"auto"`` (the default: both, and the packed program in one
+            call where it would run in chunks, are timed in interleaved rounds on ``example_input``; the packed program
+            is kept unless another was clearly faster (``masksembles_core.packing.choose_program``); ``seconds`` holds
+            the medians and ``choice`` the reason; give an example of the batch size you will run).
         verify: compare the program with ``predict`` on the first few samples of ``example_input`` before returning
             it (the default). One that differs beyond float rounding is never returned: every node then runs at full
             width, or the whole model tiled, and the first entry of ``fallbacks`` says why. ``False`` skips it.
 
     Raises:
-        ValueError: the model cannot be traced, needs more than one input, has no Masksembles layer, or holds
-            Masksembles layers of different n.
+        ValueError: neither torch.fx nor torch.export can capture the model (an output holding an object such as a
+            key-value cache: pass ``use_cache=False``), it needs more than one input tensor and was given one, has no
+            Masksembles layer, or holds Masksembles layers of different n; or the tensors of ``example_input`` have
+            different batch sizes.
     """
     return _packed(model, example_input, None, False, program, verify)
 
 
-def extract_member(model: nn.Module, k: int, example_input: Tensor, *, verify: bool = True) -> PackedMasksembles:
-    """Member ``k`` of ``model`` as a standalone dense model: (B, ...) -> (B, ...).
+def extract_member(model: nn.Module, k: int, example_input: Inputs, *, verify: bool = True) -> PackedMasksembles:
+    """Member ``k`` of ``model`` as a standalone dense model: (B, ...) -> (B, ...), called as the model is called on
+    ``example_input`` (a tensor, tuple or dict, as in ``pack``) and returning the model's output structure.
 
     Every layer next to a Masksembles layer is physically shrunk to member ``k``'s live channels; the output equals
     group ``k``'s output of the masked model (eval semantics, finite values), verified as in ``pack``. Same support and

@@ -25,11 +25,17 @@ Inputs = Tensor | tuple[Any, ...] | Mapping[str, Any]
 def call(model: nn.Module, inputs: Inputs) -> Any:
     """``model`` called on ``inputs`` as the model is called: ``model(**inputs)``, ``model(*inputs)`` or
     ``model(inputs)``."""
+    args, kwargs = call_arguments(inputs)
+    return model(*args, **kwargs)
+
+
+def call_arguments(inputs: Inputs) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The positional and keyword arguments of ``call(model, inputs)``."""
     if isinstance(inputs, Mapping):
-        return model(**inputs)
+        return (), dict(inputs)
     if isinstance(inputs, tuple):
-        return model(*inputs)
-    return model(inputs)
+        return inputs, {}
+    return (inputs,), {}
 
 
 def map_batched(inputs: Any, function: Callable[[Tensor], Tensor]) -> Any:

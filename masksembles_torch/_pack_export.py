@@ -1,0 +1,229 @@
+"""``pack``'s capture of a model torch.fx cannot trace, or that takes more than one input (``transformers`` models,
+called with keyword tensors): ``torch.export`` in eval mode, then the ATen graph rewritten for ``_pack_capture``.
+
+``torch.export`` (non-strict, the batch one symbolic size shared by every batch-first tensor) gives a graph of ATen
+operations with the parameters as attributes. Two rewrites make it the graph ``_pack_capture`` classifies:
+
+- every Masksembles layer's call, which export inlines into a gather of masks and a multiply, becomes one
+  ``call_module`` of the layer again: its nodes are found by the module stack export records on every node
+  (``nn_module_stack``), and a call that does not read exactly one tensor and give one is left inlined (then it is
+  not recognized, and ``pack`` says the model has no Masksembles layer);
+- every ATen operation that has a torch-level twin with the same arguments becomes that twin (``aten.linear`` ->
+  ``F.linear``, ``aten.view`` -> ``Tensor.view``, ``aten.add.Tensor`` -> ``operator.add``, ``aten.select.int`` ->
+  indexing, ...), and GPT-2's ``Conv1D`` (``addmm`` on the rows of a ``view``, viewed back) becomes ``F.linear`` on
+  the transposed weight: the rules ``_pack_capture`` has for those calls then apply unchanged. Anything else stays an
+  ATen call, which falls back (runs as the model runs it).
+"""
+
+from __future__ import annotations
+
+import inspect
+import operator
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, fx, nn
+from torch.fx.graph import _PyTreeInfo
+
+from ._layers import Masksembles
+from ._structures import Inputs, batched_tensors, call_arguments, map_batched
+
+ATEN = torch.ops.aten
+
+# ATen operations whose torch-level twin takes the same arguments: (target, how many leading arguments it keeps)
+FUNCTIONS: dict[Any, tuple[Callable[..., Any], int | None]] = {
+    ATEN.linear.default: (F.linear, None), ATEN.conv1d.default: (F.conv1d, None),
+    ATEN.conv2d.default: (F.conv2d, None), ATEN.conv3d.default: (F.conv3d, None),
+    ATEN.layer_norm.default: (F.layer_norm, 5), ATEN.group_norm.default: (F.group_norm, 5),
+    ATEN.dropout.default: (F.dropout, None), ATEN.gelu.default: (F.gelu, None),
+    ATEN.relu.default: (torch.relu, None), ATEN.tanh.default: (torch.tanh, None),
+    ATEN.sigmoid.default: (torch.sigmoid, None), ATEN.silu.default: (F.silu, None),
+    ATEN.erf.default: (torch.erf, None), ATEN.exp.default: (torch.exp, None), ATEN.sqrt.default: (torch.sqrt, None),
+    ATEN.rsqrt.default: (torch.rsqrt, None), ATEN.neg.default: (torch.neg, None), ATEN.abs.default: (torch.abs, None),
+    ATEN.pow.Tensor_Scalar: (torch.pow, None), ATEN.transpose.int: (torch.transpose, None),
+    ATEN.permute.default: (torch.permute, None), ATEN.unsqueeze.default: (torch.unsqueeze, None),
+    ATEN.squeeze.dim: (torch.squeeze, None), ATEN.flatten.using_ints: (torch.flatten, None),
+    ATEN.cat.default: (torch.cat, None), ATEN.split.Tensor: (torch.split, None),
+    ATEN.scaled_dot_product_attention.default: (F.scaled_dot_product_attention, None),
+    ATEN.softmax.int: (torch.softmax, None), ATEN.matmul.default: (torch.matmul, None),
+    ATEN.bmm.default: (torch.bmm, None), ATEN.add.Tensor: (operator.add, 2), ATEN.sub.Tensor: (operator.sub, 2),
+    ATEN.mul.Tensor: (operator.mul, 2), ATEN.div.Tensor: (operator.truediv, 2),
+}  # fmt: skip
+
+
+# ATen operations whose twin is a Tensor method with the same arguments
+METHODS = {
+    ATEN.view.default: "view", ATEN.reshape.default: "reshape", ATEN.expand.default: "expand",
+    ATEN.sym_size.int: "size", ATEN.contiguous.default: "contiguous", ATEN.clone.default: "clone",
+}  # fmt: skip
+
+
+# checks export adds (of metadata and guards), which the packed program does not need
+CHECKS = {ATEN._assert_tensor_metadata.default, ATEN._assert_scalar.default, ATEN.sym_constrain_range_for_size.default}
+
+
+def exported(model: nn.Module, example: Inputs) -> tuple[fx.GraphModule, _PyTreeInfo]:
+    """The model (in eval mode) as an fx graph of torch-level calls where ATen has them, its Masksembles layers
+    called as modules, the batch symbolic; and how its inputs flatten to the graph's placeholders and its output
+    leaves unflatten to the model's output structure.
+
+    Raises:
+        ValueError: torch.export fails on the model.
+    """
+    if min(tensor.shape[0] for tensor in _batched(example)) < 2:  # export fixes a batch of 1 at 1
+        example = map_batched(example, lambda tensor: torch.cat([tensor, tensor]))
+    args, kwargs = call_arguments(example)
+    batch = torch.export.Dim("batch")
+    shapes = inspect.signature(model.forward).bind(*args, **kwargs).arguments
+    dynamic = {name: _batch_dims(value, batch) for name, value in shapes.items()}
+    gm = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic, strict=False).module()
+    info = cast(_PyTreeInfo, gm.graph._codegen.pytree_info)  # type: ignore[attr-defined]
+    gm.graph._codegen = fx.graph.CodeGen()  # placeholders and output as they are: the flat leaves
+    _module_paths(gm)
+    _drop_checks(gm)
+    _layers_as_modules(gm, model)
+    for node in list(gm.graph.nodes):  # before the views it reads become methods
+        if node.op == "call_function" and node.target is ATEN.addmm.default:
+            _addmm_as_linear(gm, node)
+    for node in list(gm.graph.nodes):
+        _rewrite(node)
+    gm.graph.eliminate_dead_code()
+    gm.graph.lint()
+    gm.recompile()
+    return gm, info
+
+
+def flat_inputs(info: _PyTreeInfo, inputs: Inputs) -> list[Any]:
+    """``inputs`` (of the example's structure) as the graph's placeholders take them."""
+    return list(torch.fx._pytree.tree_flatten_spec(call_arguments(inputs), info.in_spec))
+
+
+def _batched(inputs: Inputs) -> list[Tensor]:
+    return [tensor for _, tensor in batched_tensors(inputs)]
+
+
+def _batch_dims(value: Any, batch: Any) -> Any:
+    """The dynamic-shape spec of one argument: axis 0 of each batch-first tensor is ``batch``."""
+    if isinstance(value, Tensor):
+        return {0: batch} if value.ndim else None
+    if isinstance(value, Mapping):
+        return {key: _batch_dims(item, batch) for key, item in value.items()}
+    if isinstance(value, tuple | list):
+        return type(value)(_batch_dims(item, batch) for item in value)
+    return None
+
+
+def _module_paths(gm: fx.GraphModule) -> None:
+    """Each node's module stack keyed by module path (as torch.fx records it; export keys it by its own names)."""
+    for node in gm.graph.nodes:
+        stack = node.meta.get("nn_module_stack")
+        if stack:
+            node.meta["nn_module_stack"] = {path: kind for path, kind in stack.values() if path}
+
+
+def _drop_checks(gm: fx.GraphModule) -> None:
+    for node in reversed(list(gm.graph.nodes)):
+        guard = node.op == "call_module" and str(node.target) == "_guards_fn"
+        if (guard or (node.op == "call_function" and node.target in CHECKS)) and not node.users:
+            gm.graph.erase_node(node)
+
+
+def _layers_as_modules(gm: fx.GraphModule, model: nn.Module) -> None:
+    """Each call of a Masksembles layer, which export inlined, as one ``call_module`` of the layer: the nodes the
+    call's result is computed from within the layer (export may share some, such as the masks' cast, between two
+    calls of one layer), which must read one tensor from outside it."""
+    layers = {path: module for path, module in model.named_modules() if isinstance(module, Masksembles)}
+    within: dict[str, list[fx.Node]] = {}
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "get_attr", "output") or node.target is ATEN.sym_size.int:
+            continue
+        path = next((p for p in reversed(node.meta.get("nn_module_stack") or {}) if p in layers), None)
+        if path is not None:
+            within.setdefault(path, []).append(node)
+    for path, nodes in within.items():
+        inside = set(nodes)
+        for result in [node for node in nodes if any(user not in inside for user in node.users)]:
+            call, pending = set(), [result]
+            while pending:
+                node = pending.pop()
+                if node not in call:
+                    call.add(node)
+                    pending += [a for a in node.all_input_nodes if a in inside]
+            read = {a for node in call for a in node.all_input_nodes if a not in inside and a.op != "get_attr"}
+            tensors = [a for a in read if isinstance(a.meta.get("val"), Tensor)]
+            if len(tensors) != 1:
+                continue
+            if not isinstance(gm.get_submodule(path), Masksembles):
+                gm.set_submodule(path, layers[path])
+            with gm.graph.inserting_before(result):
+                layer = gm.graph.call_module(path, (tensors[0],))
+            layer.meta = {key: result.meta[key] for key in ("val", "nn_module_stack") if key in result.meta}
+            result.replace_all_uses_with(layer)
+        for node in reversed(nodes):
+            if not node.users:
+                gm.graph.erase_node(node)
+
+
+def _rewrite(node: fx.Node) -> None:
+    """``node`` as its torch-level twin, where it has one (the node keeps its name, users and metadata)."""
+    if node.op != "call_function":
+        return
+    target = node.target
+    if target in FUNCTIONS and not (target in (ATEN.add.Tensor, ATEN.sub.Tensor) and node.kwargs):
+        function, kept = FUNCTIONS[target]
+        node.target = function
+        node.args = node.args if kept is None else node.args[:kept]
+    elif target in METHODS:
+        node.op, node.target = "call_method", METHODS[target]
+    elif target in (ATEN.select.int, ATEN.slice.Tensor):
+        _as_index(node)
+
+
+def _rank(node: Any) -> int | None:
+    value = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return value.dim() if isinstance(value, Tensor) else None
+
+
+def _as_index(node: fx.Node) -> None:
+    """``select(x, dim, i)`` -> ``x[..., i]`` and ``slice(x, dim, start, end, step)`` -> ``x[..., start:end:step]``
+    (``dim`` leading full slices), for constant integer arguments."""
+    source, dim, *rest = node.args
+    rank = _rank(source)
+    if rank is None or not isinstance(source, fx.Node) or not isinstance(dim, int):
+        return
+    if not all(isinstance(a, int | None) for a in rest):
+        return
+    if node.target is ATEN.select.int:
+        entry: Any = rest[0]
+    else:
+        start, end, step = cast(list[int | None], [*rest, None, None, None][:3])
+        if start in (0, None) and (end is None or end >= sys.maxsize) and step in (1, None):
+            node.replace_all_uses_with(source)  # the whole axis: the tensor itself
+            return
+        entry = slice(start, end, step if step != 1 else None)
+    node.target = operator.getitem
+    node.args = (source, (*[slice(None)] * (dim % rank), entry))
+
+
+def _addmm_as_linear(gm: fx.GraphModule, node: fx.Node) -> None:
+    """``view(addmm(bias, view(x, [-1, K]), weight), [*lead, N])`` (GPT-2's ``Conv1D``) -> ``F.linear(x, weight.t(),
+    bias)`` when ``lead`` is the leading shape of ``x``."""
+    bias, rows, weight = node.args
+    if node.kwargs or len(node.users) != 1 or not all(isinstance(a, fx.Node) for a in (bias, rows, weight)):
+        return
+    (back,) = node.users
+    rows, weight = cast(fx.Node, rows), cast(fx.Node, weight)
+    if rows.op != "call_function" or rows.target is not ATEN.view.default or back.target is not ATEN.view.default:
+        return
+    source = cast(fx.Node, rows.args[0])
+    before, after = source.meta.get("val"), back.meta.get("val")
+    if not isinstance(before, Tensor) or not isinstance(after, Tensor) or before.dim() < 2:
+        return
+    if tuple(before.shape[:-1]) != tuple(after.shape[:-1]) or weight.op != "get_attr":
+        return
+    with gm.graph.inserting_before(back):
+        transposed = gm.graph.call_function(torch.t, (weight,))
+    back.target, back.args = F.linear, (source, transposed, bias)
