@@ -22,6 +22,7 @@ The result is a ``LayerReport``: one row per candidate, what was done and why, p
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -194,7 +195,7 @@ def plan_insertion(
     first_allowed = 0
     if start is not None:
         if start not in position:
-            top = sorted({path.split(".")[0].split("[")[0] for path in order if path})
+            top = sorted({name for name in (re.split(r"[/.\[]", path, maxsplit=1)[0] for path in order) if name})
             shown = ", ".join(repr(name) for name in top[:20]) + (", ..." if len(top) > 20 else "")
             raise ValueError(f"start={start!r} names no layer of the model; its top-level layers are {shown}")
         first_allowed = position[start]

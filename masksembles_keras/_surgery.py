@@ -5,8 +5,8 @@ shape of the tensor each call reads; the rule of ``masksembles_core.insertion`` 
 ``plan_conversion`` for ``convert_dropout``) decides where masks go; ``_Rebuilder`` builds a new model with a
 Masksembles layer in front of (``insert``) or in place of (``convert_dropout``) the chosen layers and copies every
 other layer and operation with its weights, so the input model is never modified. ``_read_raw`` follows the raw
-input from the model's inputs through the graph to the layers that read it: the network's first layers (for
-``convert_dropout``, the dropouts reached through no layer that mixes channels).
+input from the model's inputs through the graph to the layers that read it alone: the network's first layers (for
+``convert_dropout``, the dropouts it reaches through no layer that mixes channels).
 
 Paths: a layer of the model is its name (``"conv2"``); a layer of a nested Sequential/functional model is
 ``"<nested model name>/<layer name>"`` (nesting repeats), as in Keras' variable paths. A layer inside a custom layer
@@ -134,14 +134,19 @@ def _survey(model: Any, prefix: str = "", sites: dict[int, _Site] | None = None)
 def _read_raw(model: Any, raw: Sequence[bool], stops: set[int], found: set[int]) -> list[bool]:
     """Follow the raw input through ``model``'s graph, whose input ``i`` carries it when ``raw[i]``.
 
-    Every layer in ``stops`` (or custom layer holding one) that reads a tensor carrying the raw input is added to
-    ``found`` and its outputs do not carry it; other layers and operations pass it on, nested models are followed.
+    Every layer in ``stops`` (or custom layer holding one) whose tensors all carry the raw input is added to
+    ``found`` and its outputs do not carry it; other layers and operations whose tensors all carry it pass it on.
+    One that also reads a stop's result (an attention output a mask input joins at the scores, a residual, a
+    concatenation with learned features) reads no raw input. Nested models are followed, input by input.
     Returns, per output of ``model``, whether it carries the raw input.
     """
 
     def through(op: Any, reads: list[bool], outputs: int) -> list[bool]:
         if _is_graph_model(op):
-            return _read_raw(op, reads if len(reads) == len(op.inputs) else [True] * len(op.inputs), stops, found)
+            inner_raw = reads if len(reads) == len(op.inputs) else [all(reads)] * len(op.inputs)
+            return _read_raw(op, inner_raw, stops, found)
+        if not all(reads):
+            return [False] * outputs
         inner = op._flatten_layers(include_self=False, recursive=True) if isinstance(op, keras.layers.Layer) else []
         if id(op) in stops or any(id(layer) in stops for layer in inner):
             found.add(id(op))
@@ -358,12 +363,14 @@ def insert(
     Which layers get masks is decided by ``masksembles_core.insertion.plan_insertion``, the rule shared with
     PyTorch and Flax: the network's first layers read the raw input and are skipped unless ``include_first``. They
     are found by data flow from every model input: each convolution, dense, einsum-dense or embedding layer (or layer
-    ``before`` selects) reached from an input through no other such layer, so each input of a multi-input model (an
-    image and a tabular branch) has its own. Layers before ``start`` in ``model.layers`` order (a nested model's
-    layers follow it) are skipped; the ``i``-th layer given masks gets ``derive_seed(seed, i)``. Left alone, with the
-    reason in the report: depthwise convolutions (``Conv2D(groups=C)``) when ``before`` is the default, layers with a
-    single input channel, layers reading several tensors or inputs of different channel counts, and layers inside
-    custom layers or subclassed models (their ``call()`` cannot be rebuilt).
+    ``before`` selects) that reads model inputs alone, through no other such layer, so each input of a multi-input
+    model (an image and a tabular branch) has its own; a layer whose input also holds another layer's result (a mask
+    input multiplied into an attention output) does not read the raw input. Layers before ``start`` in
+    ``model.layers`` order (a nested model's layers follow it) are skipped; the ``i``-th layer given masks gets
+    ``derive_seed(seed, i)``. Left alone, with the reason in the report: depthwise convolutions
+    (``Conv2D(groups=C)``) when ``before`` is the default, layers with a single input channel, layers reading several
+    tensors or inputs of different channel counts, and layers inside custom layers or subclassed models (their
+    ``call()`` cannot be rebuilt).
 
     Args:
         model: a built Sequential or functional model (left unchanged).
@@ -452,8 +459,8 @@ def convert_dropout(
 
     Decided by ``masksembles_core.insertion.plan_conversion``, with ``insert``'s rules: left as is, with the reason
     in the report, a dropout with a single input channel or too few for ``n`` distinct masks, and one that reads the
-    raw input (reached from a model input through no convolution, dense, einsum-dense, embedding or recurrent layer)
-    unless ``include_first``. Also left as is: ``rate=0``; a ``noise_shape`` that shares one draw across the
+    raw input (model inputs alone, through no convolution, dense, einsum-dense, embedding or recurrent layer) unless
+    ``include_first``. Also left as is: ``rate=0``; a ``noise_shape`` that shares one draw across the
     channels (per-sample dropout such as EfficientNet's stochastic depth, ``noise_shape=(None, 1, 1, 1)``); an input
     that is not a single tensor or has different channel counts at different calls; and dropouts inside custom
     layers (e.g. ``MultiHeadAttention``'s), which cannot be reached. The ``i``-th converted dropout gets masks from

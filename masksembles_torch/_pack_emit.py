@@ -494,7 +494,7 @@ class _Emitter:
             if user in self.last_axis_frames and user.target is ops.to_batch and current is node:
                 self._linear(node).member_major_out = True
                 with self.graph.inserting_before(user):
-                    user.replace_all_uses_with(self.graph.call_method("flatten", (node, 0, 1)))
+                    user.replace_all_uses_with(self.graph.call_function(ops.batch_of_members, (node,)))
                 self.graph.erase_node(user)
                 return
             if not self._activation_of(user, current):
@@ -530,7 +530,7 @@ class _Emitter:
     def _direct_outputs(self) -> None:
         """An output leaf read from the members' blocks by a view of them, without the member-stacked batch in
         between: ``members_first(to_batch(x))`` becomes ``members_first`` of ``x``'s channel axis, and
-        ``members_first`` of a member-major members' Linear's flattened output that output itself. Fewer copies,
+        ``members_first`` of a member-major members' Linear's ``batch_of_members`` that output itself. Fewer copies,
         and no reshape whose size guards stop ``torch.export`` with a dynamic batch."""
         unread: list[fx.Node] = []  # what the outputs read before, erased once nothing reads it
         for node in list(self.graph.nodes):
@@ -546,10 +546,7 @@ class _Emitter:
             if held.op == "call_function" and held.target is ops.to_batch and held.args[1:3] == (members, axis):
                 with self.graph.inserting_before(node):
                     direct = self.graph.call_function(ops.members_first, (held.args[0], members, held.args[3]))
-            elif (
-                held.op == "call_method" and held.target == "flatten" and held.args[1:] == (0, 1) and axis == 0
-                and self._member_linear(held.args[0]) and self._linear(held.args[0]).member_major_out
-            ):  # fmt: skip
+            elif held.op == "call_function" and held.target is ops.batch_of_members and axis == 0:
                 direct = held.args[0]
             else:
                 continue

@@ -32,11 +32,17 @@ def gather_channels(x: Tensor, axis: int, index: Tensor) -> Tensor:
 def to_batch(x: Tensor, members: int, batch_axis: int, channel_axis: int) -> Tensor:
     """(…B…, m*C…) -> (…m*B…, C…): the members' channel blocks onto the batch, member ``k`` in block ``k``.
 
-    Axes are non-negative.
+    Axes are non-negative. One concatenation, not a view of (…m, B…) flattened: merging a symbolic batch axis into
+    the member axis before it gives strides ``min(C, C*B)`` under ``torch.export``, whose guards stop a dynamic batch.
     """
-    split: Tensor = x.unflatten(channel_axis, (members, -1))  # type: ignore[no-untyped-call]
-    moved = split.movedim(channel_axis, batch_axis)  # members just before the batch
-    return moved.flatten(batch_axis, batch_axis + 1)
+    return torch.cat(x.chunk(members, channel_axis), batch_axis)
+
+
+def batch_of_members(x: Tensor) -> Tensor:
+    """(m, B, ...) -> (m*B, ...) as a view, for a tensor whose member blocks follow each other in memory (a
+    member-major members' Linear's output). Its strides are given, not derived: ``flatten(0, 1)`` would make them
+    ``min(S, S*B)`` under ``torch.export``, as in ``to_batch``."""
+    return x.as_strided((x.shape[0] * x.shape[1], *x.shape[2:]), x.stride()[1:], x.storage_offset())
 
 
 def to_channels(x: Tensor, members: int, batch_axis: int, channel_axis: int) -> Tensor:

@@ -209,29 +209,51 @@ def _trace_model(model: nn.Module, leaves: set[str]) -> fx.Graph | str:
 def _reading_raw(
     graph: fx.Graph, stops: Callable[[fx.Node], bool], inputs: Collection[str] | None = None
 ) -> list[fx.Node]:
-    """The nodes among ``stops`` that read the raw input: reached from an input of ``graph`` through no other stop.
-    ``inputs``: the names of the placeholders that are inputs (None: all; torch.export lifts weights into
-    placeholders too)."""
-    carrying: set[fx.Node] = set()
+    """The nodes among ``stops`` that read the raw input: whose arguments are computed from the inputs of ``graph``
+    alone (with constants, parameters and sizes), through no other stop. A value that also reads a stop's result
+    is not the raw input: an attention output the ``attention_mask`` joins at the scores, a residual sum, a
+    concatenation with learned features. ``inputs``: the names of the placeholders that are inputs (None: all;
+    torch.export lifts weights into placeholders too)."""
+    raw: set[fx.Node] = set()  # computed from the inputs alone
+    learned: set[fx.Node] = set()  # computed from a stop's result
     found: list[fx.Node] = []
     for node in graph.nodes:
+        sources = node.all_input_nodes
         if node.op == "placeholder":
             if inputs is None or node.name in inputs:
-                carrying.add(node)
-        elif any(source in carrying for source in node.all_input_nodes):
+                raw.add(node)
+        elif _metadata(node):  # a size, dtype or device: no data of the tensor it describes
+            continue
+        elif any(source in learned for source in sources):
+            learned.add(node)
+        elif any(source in raw for source in sources):
             if stops(node):
                 found.append(node)
+                learned.add(node)
             else:
-                carrying.add(node)
+                raw.add(node)
     return found
+
+
+TENSOR_METADATA = frozenset({"size", "shape", "numel", "nelement", "dim", "ndimension", "ndim", "dtype", "device"})
+
+
+def _metadata(node: fx.Node) -> bool:
+    """A query of a tensor's metadata (``x.size(0)``, ``x.shape``, ``x.dtype``, ``x.dim()``, ATen's ``sym_size``)."""
+    if node.op == "call_method":
+        return node.target in TENSOR_METADATA
+    if node.op == "call_function" and node.target is getattr:
+        return len(node.args) > 1 and node.args[1] in TENSOR_METADATA
+    return _aten(node.target) in ("sym_size", "sym_numel", "sym_stride")
 
 
 def _first_layers(model: nn.Module, layers: list[str], graph: fx.Graph | str) -> Collection[str]:
     """The network's first layers among ``layers`` (paths in ``named_modules`` order): those that read the raw input.
 
-    A ``forward`` with one required input: the first of ``layers``. With several (``forward(self, image, features)``):
-    the layers torch.fx finds reached from an input through none of ``layers`` (arguments with a default keep it), or
-    the first of ``layers`` when torch.fx cannot trace the model (``graph`` is then why).
+    A ``forward`` with one required input: the first of ``layers``. With several (``forward(self, image, features)``,
+    ``forward(self, input_ids, attention_mask)``): the layers torch.fx finds reading inputs alone, through none of
+    ``layers`` (``_reading_raw``: not an attention projection the mask reaches through the scores), or the first of
+    ``layers`` when torch.fx cannot trace the model (``graph`` is then why). Arguments with a default keep it.
     """
     try:
         parameters = inspect.signature(model.forward).parameters.values()
@@ -379,7 +401,9 @@ def insert(
     the network's first layer (its first convolution, linear or embedding layer, or an earlier one ``before``
     selects) reads the raw input and is skipped unless ``include_first``. A ``forward`` with several required
     inputs (``forward(self, image, features)``) has one per input: the layers of these kinds that torch.fx finds
-    reading an input through no other (the first in order when torch.fx cannot trace the model). With ``start`` (a
+    reading inputs alone, through no other such layer (the first in order when torch.fx cannot trace the model); a
+    layer whose input also holds another layer's result is not one (the attention output projection that
+    ``forward(self, input_ids, attention_mask)``'s mask reaches through the scores). With ``start`` (a
     module path such as ``"layer3"``, the paper's ImageNet recipe) the layers before it are skipped; the ``i``-th
     inserted layer gets masks from ``masksembles_core.derive_seed(seed, i)``. Also left alone, with the reason in
     the report: depthwise convolutions when ``before`` is the default, a module registered at several paths, the
@@ -1095,9 +1119,10 @@ def _rewrite(owner: _Owner) -> fx.GraphModule:
 
 
 def _input_dropouts(sites: Sequence[_Site], traced: _Traced, on_inputs: set[int]) -> set[str]:
-    """The paths of the dropouts among ``sites`` that read the raw input: reached from an input through nothing that
-    mixes channels (``MIXING_MODULES``, ``MIXING_FUNCTIONS``, ``matmul``/``bmm`` methods, ``ATEN_MIXING``) and no
-    other dropout in the traced or exported graph; without a graph, the dropout modules called on an input itself."""
+    """The paths of the dropouts among ``sites`` that read the raw input: computed from the inputs alone, through
+    nothing that mixes channels (``MIXING_MODULES``, ``MIXING_FUNCTIONS``, ``matmul``/``bmm`` methods,
+    ``ATEN_MIXING``) and no other dropout in the traced or exported graph; without a graph, the dropout modules
+    called on an input itself."""
     if traced.graph is None:
         return {site.path for site in sites if id(traced.modules.get(site.path)) in on_inputs}
 
@@ -1149,7 +1174,7 @@ def convert_dropout(
 
     The rest is decided by ``masksembles_core.insertion.plan_conversion``, with ``insert``'s rules: a dropout with a
     single input channel or too few for ``n`` distinct masks is left as is, and so is one that reads the raw input
-    (reached from an input through no convolution, linear or embedding layer; without a torch.fx graph, a dropout
+    (computed from the inputs alone, through no convolution, linear or embedding layer; without a graph, a dropout
     module called on an input itself) unless ``include_first``. The ``i``-th converted dropout (modules in
     ``named_modules`` order, then calls) gets masks from ``masksembles_core.derive_seed(seed, i)``.
 

@@ -76,6 +76,21 @@ def test_start_must_name_a_layer() -> None:
         plan_insertion(CANDIDATES, ORDER, 4, 2.0, first_layers=FIRST, seed=0, start="layer9")
 
 
+@pytest.mark.parametrize(
+    "order",
+    [
+        ("stem", "blocks.0.conv", "blocks.1.conv", "head"),  # PyTorch
+        ("stem", "blocks/conv", "blocks/conv_1", "head"),  # Keras (a nested model) and Flax linen
+        ("stem", "blocks[0]", "blocks[1].conv", "head"),
+    ],
+    ids=["dots", "slashes", "brackets"],
+)
+def test_a_start_that_names_no_layer_lists_the_top_level_names(order: tuple[str, ...]) -> None:
+    candidates = [Candidate(path, "Linear", 8, -1) for path in order]
+    with pytest.raises(ValueError, match=r"its top-level layers are 'blocks', 'head', 'stem'$"):
+        plan_insertion(candidates, order, 4, 2.0, seed=0, start="layer9")
+
+
 def test_single_channel_inputs_are_left_alone() -> None:
     candidates = (Candidate("a", "Linear", 5, -1), Candidate("b", "Linear", 1, -1), Candidate("c", "Linear", 4, -1))
     report = plan_insertion(candidates, ("a", "b", "c"), 2, 2.0, seed=0, first_layers=("a",))

@@ -249,6 +249,21 @@ def test_two_branches_reading_one_input_both_read_the_raw_input() -> None:
     ]
 
 
+def test_layers_a_mask_input_reaches_with_other_layers_results_are_not_first_layers() -> None:
+    """Tokens and a mask input: the mask joins the value layer's result before ``out`` and the pooling before
+    ``head``; only the layers reading inputs alone (``embed`` on the tokens, ``gate`` on the mask) are first."""
+    tokens, mask = keras.Input((5, 8), name="tokens"), keras.Input((5, 1), name="mask")
+    h = keras.layers.Dense(8, name="embed")(tokens)
+    h = h + keras.layers.Dense(8, name="gate")(keras.ops.concatenate([mask, 1.0 - mask], axis=-1))
+    attended = keras.layers.Dense(8, name="out")(keras.layers.Dense(8, name="value")(h) * mask)
+    pooled = keras.ops.sum((h + attended) * mask, axis=1) / keras.ops.sum(mask, axis=1)
+    model = keras.Model([tokens, mask], keras.layers.Dense(3, name="head")(pooled))
+    report = mk.insert(model, 2, 2.0, seed=0).masksembles_report
+    first = "the network's first layer: it reads the raw input (include_first=True masks it)"
+    assert [(row.path, row.reason) for row in report.unchanged] == [("embed", first), ("gate", first)]
+    assert [row.path for row in report.changed] == ["value", "out", "head"]
+
+
 def test_depthwise_convolutions_are_left_alone_by_the_default_before() -> None:
     model = keras.Sequential(
         [

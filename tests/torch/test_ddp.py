@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import os
+import weakref
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional  # before any process group exists: see worker
 import torch.multiprocessing as mp
 from torch import nn
 
@@ -27,7 +28,15 @@ def local_data(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def worker(rank: int, store: str, out: str) -> None:
+    """One rank's step, saved to ``out``; the process group and its gloo threads are gone before the rank exits.
+
+    DDP imports torch._dynamo, which imports ``torch.distributed.nn.functional``, whose functions default to
+    ``group=group.WORLD``: imported after ``init_process_group``, they held the default group for the life of the
+    interpreter, so ``destroy_process_group`` left gloo's threads running into interpreter teardown, where a rank
+    sometimes aborted ("terminate called without an active exception"). This module imports it first.
+    """
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    group = weakref.ref(dist.group.WORLD)
     model = build_model()
     masks_before = model[2].masks.clone()
     ddp = nn.parallel.DistributedDataParallel(model)
@@ -43,9 +52,10 @@ def worker(rank: int, store: str, out: str) -> None:
         },
         Path(out) / f"rank{rank}.pt",
     )
-    dist.barrier()  # both ranks done before gloo's threads are torn down (a rank once aborted in teardown)
+    del ddp, output  # DDP's reducer holds the process group too
+    dist.barrier()  # both ranks done with their collectives before either closes its connections
     dist.destroy_process_group()
-    os._exit(0)  # the results are on disk: skip interpreter teardown, where gloo's threads have been seen to abort
+    assert group() is None, "the process group outlives destroy_process_group: gloo's threads would outlive it too"
 
 
 def test_ddp_matches_single_process(tmp_path: Path) -> None:

@@ -206,6 +206,46 @@ def test_every_layer_that_reads_a_forward_input_is_a_first_layer() -> None:
     assert [row.path for row in untraceable.unchanged] == ["head"], "torch.fx fails: the first in named_modules order"
 
 
+class TokensAndMask(nn.Module):
+    """``forward(input_ids, attention_mask)``, traceable: the mask joins the attention scores and the pooling, so
+    ``out`` and ``head`` read it through no other layer, but always with other layers' results."""
+
+    def __init__(self, mask_features: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(20, 8)
+        self.q, self.k, self.v, self.out = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+        self.head = nn.Linear(8, 3)
+        self.mask_features = nn.Linear(1, 8) if mask_features else None
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        h = self.embed(input_ids)
+        if self.mask_features is not None:  # a layer on the mask alone
+            h = h + self.mask_features(attention_mask.unsqueeze(-1).to(h.dtype))
+        scores = self.q(h) @ self.k(h).transpose(1, 2) / math.sqrt(h.size(-1))
+        scores = scores + (1.0 - attention_mask[:, None, :].to(h.dtype)) * -1e4
+        h = h + self.out(scores.softmax(-1) @ self.v(h))
+        weights = attention_mask.unsqueeze(-1).to(h.dtype)
+        return self.head((h * weights).sum(1) / weights.sum(1))
+
+
+def test_layers_the_mask_reaches_with_other_layers_results_are_not_first_layers() -> None:
+    """They were reported as the network's first layers and left alone, as if they read the raw input."""
+    report = mt.insert(TokensAndMask(), N, 2.0, seed=0).masksembles_report
+    assert [(row.path, row.action) for row in report.rows] == [
+        ("q", INSERTED), ("k", INSERTED), ("v", INSERTED), ("out", INSERTED), ("head", INSERTED)
+    ]  # fmt: skip
+    with_mask_layer = mt.insert(TokensAndMask(mask_features=True), N, 2.0, seed=0).masksembles_report
+    assert [(row.path, row.reason) for row in with_mask_layer.unchanged] == [("mask_features", FIRST)], (
+        "a layer reading another input alone is a first layer, whatever that input holds"
+    )
+    assert [row.path for row in with_mask_layer.changed] == ["q", "k", "v", "out", "head"]
+    model = mt.insert(TokensAndMask(), 2, 2.0, seed=0).eval()
+    tokens = torch.randint(0, 20, (3, 5), generator=torch.Generator().manual_seed(0))
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 1, 0, 0, 0]])
+    members = mt.predict(model, (tokens, mask), 2)
+    assert members.shape == (2, 3, 3) and not torch.allclose(members[0], members[1])
+
+
 def test_seeds_are_reproducible() -> None:
     model = zoo.build("resnet_basic")
     a, b = mt.insert(model, N, 2.0, seed=5), mt.insert(model, N, 2.0, seed=5)

@@ -145,3 +145,35 @@ def test_operations_along_the_batch(how: str) -> None:
     """extract_member(k) once ran them on member k's batch alone; in the dense model the batch holds every member."""
     torch.manual_seed(0)
     assert_packs_like_predict(BatchMixing(how), torch.randn(8, 6))
+
+
+class ViewOfTheMemberStackedBatch(nn.Module):
+    """A view onto the member-stacked batch after masked channels (``to_batch``, generated model 215) or after a
+    masked Linear whose output the member-stacked batch reads in place (``batch_of_members``), returned as it is."""
+
+    def __init__(self, after: str) -> None:
+        super().__init__()
+        self.after = after
+        self.masks = mt.Masksembles(8, N, 2.0, seed=0, channel_axis=-1 if after == "linear" else 1)
+        self.fc = nn.Linear(8, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.after == "linear":  # (B, 5, 8) -> (B, 5, 6) -> (B, 30)
+            return self.fc(self.masks(x)).reshape(-1, 30)
+        return (self.masks(x) + 1).view(-1, 8 * 4 * 4)  # (B, 8, 4, 4) -> (B, 128)
+
+
+@pytest.mark.parametrize("after", ["channels", "linear"])
+def test_a_view_of_the_member_stacked_batch_exports_with_a_dynamic_batch(after: str) -> None:
+    """Merging the batch into the member axis by a view gave strides ``min(S, S*B)``, and torch.export refused a
+    dynamic batch ("Constraints violated (batch)! ... L['x'].size()[0]*min(48, 48*L['x'].size()[0])")."""
+    torch.manual_seed(0)
+    model = ViewOfTheMemberStackedBatch(after).eval()
+    x = torch.randn(6, 5, 8) if after == "linear" else torch.randn(6, 8, 4, 4)
+    assert_packs_like_predict(model, x)
+    packed = mt.pack(model, x, program="packed")
+    batch = torch.export.Dim("batch", min=2, max=64)
+    exported = torch.export.export(packed, (x,), dynamic_shapes=({0: batch},)).module()
+    for samples in (3, 9):
+        other = torch.randn(samples, *x.shape[1:])
+        torch.testing.assert_close(exported(other), mt.predict(model, other, N), rtol=1e-5, atol=1e-5)
