@@ -268,8 +268,11 @@ def graph_nodes(graph: CapturedGraph[K, Op], axis: Mapping[K, int]) -> tuple[lis
             last = axis[op.tensors[0]] == source.rank - 1 and source.rank > 2
             nodes.append(GraphNode(name(key), "flatten", names, size, spatial=spatial, channels_last=last))
         elif op.kind == "fallback":
-            folded = {"folded": op.folded, "broadcast": op.broadcast}
-            nodes.append(GraphNode(name(key), "fallback", names, size, batch_dependent=op.batch_dependent, **folded))
+            dependent, folded, broadcast = op.batch_dependent, op.folded, op.broadcast
+            node = GraphNode(
+                name(key), "fallback", names, size, batch_dependent=dependent, folded=folded, broadcast=broadcast
+            )
+            nodes.append(node)
         else:
             nodes.append(GraphNode(name(key), op.kind, names, size))
     if graph.output is not None:
