@@ -7,7 +7,8 @@ N=4, S=2. Models (float32): an MLP 784→1024→1024→1024→10 with Masksemble
 small ResNet on 3×32×32 (masks inside the blocks and before the head); and, with masks placed by ``insert`` (the
 paper's recipe: before every Conv/Linear but the first), a MobileNetV3-like (depthwise convolutions, squeeze-excite,
 hardswish) and a ConvNeXt-like (depthwise 7×7, channels-first LayerNorm, GELU MLP, layer scale) on 3×64×64 and a
-ViT-like (dim 96, 4 blocks, 4×4 patches) on 3×32×32; and the issue's case, a ResNet-50 (bottleneck blocks 3-4-6-3)
+ViT-like (dim 96, 4 blocks, 4×4 patches) on 3×32×32 and a BERT-tiny-like (hidden 128, 2 layers, 2 heads) on 32 token
+ids with a padding mask; and the issue's case, a ResNet-50 (bottleneck blocks 3-4-6-3)
 on 3×32×32 with masks after every block. For each batch size (medians of interleaved rounds, every ratio from the same
 run), ÷ one forward of the same network without Masksembles on the same batch: ``pack(model, program="packed")``,
 the tiled dense ``predict(model, x, 4)``, and packed ÷ tiled (``pack``'s default ``program="auto"`` keeps the faster of
