@@ -221,7 +221,9 @@ class BertTiny(nn.Module):
     """BERT-tiny's shape (hidden 128, 2 layers, 2 heads) on token ids (B, 32) with padding (id 0) masked out of the
     attention: embeddings + LayerNorm, encoder layers, tanh pooler on the first token, classifier."""
 
-    def __init__(self, vocabulary: int = 1000, dim: int = 128, depth: int = 2, heads: int = 2, length: int = 32):
+    def __init__(
+        self, vocabulary: int = 1000, dim: int = 128, depth: int = 2, heads: int = 2, length: int = 32
+    ) -> None:
         super().__init__()
         self.words, self.positions = nn.Embedding(vocabulary, dim), nn.Parameter(torch.randn(1, length, dim) * 0.02)
         self.norm = nn.LayerNorm(dim, eps=1e-12)
