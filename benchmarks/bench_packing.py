@@ -7,7 +7,8 @@ N=4, S=2. Models (float32): an MLP 784→1024→1024→1024→10 with Masksemble
 small ResNet on 3×32×32 (masks inside the blocks and before the head); and, with masks placed by ``insert`` (the
 paper's recipe: before every Conv/Linear but the first), a MobileNetV3-like (depthwise convolutions, squeeze-excite,
 hardswish) and a ConvNeXt-like (depthwise 7×7, channels-first LayerNorm, GELU MLP, layer scale) on 3×64×64 and a
-ViT-like (dim 96, 4 blocks, 4×4 patches) on 3×32×32; and the issue's case, a ResNet-50 (bottleneck blocks 3-4-6-3)
+ViT-like (dim 96, 4 blocks, 4×4 patches) on 3×32×32 and a BERT-tiny-like (hidden 128, 2 layers, 2 heads) on 32 token
+ids with a padding mask; and the issue's case, a ResNet-50 (bottleneck blocks 3-4-6-3)
 on 3×32×32 with masks after every block. For each batch size (medians of interleaved rounds, every ratio from the same
 run), ÷ one forward of the same network without Masksembles on the same batch: ``pack(model, program="packed")``,
 the tiled dense ``predict(model, x, 4)``, and packed ÷ tiled (``pack``'s default ``program="auto"`` keeps the faster of
@@ -191,6 +192,59 @@ class ViT(nn.Module):
         return self.head(self.norm(self.blocks(x))[:, 0])
 
 
+class BertLayer(nn.Module):
+    """A BERT encoder layer as Hugging Face writes it: query/key/value Linear layers, heads by view + transpose, scores
+    plus an additive padding mask, softmax, dropout, context, output Linear + LayerNorm, GELU MLP + LayerNorm."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads, self.head_dim = heads, dim // heads
+        self.query, self.key, self.value = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.dense, self.norm1 = nn.Linear(dim, dim), nn.LayerNorm(dim, eps=1e-12)
+        self.attention_dropout, self.dropout = nn.Dropout(0.1), nn.Dropout(0.1)
+        self.intermediate, self.output = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+        self.norm2 = nn.LayerNorm(dim, eps=1e-12)
+
+    def split(self, x: Tensor) -> Tensor:
+        batch, length, _ = x.shape
+        return x.view(batch, length, self.heads, self.head_dim).transpose(1, 2)
+
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        q, k, v = self.split(self.query(x)), self.split(self.key(x)), self.split(self.value(x))
+        scores = q @ k.transpose(-1, -2) / self.head_dim**0.5 + mask
+        context = (self.attention_dropout(scores.softmax(-1)) @ v).transpose(1, 2)
+        x = self.norm1(x + self.dropout(self.dense(context.flatten(2))))
+        return self.norm2(x + self.dropout(self.output(F.gelu(self.intermediate(x)))))
+
+
+class BertTiny(nn.Module):
+    """BERT-tiny's shape (hidden 128, 2 layers, 2 heads) on token ids (B, 32) with padding (id 0) masked out of the
+    attention: embeddings + LayerNorm, encoder layers, tanh pooler on the first token, classifier."""
+
+    def __init__(
+        self, vocabulary: int = 1000, dim: int = 128, depth: int = 2, heads: int = 2, length: int = 32
+    ) -> None:
+        super().__init__()
+        self.words, self.positions = nn.Embedding(vocabulary, dim), nn.Parameter(torch.randn(1, length, dim) * 0.02)
+        self.norm = nn.LayerNorm(dim, eps=1e-12)
+        self.layers = nn.ModuleList(BertLayer(dim, heads) for _ in range(depth))
+        self.pooler, self.classifier = nn.Linear(dim, dim), nn.Linear(dim, 2)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        mask = (tokens == 0)[:, None, None, :].float() * torch.finfo(torch.float32).min
+        x = self.norm(self.words(tokens) + self.positions)
+        for layer in self.layers:
+            x = layer(x, mask)
+        return self.classifier(torch.tanh(self.pooler(x[:, 0])))
+
+
+def tokens(batch: int, length: int = 32) -> Tensor:
+    """Token ids (batch, length) in [1, 1000), each sequence padded with 0 after a random length of at least 8."""
+    ids = torch.randint(1, 1000, (batch, length))
+    lengths = torch.randint(8, length + 1, (batch, 1))
+    return ids.masked_fill(torch.arange(length) >= lengths, 0)
+
+
 class Bottleneck(nn.Module):
     def __init__(self, inputs: int, width: int, stride: int, masks: bool, seed: int) -> None:
         super().__init__()
@@ -238,8 +292,17 @@ MODELS: dict[str, tuple[Callable[[bool], nn.Module], tuple[int, ...], tuple[int,
     "MobileNetV3-like": (inserted(MobileNet), (3, 64, 64), (1, 32, 256)),
     "ConvNeXt-like": (inserted(ConvNeXt), (3, 64, 64), (1, 32, 256)),
     "ViT-like": (inserted(ViT), (3, 32, 32), (1, 32, 256)),
+    "BERT-tiny-like": (inserted(BertTiny), (32,), (1, 32, 256)),
     "ResNet-50, masks after every block": (ResNet50, (3, 32, 32), (1, 8, 32)),
 }
+
+
+INPUTS: dict[str, Callable[[int], Tensor]] = {"BERT-tiny-like": tokens}  # the others: random images
+
+
+def example(name: str, batch: int, shape: tuple[int, ...], device: torch.device) -> Tensor:
+    """An input of model ``name`` with ``batch`` samples."""
+    return (INPUTS[name](batch) if name in INPUTS else torch.randn(batch, *shape)).to(device)
 
 
 def randomize_norms(model: nn.Module) -> nn.Module:
@@ -276,7 +339,7 @@ def main() -> None:
         masked = randomize_norms(factory(True)).to(device).eval()
         single = randomize_norms(factory(False)).to(device).eval()
         for batch in batches:
-            x = torch.randn(batch, *shape, device=device)
+            x = example(name, batch, shape, device)
             packed = mt.pack(masked, x, program="packed")
             member = mt.extract_member(masked, 0, x)
             tiled = copy.deepcopy(masked)
@@ -337,7 +400,7 @@ def build_times(models: list[str], device: torch.device) -> str:
         factory, shape, batches = MODELS[name]
         masked = randomize_norms(factory(True)).to(device).eval()
         batch = batches[len(batches) // 2]
-        x = torch.randn(batch, *shape, device=device)
+        x = example(name, batch, shape, device)
         seconds = {}
         for program in ("packed", "auto"):
             start = time.perf_counter()

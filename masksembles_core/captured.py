@@ -70,6 +70,7 @@ class CapturedOp(Generic[K]):
     ``"none"`` (a fallback). ``batch_in``/``batch_out``: the axis the operation needs the batch on, in what it reads
     and what it writes (-1: any). ``keeps_zeros``: zero-preserving without evaluating it (a view). ``masks``: a
     Masksembles layer's (n, C) masks. ``batch_dependent``: a fallback that runs per member (it reads the batch).
+    ``folded``/``broadcast``: a fallback that runs on the members' channel blocks (``GraphNode``).
     """
 
     key: K
@@ -87,6 +88,8 @@ class CapturedOp(Generic[K]):
     keeps_zeros: bool = False
     masks: BoolArray | None = field(default=None, repr=False)
     batch_dependent: bool = False
+    folded: bool = False
+    broadcast: tuple[int, ...] = ()
     axis: int = -1  # the solved channel axis of its value (-1: none)
 
     @property
@@ -265,7 +268,11 @@ def graph_nodes(graph: CapturedGraph[K, Op], axis: Mapping[K, int]) -> tuple[lis
             last = axis[op.tensors[0]] == source.rank - 1 and source.rank > 2
             nodes.append(GraphNode(name(key), "flatten", names, size, spatial=spatial, channels_last=last))
         elif op.kind == "fallback":
-            nodes.append(GraphNode(name(key), "fallback", names, size, batch_dependent=op.batch_dependent))
+            dependent, folded, broadcast = op.batch_dependent, op.folded, op.broadcast
+            node = GraphNode(
+                name(key), "fallback", names, size, batch_dependent=dependent, folded=folded, broadcast=broadcast
+            )
+            nodes.append(node)
         else:
             nodes.append(GraphNode(name(key), op.kind, names, size))
     if graph.output is not None:

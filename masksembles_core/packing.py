@@ -28,6 +28,12 @@ Kinds (what output channel ``c`` reads; ``channels`` is the size of the node's c
   (member ``k``'s copy of the batch in block ``k``), so its result is exact whatever it computes; it needs every
   channel of every input, and its output is never known to be zero. With ``batch_dependent`` it runs per member even
   when its inputs are shared (it uses the batch size, which is the member-stacked batch's in the dense model).
+  With ``folded`` it runs on the members' channel blocks side by side instead, the members folded into an axis it
+  keeps apart (attention heads, the adapter having checked that every operation of the region treats that axis
+  independently): it reads every channel of each input in member blocks, except the inputs at ``broadcast`` positions,
+  which it reads as they are (they must be shared: a mask broadcast over the heads), and holds every channel of every
+  member, in order, in member blocks (not on the member-stacked batch). A broadcast input that is not shared raises
+  ``FoldConflict`` (the adapter then runs the region as plain fallbacks).
 
 Rules, per member:
 
@@ -45,8 +51,8 @@ values, so the union of the members' kept channels is computed once. Every other
 channels (in increasing order, padded with -1 to the widest member; grouped nodes in whole groups; concatenations
 part by part), the members' blocks side by side on the channel axis. A *dense* node (fallback, or an elementwise node
 whose inputs are all dense) holds every channel on the member-stacked batch instead: (m*B, C, ...) as the tiled dense
-model holds it, or (B, C, ...) when shared. ``Move``s bring a tensor from its producer's placement to the one its
-consumer reads.
+model holds it, or (B, C, ...) when shared; a folded fallback holds every channel in member blocks when not shared.
+``Move``s bring a tensor from its producer's placement to the one its consumer reads.
 
 Around the plan, what every adapter's ``pack`` does the same way: ``per_member_fallbacks`` (the shared fallbacks that
 must run per member), ``program_macs`` (multiply-adds of a program and of the members' dense models),
@@ -96,6 +102,8 @@ class GraphNode:
     parts: tuple[int, ...] = ()
     batch_dependent: bool = False
     zero_inputs: tuple[int, ...] = ()
+    folded: bool = False
+    broadcast: tuple[int, ...] = ()
 
     def zero_map(self) -> BoolArray:
         """``zero_preserving`` as one bool per channel."""
@@ -205,8 +213,19 @@ class Program:
 
     @property
     def fallbacks(self) -> tuple[str, ...]:
-        """The nodes that run at full width because nothing here knows how to compact them."""
-        return tuple(step.name for step in self.steps if step.node.kind == "fallback")
+        """The nodes that run at full width on the member-stacked batch because nothing here knows how to compact
+        them (folded ones are in ``folded``)."""
+        return tuple(step.name for step in self.steps if step.node.kind == "fallback" and not self._folded(step))
+
+    @property
+    def folded(self) -> tuple[str, ...]:
+        """The folded fallbacks that run on the members' channel blocks (not shared: a shared one runs once, as the
+        model does)."""
+        return tuple(step.name for step in self.steps if self._folded(step))
+
+    @staticmethod
+    def _folded(step: Step) -> bool:
+        return step.node.folded and not step.placement.shared
 
     def step(self, name: str) -> Step:
         return next(step for step in self.steps if step.name == name)
@@ -227,6 +246,10 @@ def _check(nodes: Sequence[GraphNode], output: str) -> dict[str, GraphNode]:
             raise ValueError(f"{node.kind} node {node.name!r} has {node.channels} channels; its inputs must too")
         if node.kind == "combine" and node.zero_rule not in ZERO_RULES:
             raise ValueError(f"node {node.name!r}: zero_rule must be one of {ZERO_RULES}; received {node.zero_rule!r}")
+        if (node.folded or node.broadcast) and (
+            node.kind != "fallback" or not all(0 <= i < len(node.inputs) for i in node.broadcast)
+        ):
+            raise ValueError(f"node {node.name!r}: only a fallback folds; broadcast {node.broadcast} must be inputs")
         if node.zero_inputs and (
             node.kind != "combine" or not all(0 <= i < len(node.inputs) for i in node.zero_inputs)
         ):
@@ -318,6 +341,15 @@ def kept_channels(nodes: Sequence[GraphNode], output: str, member: int) -> dict[
             else:
                 source |= demand
     return kept
+
+
+class FoldConflict(Exception):
+    """A folded node whose broadcast input is not shared (the adapter runs its region as plain fallbacks, then plans
+    again)."""
+
+    def __init__(self, node: str) -> None:
+        super().__init__(node)
+        self.node = node
 
 
 class AxisConflict(Exception):
@@ -556,6 +588,10 @@ def plan_program(nodes: Sequence[GraphNode], output: str, members: Sequence[int]
         groups = 1
         if node.kind == "input":
             placement = _full(node.channels, True, m)
+        elif node.folded and not shared:
+            placement = _full(node.channels, False, m)
+            reads = [_folded_read(node, position, by_name[name], sources[position], m)
+                     for position, name in enumerate(node.inputs)]  # fmt: skip
         elif node.kind == "fallback" or (
             node.kind in ELEMENTWISE and sources and all(source.dense for source in sources)
         ):
@@ -599,6 +635,16 @@ def plan_program(nodes: Sequence[GraphNode], output: str, members: Sequence[int]
         placements[node.name] = placement
         steps.append(Step(node, placement, tuple(edges), groups))
     return Program(tuple(steps), output, chosen, kept)
+
+
+def _folded_read(node: GraphNode, position: int, source: GraphNode, placed: Placement, members: int) -> Placement:
+    """How a folded node reads its input at ``position``: a broadcast one once, with every channel, as it is placed
+    (it must be shared), any other one with every channel in member blocks."""
+    if position not in node.broadcast:
+        return _full(source.channels, False, members)
+    if not placed.shared:
+        raise FoldConflict(node.name)
+    return Placement(True, _full(source.channels, True, members).layouts, dense=placed.dense)
 
 
 def _group_inputs(layout: IntArray, out_size: int, in_size: int) -> IntArray:
@@ -677,7 +723,8 @@ class Cost:
 
 def program_macs(program: Program, costs: Mapping[str, Cost]) -> dict[str, int]:
     """Multiply-adds per sample of the nodes ``costs`` names: ``"dense"`` in the members' dense models (one each),
-    ``"packed"`` in the program, ``"fallback"`` in its fallbacks (counted as the dense models run them)."""
+    ``"packed"`` in the program, ``"fallback"`` in its fallbacks (counted as the dense models run them; a folded
+    fallback costs as much, in ``"dense"`` and ``"packed"`` only: it runs on the members' channel blocks)."""
     channels = {step.name: step.node.channels for step in program.steps}
     members = len(program.members)
     macs = {"dense": 0, "packed": 0, "fallback": 0}
@@ -687,7 +734,7 @@ def program_macs(program: Program, costs: Mapping[str, Cost]) -> dict[str, int]:
             continue
         kind = step.node.kind
         if kind == "fallback":
-            for key in macs:
+            for key in ("dense", "packed") if Program._folded(step) else macs:
                 macs[key] += cost.fallback * members
         elif kind in ("mixing", "grouped"):
             source = channels[step.edges[0].source]

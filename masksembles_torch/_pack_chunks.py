@@ -34,7 +34,7 @@ def _samples_per_chunk(capture: _Capture, program: Program, example: Tensor) -> 
     (a reduction over the batch), none with one from none unless it broadcasts a tensor along it (a tensor built from
     the batch size), and every output has one."""
     by_name = {node.name: node for node in capture.gm.graph.nodes}
-    fallbacks = [by_name[name] for name in program.fallbacks if name != OUTPUT]
+    fallbacks = [by_name[name] for name in (*program.fallbacks, *program.folded) if name != OUTPUT]
     if example.device.type != "cpu" or not all(_keeps_samples(capture, node) for node in fallbacks):
         return 0
     batch, largest = example.shape[0], 1

@@ -29,6 +29,7 @@ from masksembles_core.packing import (
 
 from . import _packed_ops as ops
 from ._layers import Masksembles
+from ._pack_attention import Fold, Region
 from ._pack_capture import (
     CONV_TYPES,
     ELEMENTWISE_FUNCTIONS,
@@ -48,9 +49,12 @@ class _Emitter:
 
     def __init__(
         self, capture: _Capture, axis: dict[fx.Node, int], program: Program, squeeze: bool, samples: int,
-        chosen: Sequence[int],
+        chosen: Sequence[int], regions: Sequence[Region] = (),
     ) -> None:  # fmt: skip
         self.capture, self.axis, self.program, self.samples = capture, axis, program, samples
+        self.folds = {node: fold for region in regions for node, fold in region.folds.items()}
+        self.fold_shapes = {node: shape for region in regions for node, shape in region.shapes.items()}
+        self.split_outputs = {entry: outer for region in regions for entry, outer in region.entries.items()}
         self.m = len(program.members)
         # the members returned, as positions in the program's (None: all of them, in order)
         self.returned = None if list(chosen) == list(program.members) else [program.members.index(k) for k in chosen]
@@ -142,7 +146,10 @@ class _Emitter:
         seen = self.capture.seen[tensor]
         dense = step.placement.dense
         factor = 1 if dense and not step.placement.shared else self.m
-        channel_axis = -1 if dense or tensor is self.capture.input else self.axis[tensor]  # the input: every channel
+        channel_axis = -1 if dense or tensor is self.capture.input else self.axis.get(tensor, -1)  # input: every one
+        fold = self.folds.get(tensor)
+        if step.name in self.program.folded and isinstance(fold, Fold):  # the members' blocks of the fold's axis
+            channel_axis = fold.axis
         channels = seen.shapes[0][channel_axis] if channel_axis >= 0 else 0
         size = self.graph.call_function(ops.frame_size, (value, seen.batch_axes, factor, channel_axis, channels))
         if name in ("numel", "nelement") or node.target is torch.numel:
@@ -217,7 +224,12 @@ class _Emitter:
         self._count(step, op)
         if step.placement.dense and op.kind == "flatten":  # (B, ...) -> (B, features) on the frame's batch, which
             return self.graph.call_function(torch.flatten, (inputs[0], 1))  # the model's view(B, -1) does not know
-        if step.placement.dense:
+        if node in self.fold_shapes:  # a reshape of a folded region: the members' blocks on its fold's axis
+            members = 1 if step.placement.shared else self.m
+            fold = cast(Fold, self.folds[node])
+            shape = [size * members if a == fold.axis else size for a, size in enumerate(self.fold_shapes[node])]
+            return self.graph.call_method("reshape", (inputs[0], shape))
+        if step.placement.dense or step.name in self.program.folded:
             return self._as_model(op, inputs)
         return self._compact(step, op, inputs)
 
@@ -361,7 +373,9 @@ class _Emitter:
             if op.how == "linear" and member:
                 shape = self.capture.seen[op.node].shapes[0]  # rows per call: at the example's batch, or chunk
                 count = math.prod(shape[:-1]) * self.samples // self.capture.seen[self.capture.input].shapes[0][0]
-                return self._call("linear", ops.MemberLinear(blocks, bias, per_member=count >= PER_MEMBER_ROWS), value)
+                split = self.split_outputs.get(op.node, 1)  # a folded region's qkv: the members inside each part
+                members = ops.MemberLinear(blocks, bias, per_member=count >= PER_MEMBER_ROWS, output_split=split)
+                return self._call("linear", members, value)
             weight = blocks.flatten(0, 1)
             groups = len(rows) if member else 1
         if op.how == "linear":
@@ -564,7 +578,7 @@ class _Emitter:
         if len(frame.users) != 1:
             return
         (user,) = frame.users
-        if self._member_linear(user) and user.args[0] is frame:
+        if self._member_linear(user, reading=True) and user.args[0] is frame:
             with self.graph.inserting_before(frame):
                 frame.replace_all_uses_with(self.graph.call_method("unflatten", (frame.args[0], 0, (self.m, -1))))
             self.graph.erase_node(frame)
@@ -574,7 +588,7 @@ class _Emitter:
         if gather.target is not ops.gather_channels or len(gather.users) != 1 or gather.args[1] != frame.args[3]:
             return
         (linear,) = gather.users
-        if not self._member_linear(linear) or linear.args[0] is not gather:
+        if not self._member_linear(linear, reading=True) or linear.args[0] is not gather:
             return
         index = self.root.get_buffer(str(cast(fx.Node, gather.args[2]).target))
         channels, width = self.last_axis_frames[frame], index.numel() // self.m
@@ -593,8 +607,13 @@ class _Emitter:
     def _linear(self, node: fx.Node) -> ops.MemberLinear:
         return cast(ops.MemberLinear, self.root.get_submodule(str(node.target)))
 
-    def _member_linear(self, node: fx.Node) -> bool:
-        return node.op == "call_module" and isinstance(self.root.get_submodule(str(node.target)), ops.MemberLinear)
+    def _member_linear(self, node: fx.Node, *, reading: bool = False) -> bool:
+        """A members' Linear; unless only its input matters (``reading``), one whose output is in member blocks (not
+        split for a folded region)."""
+        if node.op != "call_module":
+            return False
+        module = self.root.get_submodule(str(node.target))
+        return isinstance(module, ops.MemberLinear) and (reading or module.output_split == 1)
 
     def _activation_of(self, node: fx.Node, value: fx.Node) -> bool:
         """``node`` is an elementwise activation of ``value`` alone (its other arguments constants), whatever the

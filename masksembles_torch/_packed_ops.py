@@ -157,9 +157,11 @@ class MemberLinear(nn.Module):
     fresh buffer; otherwise one batched matmul with the members moved to the front and back (faster on few rows).
     ``member_major_in``/``member_major_out`` (set by ``pack`` where the neighbouring operation reads or writes that
     layout) take/give (m, ..., I)/(m, ..., O) instead: every member's rows in one block, no copy.
+    ``output_split`` s > 1 writes the output as (..., s, m, O/s): each of the s parts of the output holds the members'
+    blocks side by side (a fused qkv Linear whose heads the members are folded into).
     """
 
-    def __init__(self, weight: Tensor, bias: Tensor | None, *, per_member: bool = False) -> None:
+    def __init__(self, weight: Tensor, bias: Tensor | None, *, per_member: bool = False, output_split: int = 1) -> None:
         super().__init__()
         members, outputs, _ = weight.shape
         self.weight = nn.Parameter(weight.transpose(1, 2).contiguous(), requires_grad=False)  # (m, I, O)
@@ -167,9 +169,14 @@ class MemberLinear(nn.Module):
         self.per_member = per_member
         self.member_major_in = False
         self.member_major_out = False
+        self.output_split = output_split
 
     def forward(self, x: Tensor) -> Tensor:
         stacked, lead = self.blocks(x)
+        if self.output_split > 1:
+            members, _, outputs = self.weight.shape
+            y = self.batched(stacked).view(members, -1, self.output_split, outputs // self.output_split)
+            return y.permute(1, 2, 0, 3).reshape(*lead, members * outputs)
         if self.per_member:
             y, outs = self.result(stacked, lead)
             for k, (block, out) in enumerate(zip(stacked.unbind(0), outs.unbind(0), strict=True)):
@@ -211,6 +218,7 @@ class MemberLinear(nn.Module):
         members, inputs, outputs = self.weight.shape
         flags = ("per_member", "member_major_in", "member_major_out")
         layout = "".join(f", {name}=True" for name in flags if getattr(self, name))
+        layout += f", output_split={self.output_split}" if self.output_split > 1 else ""
         return f"members={members}, in_features={inputs}, out_features={outputs}, bias={self.bias is not None}{layout}"
 
 

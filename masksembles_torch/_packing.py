@@ -47,6 +47,8 @@ from masksembles_core.packing import (
     OUTPUT,
     VERIFICATION,
     VERIFY_SAMPLES,
+    FoldConflict,
+    Program,
     chosen_members,
     output_mismatch,
     plan_program,
@@ -55,10 +57,11 @@ from masksembles_core.packing import (
 
 from . import _packed_ops as ops
 from ._layers import Masksembles
+from ._pack_attention import Region, fold_regions, unfold
 from ._pack_capture import _Capture, _describe, _members_of, _SharedInPlace
 from ._pack_chunks import _in_chunks, _samples_per_chunk
 from ._pack_emit import _Emitter
-from ._pack_graph import _planned, _solve_axes
+from ._pack_graph import _Graph, _planned, _solve_axes
 from ._structures import Inputs, batch_size, batched_tensors, call, call_arguments, map_batched
 
 
@@ -140,11 +143,21 @@ def _build(
     """One program from the capture: compacted where it can, or (``dense``) every node at full width."""
     capture.reset(dense)
     graph, axis = _solve_axes(capture)
-    nodes, output = captured.graph_nodes(graph, axis)
-    program = plan_program(nodes, output, _planned(capture, chosen))
+    regions = [] if dense else fold_regions(graph, axis)
+    while True:
+        nodes, output = captured.graph_nodes(graph, axis)
+        try:
+            program = plan_program(nodes, output, _planned(capture, chosen))
+            _check_folds(program, regions, graph)
+        except FoldConflict as conflict:  # a region that cannot run folded runs as plain fallbacks
+            region = next(r for r in regions if any(node.name == conflict.node for node in r.ops))
+            unfold(graph, region)
+            regions.remove(region)
+            continue
+        break
     # a torch.export capture (several inputs) runs in one call
     samples = _samples_per_chunk(capture, program, example) if chunks and isinstance(example, Tensor) else 0
-    emitter = _Emitter(capture, axis, program, squeeze, samples or batch_size(example), chosen)
+    emitter = _Emitter(capture, axis, program, squeeze, samples or batch_size(example), chosen, regions)
     packed = PackedMasksembles(emitter.root, emitter.graph, class_name="PackedMasksembles")
     if samples:
         packed = PackedMasksembles(*_in_chunks(packed, cast(Tensor, example), samples), class_name="PackedMasksembles")
@@ -176,6 +189,17 @@ def _entry(program: PackedMasksembles, capture: _Capture) -> PackedMasksembles:
     packed = PackedMasksembles(root, graph, class_name="PackedMasksembles")
     packed.meta = program.meta
     return packed
+
+
+def _check_folds(program: Program, regions: Sequence[Region], graph: _Graph) -> None:
+    """Each region runs folded throughout or not at all: a folded step whose region value or Linear layer is shared
+    (read by the members as one block) raises ``FoldConflict``."""
+    for region in regions:
+        steps = [program.step(node.name) for node in region.ops]
+        if any(step.placement.shared for step in steps) and not all(step.placement.shared for step in steps):
+            raise FoldConflict(region.ops[0].name)
+        if not steps[0].placement.shared and any(program.step(e.name).placement.shared for e in region.entries):
+            raise FoldConflict(region.ops[0].name)
 
 
 def _member_outputs(model: nn.Module, x: Inputs, n: int) -> tuple[Any, tuple[int, ...]]:

@@ -10,6 +10,8 @@ import pytest
 from masksembles_core.packing import (
     AxisConflict,
     AxisRule,
+    Cost,
+    FoldConflict,
     GraphNode,
     Move,
     Placement,
@@ -22,6 +24,7 @@ from masksembles_core.packing import (
     moves_between,
     norm_affine,
     plan_program,
+    program_macs,
 )
 
 
@@ -324,6 +327,45 @@ def test_shared_fallback_and_batch_dependent_fallback() -> None:
     assert program.step("f").placement.shared and not program.step("g").placement.shared
     kinds = [[m.kind for m in edge.moves] for edge in program.step("sum").edges]
     assert kinds == [["select", "to_batch"], [], ["tile"]]
+
+
+def folded_region(mask_source: str) -> list[GraphNode]:
+    """q/k/v Linear layers after masks, an attention region folded over them (the mask read as it is), its output
+    read by a masked projection."""
+    return [
+        GraphNode("x", "input", (), 4),
+        GraphNode("m", "masks", ("x",), 4, masks=MASKS),
+        GraphNode("mask", "fallback", (mask_source,), 1),
+        GraphNode("q", "mixing", ("m",), 4),
+        GraphNode("v", "mixing", ("m",), 4),
+        GraphNode("scores", "fallback", ("q", "mask"), 1, folded=True, broadcast=(1,)),
+        GraphNode("context", "fallback", ("scores", "v"), 4, folded=True),
+        GraphNode("m2", "masks", ("context",), 4, masks=np.array([[1, 1, 0, 0], [0, 0, 1, 1], [1, 0, 1, 0]], bool)),
+        GraphNode("proj", "mixing", ("m2",), 2),
+    ]
+
+
+def test_a_folded_fallback_holds_member_blocks_and_reads_a_broadcast_input_as_it_is() -> None:
+    program = plan_program(folded_region("x"), "proj", range(3))
+    assert program.fallbacks == ("mask",) and program.folded == ("scores", "context")
+    assert program.step("mask").placement.shared and program.step("mask").placement.dense
+    for name in ("scores", "context"):
+        placement = program.step(name).placement
+        assert not placement.shared and not placement.dense and placement.full and len(placement.layouts) == 3
+    assert layouts(program.step("q").placement) == [list(range(4))] * 3, "the region reads every channel"
+    assert [[m.kind for m in edge.moves] for edge in program.step("scores").edges] == [[], []], "no move in or out"
+    assert [[m.kind for m in edge.moves] for edge in program.step("context").edges] == [[], []]
+    assert [m.kind for m in program.step("m2").edges[0].moves] == ["select"], "the masks read the blocks"
+    macs = program_macs(program, {"scores": Cost(fallback=10), "context": Cost(fallback=20), "proj": Cost(1)})
+    assert macs == {"dense": 3 * (30 + 2 * 4), "packed": 3 * 30 + 3 * 2 * 2, "fallback": 0}
+
+
+def test_a_folded_fallback_whose_broadcast_input_runs_per_member_conflicts() -> None:
+    with pytest.raises(FoldConflict) as conflict:
+        plan_program(folded_region("m"), "proj", range(3))
+    assert conflict.value.node == "scores"
+    with pytest.raises(ValueError, match="only a fallback folds"):
+        plan_program([GraphNode("x", "input", (), 3), GraphNode("f", "channelwise", ("x",), 3, folded=True)], "f", [0])
 
 
 def test_moves_between_placements() -> None:

@@ -38,13 +38,13 @@ def test_inserted_zoo_model_packs_equal_to_predict(name: str, half: bool) -> Non
 
 
 @pytest.mark.parametrize("name", ["vit", "vit_fused"])
-def test_attention_reads_and_writes_member_blocks_in_place(name: str) -> None:
-    """The qkv Linear writes the member-stacked batch itself (no to_batch copy) and the members' projections gather
-    their channels from it (no to_channels copy): each member's rows stay one block around the attention."""
+def test_attention_is_folded_into_the_heads_between_member_blocks(name: str) -> None:
+    """The members' qkv Linear writes each of q, k and v with the members' heads side by side, the attention runs
+    once on (B, 4*heads, L, d) and the projection reads its members' channels from the result: no move to or from
+    the member-stacked batch around the attention, which no longer falls back."""
     masked = mt.insert(zoo.build(name), N, 2.0, seed=0).eval()
     x = zoo.images(5)
     packed = mt.pack(masked, x[:2], program="packed")
-    assert "to_batch" not in packed.code and "gather_member_blocks" in packed.code
-    layouts = [(m.member_major_in, m.member_major_out) for m in packed.modules() if hasattr(m, "member_major_in")]
-    assert (True, True) in layouts and (True, False) in layouts
+    assert "to_batch" not in packed.code and not any("attn" in name for name in packed.fallbacks)
+    assert "output_split=3" in repr(packed) and "reshape([-1, 17, 3, 8, 8])" in packed.code
     assert relative_error(packed(x), mt.predict(masked, x, N)) <= 1e-5

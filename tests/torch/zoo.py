@@ -536,3 +536,66 @@ def build(name: str, seed: int = 0) -> nn.Module:
 def images(batch: int, seed: int = 0) -> Tensor:
     """(batch, 3, 32, 32) random images."""
     return torch.randn(batch, *IMAGE, generator=torch.Generator().manual_seed(seed))
+
+
+# --- BERT (Hugging Face's BertSelfAttention layout), for the attention folding tests --------------------------------
+
+
+class BertLayer(nn.Module):
+    """query/key/value Linear layers, heads by view + transpose, scores + an additive (B, 1, 1, L) padding mask,
+    softmax, dropout, context, output Linear + LayerNorm, GELU MLP + LayerNorm. ``kv_heads`` < ``heads``: keys and
+    values with fewer heads, each shared by a group of query heads (grouped-query attention); ``talking``: a Linear
+    over the heads of the attention weights (talking heads), which mixes heads."""
+
+    def __init__(self, dim: int, heads: int, kv_heads: int | None = None, talking: bool = False) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads or heads, dim // heads
+        self.query, self.dense = nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.key, self.value = (nn.Linear(dim, self.kv_heads * self.head_dim) for _ in range(2))
+        self.talking = nn.Linear(heads, heads) if talking else None
+        self.norm1, self.norm2 = nn.LayerNorm(dim, eps=1e-12), nn.LayerNorm(dim, eps=1e-12)
+        self.attention_dropout, self.dropout = nn.Dropout(0.1), nn.Dropout(0.1)
+        self.intermediate, self.output = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+
+    def split(self, x: Tensor, heads: int) -> Tensor:
+        batch, length, _ = x.shape
+        return x.view(batch, length, heads, self.head_dim).transpose(1, 2)
+
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        q = self.split(self.query(x), self.heads)
+        k, v = self.split(self.key(x), self.kv_heads), self.split(self.value(x), self.kv_heads)
+        if self.kv_heads != self.heads:
+            k, v = (t.repeat_interleave(self.heads // self.kv_heads, dim=1) for t in (k, v))
+        scores = q @ k.transpose(-1, -2) / self.head_dim**0.5 + mask
+        if self.talking is not None:
+            scores = self.talking(scores.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        context = (self.attention_dropout(scores.softmax(-1)) @ v).transpose(1, 2)
+        x = self.norm1(x + self.dropout(self.dense(context.flatten(2))))
+        return self.norm2(x + self.dropout(self.output(F.gelu(self.intermediate(x)))))
+
+
+class Bert(nn.Module):
+    """Token ids (B, L) -> logits (B, 2): embeddings + LayerNorm, layers with a padding mask (id 0) built from the
+    ids, tanh pooler on the first token, classifier."""
+
+    def __init__(self, dim: int = 16, depth: int = 2, heads: int = 2, length: int = 8, **layer: int | bool) -> None:
+        super().__init__()
+        self.words, self.positions = nn.Embedding(50, dim), nn.Parameter(torch.randn(1, length, dim) * 0.02)
+        self.norm = nn.LayerNorm(dim, eps=1e-12)
+        self.layers = nn.ModuleList(BertLayer(dim, heads, **layer) for _ in range(depth))  # type: ignore[arg-type]
+        self.pooler, self.classifier = nn.Linear(dim, dim), nn.Linear(dim, 2)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        mask = (tokens == 0)[:, None, None, :].float() * -10000.0
+        x = self.norm(self.words(tokens) + self.positions)
+        for layer in self.layers:
+            x = layer(x, mask)
+        return self.classifier(torch.tanh(self.pooler(x[:, 0])))
+
+
+def tokens(batch: int, length: int = 8, seed: int = 0) -> Tensor:
+    """(batch, length) token ids in [1, 50), each sequence padded with id 0 after at least 3 tokens."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 50, (batch, length), generator=generator)
+    lengths = torch.randint(3, length + 1, (batch, 1), generator=generator)
+    return ids.masked_fill(torch.arange(length) >= lengths, 0)

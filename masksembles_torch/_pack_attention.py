@@ -1,0 +1,335 @@
+"""Attention at packed speed: the members folded into the attention heads.
+
+An attention region (the operations between the query/key/value Linear layers and the projection that reads their
+result: reshapes that split or merge the channels as (heads, head_dim), moves, ``unbind``, ``q @ k^T``, softmax, a
+scale, an additive mask, Dropout in eval, ``F.scaled_dot_product_attention``) falls back: nothing compacts it. Where
+every member reads every channel of those Linear layers, the members' blocks side by side on the channel axis are
+one wider layer's output with ``m`` times the heads, and every operation of the region treats heads apart: the region
+runs once on (B, m*heads, L, d) and gives its result back in member blocks, (B, L, m*C), with no move in or out.
+
+``fold_regions`` finds such regions on the capture (after the channel axes are solved) and tracks, for every value of
+a region, its *fold*: the axis that holds the members' blocks and how many elements of that axis sit outside the
+member index (1 for blocks side by side; 3 when a fused qkv Linear's output is split as (3, heads, head_dim): that
+Linear then writes its output with the member index inside the 3, ``MemberLinear(output_split=3)``). Every operation
+has a rule that says where its result's fold is, or that it mixes what a fold keeps apart; a region with an operation
+that has no rule, or a rule that fails (a softmax over the heads, a matmul over them, a mask with a size other than 1
+on the heads, talking heads), is left as it was: fallbacks on the member-stacked batch.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+from ._pack_capture import DROPOUT_FUNCTIONS, DROPOUT_TYPES, _Op, _target_name
+from ._pack_graph import _Graph
+
+RESHAPES = {"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as"}
+RESHAPE_FUNCTIONS = {torch.reshape, torch.flatten}
+MOVES = {"transpose", "permute", "movedim", "swapaxes", "swapdims", "contiguous", "t"}
+MOVE_FUNCTIONS = {torch.transpose, torch.permute, torch.movedim, torch.swapaxes}
+SOFTMAX = {"softmax", "log_softmax"}
+MATMULS = {torch.matmul, operator.matmul, "matmul", "__matmul__"}
+
+
+@dataclass(frozen=True)
+class Fold:
+    """Where a value's members sit: the blocks of ``axis``, each member's block after ``outer`` elements of it."""
+
+    axis: int
+    outer: int = 1
+
+
+@dataclass
+class Region:
+    """One folded region: its operations, the Linear layers it reads (and the ``outer`` each one writes), the fold of
+    each value, and the folded shape (batch axis -1, per member) of each reshape."""
+
+    ops: list[fx.Node]
+    entries: dict[fx.Node, int]
+    folds: dict[fx.Node, Fold | tuple[Fold, ...]] = field(default_factory=dict)
+    shapes: dict[fx.Node, tuple[int, ...]] = field(default_factory=dict)
+
+
+Component = tuple[list[fx.Node], set[fx.Node]]  # a region's operations in graph order, and the Linear layers it reads
+
+
+class _Rejected(Exception):
+    """An operation that mixes what a fold keeps apart, or that has no rule."""
+
+
+def fold_regions(graph: _Graph, axis: dict[fx.Node, int]) -> list[Region]:
+    """The attention regions of the capture that fold, their operations marked ``folded`` (with the positions of
+    their ``broadcast`` inputs)."""
+    capture = graph.capture
+    fallbacks = [key for key, op in graph.ops.items() if op.kind == "fallback" and not capture.is_masksembles(key)]
+    entries = [key for key, op in graph.ops.items() if op.kind == "mixing" and op.how == "linear"]
+    found = []
+    for component in _components(graph, set(fallbacks), entries):
+        region = _fold(graph, axis, component)
+        if region is not None:
+            found.append(region)
+            for node in region.ops:
+                op = graph.ops[node]
+                side = [i for i, t in enumerate(op.tensors) if t not in region.folds and t not in region.entries]
+                op.folded, op.broadcast = True, tuple(side)
+                op.batch_dependent = capture.mixes_samples(node)  # shape arguments are replaced: no batch size read
+    return found
+
+
+def unfold(graph: _Graph, region: Region) -> None:
+    """Run a region as plain fallbacks again."""
+    for node in region.ops:
+        graph.ops[node] = graph.fallback(node)
+
+
+def _components(graph: _Graph, fallbacks: set[fx.Node], entries: list[fx.Node]) -> list[Component]:
+    """The fallbacks reached from Linear layers through fallbacks only, in connected groups, each with the Linear
+    layers that it reads (in graph order)."""
+    order = {node: i for i, node in enumerate(graph.capture.gm.graph.nodes)}
+    parent: dict[fx.Node, fx.Node] = {}
+
+    def root(node: fx.Node) -> fx.Node:
+        while parent.get(node, node) is not node:
+            node = parent[node]
+        return node
+
+    reached: set[fx.Node] = set()
+    for entry in entries:
+        stack = [user for user in entry.users if user in fallbacks]
+        for user in stack:
+            parent.setdefault(user, user)
+            parent[root(user)] = root(entry) if entry in parent else parent.setdefault(entry, entry)
+        while stack:
+            node = stack.pop()
+            if node in reached:
+                continue
+            reached.add(node)
+            for user in node.users:
+                if user in fallbacks:
+                    parent.setdefault(user, user)
+                    parent[root(user)] = root(node)
+                    stack.append(user)
+    groups: dict[fx.Node, list[fx.Node]] = {}
+    for node in sorted(reached, key=order.__getitem__):
+        groups.setdefault(root(node), []).append(node)
+    result = []
+    for members in groups.values():
+        inside = set(members)
+        read = {t for node in members for t in graph.ops[node].tensors if t in entries}
+        result.append((members, {entry for entry in entries if entry in read and entry not in inside}))
+    return result
+
+
+def _fold(graph: _Graph, axis: dict[fx.Node, int], component: Component) -> Region | None:
+    """The component as a folded region, trying each place the entries' member index may sit; None if none folds."""
+    nodes, entries = component
+    if not entries:
+        return None
+    candidates = sorted({1, *(outer for entry in entries for outer in _split_outers(graph, entry, set(nodes)))})
+    for outer in candidates:
+        region = Region(list(nodes), {entry: outer if outer in _split_outers(graph, entry, set(nodes)) else 1
+                                      for entry in entries})  # fmt: skip
+        try:
+            _propagate(graph, axis, region)
+        except _Rejected:
+            continue
+        return region
+    return None
+
+
+def _split_outers(graph: _Graph, entry: fx.Node, inside: set[fx.Node]) -> list[int]:
+    """Where an entry's member index may sit: 1, and, when only the region reads it, inside each leading factor of
+    the reshape that splits its channels (3 of (3, heads, head_dim))."""
+    if any(user not in inside for user in entry.users if user in graph.ops) or len(entry.users) != 1:
+        return [1]
+    (user,) = entry.users
+    if _called(user) not in RESHAPES and user.target not in RESHAPE_FUNCTIONS:
+        return [1]
+    source, out = graph.probed(entry).shape, graph.probed(user).shape
+    prefix, outers, product = math.prod(source[:-1]), [1], 1
+    for a in range(len(out)):
+        if math.prod(out[:a]) >= prefix and math.prod(out[:a]) % prefix == 0:
+            product = math.prod(out[:a]) // prefix
+            outers.append(product)
+    return [o for o in dict.fromkeys(outers) if source[-1] % o == 0 and o < source[-1]]
+
+
+def _called(node: fx.Node) -> str:
+    return "" if node.op == "call_module" else _target_name(node)
+
+
+def _propagate(graph: _Graph, axis: dict[fx.Node, int], region: Region) -> None:
+    """Every value's fold, operation by operation in graph order; raises ``_Rejected`` where one cannot be kept."""
+    folds = region.folds
+    inside = set(region.ops)
+    for entry, outer in region.entries.items():
+        if axis.get(entry) != graph.probed(entry).rank - 1:
+            raise _Rejected(entry)
+        folds[entry] = Fold(axis[entry], outer)
+    for node in region.ops:
+        op = graph.ops[node]
+        if graph.capture.batch_args(node) and not _is_reshape(node):
+            raise _Rejected(node)
+        folds[node] = _rule(graph, region, node, op)
+    for node in region.ops:  # exits: read outside the region, in member blocks on their channel axis
+        readers = [user for user in node.users if user not in inside]
+        fold = folds[node]
+        if readers and (not isinstance(fold, Fold) or fold.outer != 1 or axis.get(node) != fold.axis):
+            raise _Rejected(node)
+    del folds  # the entries stay in region.folds: emitting reads them
+
+
+def _is_reshape(node: fx.Node) -> bool:
+    return _called(node) in RESHAPES or node.target in RESHAPE_FUNCTIONS
+
+
+def _rule(graph: _Graph, region: Region, node: fx.Node, op: _Op) -> Fold | tuple[Fold, ...]:
+    """The fold of ``node``'s value from its inputs' folds."""
+    folds = region.folds
+    probed = graph.probed(node)
+    ins = [t for t in op.tensors if t in folds]
+    if not ins:
+        raise _Rejected(node)
+    first = folds[ins[0]]
+    name = _called(node)
+    if node.target is operator.getitem and isinstance(first, tuple):
+        index = node.args[1]
+        if not isinstance(index, int):
+            raise _Rejected(node)
+        return first[index]
+    if not isinstance(first, Fold):
+        raise _Rejected(node)
+    source = graph.probed(ins[0])
+    if _is_reshape(node):
+        return _reshape(graph, region, node, first, source.shape, probed.shape, source.batch_axis, probed.batch_axis)
+    if name in ("unbind",):
+        dim = graph.capture.argument(node, "dim", 1, 0)
+        if not isinstance(dim, int) or dim % source.rank == first.axis:
+            raise _Rejected(node)
+        dim %= source.rank
+        part = Fold(first.axis - (dim < first.axis), first.outer)
+        return tuple(part for _ in range(source.shape[dim]))
+    if name in MOVES or node.target in MOVE_FUNCTIONS:
+        landing = graph.axis_map(op, first.axis) if len(op.tensors) == 1 else None
+        if landing is None:
+            raise _Rejected(node)
+        return Fold(landing, first.outer)
+    if name in SOFTMAX:
+        dim = graph.capture.argument(node, "dim", 1)
+        if not isinstance(dim, int) or dim % source.rank == first.axis or len(op.tensors) != 1:
+            raise _Rejected(node)
+        return first
+    if _identity(graph, node, op):
+        return first
+    if node.target in MATMULS or name in MATMULS or node.target is F.scaled_dot_product_attention:
+        return _attention(graph, region, node, op)
+    classified = graph.capture.classified.get(node)
+    if classified is not None and classified.kind in ("channelwise", "combine") and classified.rule == "same":
+        return _elementwise(graph, region, node, op)
+    raise _Rejected(node)
+
+
+def _identity(graph: _Graph, node: fx.Node, op: _Op) -> bool:
+    """Dropout in eval, ``contiguous``, a dtype cast: the value as it is."""
+    if node.op == "call_module":
+        module = graph.capture.gm.get_submodule(str(node.target))
+        return isinstance(module, (*DROPOUT_TYPES, nn.Identity))
+    if node.target in DROPOUT_FUNCTIONS:
+        return graph.capture.argument(node, "training", 2, True) is False
+    return False
+
+
+def _right(fold: Fold, rank: int, out_rank: int) -> Fold:
+    """A fold seen from a result of rank ``out_rank`` that broadcasts a value of rank ``rank`` (aligned right)."""
+    return Fold(fold.axis + out_rank - rank, fold.outer)
+
+
+def _side_broadcasts(graph: _Graph, side: Iterable[fx.Node], fold: Fold, out_rank: int) -> bool:
+    """Values outside the region broadcast over the fold: size 1 (or absent) where the fold sits, aligned right."""
+    for value in side:
+        shape = graph.probed(value).shape
+        position = fold.axis - (out_rank - len(shape))
+        if 0 <= position < len(shape) and shape[position] != 1:
+            return False
+    return True
+
+
+def _elementwise(graph: _Graph, region: Region, node: fx.Node, op: _Op) -> Fold:
+    """Scaling by a number, an additive mask, a sum of two region values: the same fold on every folded operand,
+    and the other operands (constants included) size 1 where it sits."""
+    rank = graph.probed(node).rank
+    folded = [_right(region.folds[t], graph.probed(t).rank, rank) for t in op.tensors if t in region.folds]  # type: ignore[arg-type]
+    if any(not isinstance(region.folds[t], Fold) for t in op.tensors if t in region.folds) or len(set(folded)) != 1:
+        raise _Rejected(node)
+    fold = folded[0]
+    side = [t for t in op.tensors if t not in region.folds]
+    constants = [a for a in node.all_input_nodes if a not in graph.capture.dynamic]
+    values = [graph.capture.constants.get(a) for a in constants]
+    if not _side_broadcasts(graph, side, fold, rank) or any(
+        isinstance(v, torch.Tensor) and v.dim() >= rank - fold.axis and v.shape[fold.axis - rank] != 1 for v in values
+    ):
+        raise _Rejected(node)
+    return fold
+
+
+def _attention(graph: _Graph, region: Region, node: fx.Node, op: _Op) -> Fold:
+    """A matmul of two region values or ``scaled_dot_product_attention``: the fold on the same batch-like axis of
+    every operand (not the last two, which the products mix); an attention mask outside the region broadcasts."""
+    rank = graph.probed(node).rank
+    sdpa = node.target is F.scaled_dot_product_attention
+    operands = [t for t in op.tensors if t in region.folds]
+    if sdpa:
+        capture = graph.capture
+        if capture.argument(node, "dropout_p", 4, 0.0) != 0.0 or capture.argument(node, "enable_gqa", 7, False):
+            raise _Rejected(node)
+        mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
+        if isinstance(mask, fx.Node) and mask in region.folds:
+            operands = [t for t in operands]  # a mask from the region is folded like q, k and v
+        elif len(operands) != 3:
+            raise _Rejected(node)
+    elif len(operands) != 2 or len(op.tensors) != 2:
+        raise _Rejected(node)
+    folds = region.folds
+    if any(not isinstance(folds[t], Fold) or graph.probed(t).rank != rank for t in operands):
+        raise _Rejected(node)
+    unique = {folds[t] for t in operands}
+    if len(unique) != 1:
+        raise _Rejected(node)
+    fold = unique.pop()
+    assert isinstance(fold, Fold)
+    if fold.axis >= rank - 2 or not _side_broadcasts(graph, [t for t in op.tensors if t not in folds], fold, rank):
+        raise _Rejected(node)
+    return fold
+
+
+def _reshape(
+    graph: _Graph, region: Region, node: fx.Node, fold: Fold, source: tuple[int, ...], out: tuple[int, ...],
+    source_batch: int, out_batch: int,
+) -> Fold:  # fmt: skip
+    """A reshape keeps the members apart when the elements outside the member index are the same before and after
+    it: the result's fold is the axis (and the elements of it outside the member index) where that count ends."""
+    if source_batch < 0 or out_batch < 0 or source_batch == fold.axis:
+        raise _Rejected(node)
+    before = math.prod(source[: fold.axis]) * fold.outer
+    landing = None
+    for a in range(len(out)):
+        prefix = math.prod(out[:a])
+        if prefix == before and out[a] > 1:
+            landing = Fold(a, 1)
+            break
+        if prefix < before < prefix * out[a] and before % prefix == 0 and out[a] % (before // prefix) == 0:
+            landing = Fold(a, before // prefix)
+            break
+    if landing is None or landing.axis == out_batch:
+        raise _Rejected(node)
+    shape = list(out)
+    shape[out_batch] = -1
+    region.shapes[node] = tuple(shape)
+    return landing
