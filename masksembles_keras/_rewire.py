@@ -29,7 +29,8 @@ from ._layers import SERIALIZATION_PACKAGE, Masksembles
 Step = tuple[str, Any]  # ("layer", name) in a functional graph, ("attr", name), ("item", index or key)
 Locator = tuple[Step, ...]
 
-# Keras' own bookkeeping attributes that hold layers: not places where a layer's code keeps its sublayers
+# Keras' own bookkeeping attributes that hold layers: not places where a layer's code keeps its sublayers (and on
+# the TensorFlow backend, the checkpoint dependencies of ``AutoTrackable``, named ``_self_...``)
 _BOOKKEEPING = frozenset({"_layers", "_operations", "_operations_by_depth", "nnx_operations", "_nnx_op_mapping"})
 
 
@@ -37,7 +38,7 @@ def _attributes(layer: Any) -> dict[str, Any]:
     """The layer's attributes; on the torch backend sublayers live in ``_modules`` (a ``torch.nn.Module``)."""
     found = dict(vars(layer))
     found.update(found.pop("_modules", None) or {})
-    return {name: value for name, value in found.items() if name not in _BOOKKEEPING}
+    return {name: value for name, value in found.items() if name not in _BOOKKEEPING and not name.startswith("_self_")}
 
 
 def held_layers(layer: Any) -> Iterator[tuple[tuple[Step, ...], Any]]:

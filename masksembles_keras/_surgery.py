@@ -425,7 +425,8 @@ def _copy(op: Any) -> Any:
 
 
 def _config_copy(model: Any) -> Any:
-    """A model of ``model``'s class built from its config (compiled as it was; weights copied later).
+    """A model of ``model``'s class built from its config (compiled as it was, unless its class compiles it; weights
+    copied later).
 
     A keras-hub task's preprocessor holds no weights and may hold what its config does not (a tokenizer's
     vocabulary, loaded from a preset's assets): the copy shares it.
@@ -435,7 +436,7 @@ def _config_copy(model: Any) -> Any:
     if isinstance(preprocessor, keras.layers.Layer) and "preprocessor" in config and not preprocessor.weights:
         config = {**config, "preprocessor": preprocessor}
     result = type(model).from_config(config)
-    if model.compiled:
+    if model.compiled and not result.compiled:  # a keras-hub task compiles itself (its compile() is its own)
         result.compile_from_config(model.get_compile_config())
     return result
 
