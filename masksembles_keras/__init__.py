@@ -14,11 +14,11 @@ from ._surgery import convert_dropout, insert
 
 __all__ = [
     "GaussianNLL",
+    "Masked",
     "Masksembles",
     "Masksembles1D",
     "Masksembles2D",
     "Masksembles3D",
-    "Masked",
     "convert_dropout",
     "insert",
     "predict",

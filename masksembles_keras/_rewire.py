@@ -30,15 +30,28 @@ Step = tuple[str, Any]  # ("layer", name) in a functional graph, ("attr", name),
 Locator = tuple[Step, ...]
 
 # Keras' own bookkeeping attributes that hold layers: not places where a layer's code keeps its sublayers (and on
-# the TensorFlow backend, the checkpoint dependencies of ``AutoTrackable``, named ``_self_...``)
-_BOOKKEEPING = frozenset({"_layers", "_operations", "_operations_by_depth", "nnx_operations", "_nnx_op_mapping"})
+# the TensorFlow backend, the checkpoint dependencies ``tf.Module``'s tracking keeps)
+_BOOKKEEPING = frozenset(
+    {
+        "_layers",
+        "_operations",
+        "_operations_by_depth",
+        "nnx_operations",
+        "_nnx_op_mapping",
+        "_self_unconditional_checkpoint_dependencies",
+        "_self_unconditional_dependency_names",
+        "_self_unconditional_deferred_dependencies",
+        "_self_name_based_restores",
+        "_self_saveable_object_factories",
+    }
+)
 
 
 def _attributes(layer: Any) -> dict[str, Any]:
     """The layer's attributes; on the torch backend sublayers live in ``_modules`` (a ``torch.nn.Module``)."""
     found = dict(vars(layer))
     found.update(found.pop("_modules", None) or {})
-    return {name: value for name, value in found.items() if name not in _BOOKKEEPING and not name.startswith("_self_")}
+    return {name: value for name, value in found.items() if name not in _BOOKKEEPING}
 
 
 def held_layers(layer: Any) -> Iterator[tuple[tuple[Step, ...], Any]]:
@@ -79,7 +92,7 @@ class _Unlocked:
     """Keras locks a built layer's tracker (no new sublayers); a replacement is allowed in, once."""
 
     def __init__(self, layer: Any) -> None:
-        self.tracker = getattr(layer, "_tracker", None)
+        self.tracker: Any = getattr(layer, "_tracker", None)
         self.locked = bool(self.tracker is not None and self.tracker.locked)
 
     def __enter__(self) -> None:

@@ -1,18 +1,22 @@
-"""Model surgery: ``insert`` (the paper's recipe) and ``convert_dropout``, on Sequential and functional models.
+"""Model surgery: ``insert`` (the paper's recipe) and ``convert_dropout``, on Sequential and functional models and
+inside their custom layers.
 
 Both run the same two steps. ``_survey`` lists every layer and operation of the model in graph order, with the
-shape of the tensor each call reads; the rule of ``masksembles_core.insertion`` (``plan_insertion`` for ``insert``,
+shape of the tensor each call reads, and the layers custom layers hold as attributes (their calls read by running
+the model once, ``_trace``); the rule of ``masksembles_core.insertion`` (``plan_insertion`` for ``insert``,
 ``plan_conversion`` for ``convert_dropout``) decides where masks go; ``_Rebuilder`` builds a new model with a
 Masksembles layer in front of (``insert``) or in place of (``convert_dropout``) the chosen layers and copies every
-other layer and operation with its weights, so the input model is never modified. ``_read_raw`` follows the raw
+other layer and operation with its weights, so the input model is never modified. What a rebuilt graph cannot hold
+(a layer inside a custom layer, a layer of a functional model whose class builds its own graph) is changed in place
+in that copy (``_rewire``). ``_read_raw`` follows the raw
 input from the model's inputs through the graph to the layers that read it: the network's first layers (for
 ``convert_dropout``, the dropouts reached through no layer that mixes channels).
 
 Paths: a layer of the model is its name (``"conv2"``); a layer of a nested Sequential/functional model is
-``"<nested model name>/<layer name>"`` (nesting repeats), as in Keras' variable paths. A layer inside a custom layer
-or a subclassed model (Python ``call()`` code, which cannot be rebuilt) is ``"<custom layer path>/<layer name>"`` and
-is reported as left alone; so is a layer the graph calls that a custom layer also holds (a tied projection reading
-an embedding's matrix, say): masks before its call would not reach the custom layer's use of its weights.
+``"<nested model name>/<layer name>"`` (nesting repeats), as in Keras' variable paths. A layer a custom layer holds
+is ``"<custom layer path>/<layer name>"``. A layer held twice (by two custom layers, or called by the graph and held
+by a custom layer: a tied projection reading an embedding's matrix, say) is left alone: masks before one call would
+not reach the other use of its weights.
 """
 
 from __future__ import annotations
@@ -324,17 +328,19 @@ def _raw_held(
 
 
 def _read_raw(
-    model: Any, raw: Sequence[bool], stops: set[int], found: set[int], reads: dict[int, list[bool]] | None = None
+    model: Any,
+    raw: Sequence[bool],
+    stops: set[int],
+    found: set[int],
+    held_reads: dict[int, list[bool]] | None = None,
 ) -> list[bool]:
     """Follow the raw input through ``model``'s graph, whose input ``i`` carries it when ``raw[i]``.
 
     Every layer in ``stops`` (or custom layer holding one) that reads a tensor carrying the raw input is added to
     ``found`` and its outputs do not carry it; other layers and operations pass it on, nested models are followed.
-    ``reads`` collects, for each custom layer that reads it, which of its input tensors carry it.
+    ``held_reads`` collects, for each custom layer that reads it, which of its input tensors carry it.
     Returns, per output of ``model``, whether it carries the raw input.
     """
-
-    held_reads = reads
 
     def through(op: Any, reads: list[bool], outputs: int) -> list[bool]:
         if _is_graph_model(op):
@@ -640,8 +646,11 @@ def insert(
     image and a tabular branch) has its own. Layers before ``start`` in ``model.layers`` order (a nested model's
     layers follow it) are skipped; the ``i``-th layer given masks gets ``derive_seed(seed, i)``. Left alone, with the
     reason in the report: depthwise convolutions (``Conv2D(groups=C)``) when ``before`` is the default, layers with a
-    single input channel, layers reading several tensors or inputs of different channel counts, and layers inside
-    custom layers or subclassed models (their ``call()`` cannot be rebuilt).
+    single input channel, layers reading several tensors or inputs of different channel counts, layers held twice,
+    and layers inside custom layers the model never calls. A layer a custom layer holds (keras-hub's
+    ``TransformerEncoder`` holds its feedforward ``Dense`` layers) is replaced there by ``Masked(masks, layer)``; so
+    is a layer of a functional model whose class builds its own graph (keras-hub's backbones and tasks), copied
+    through its config so that it keeps its class (docs/keras.md, "What the surgery can and cannot reach").
 
     Args:
         model: a built Sequential or functional model (left unchanged).
@@ -655,8 +664,9 @@ def insert(
         include_first: also put masks on the input of the network's first layers (the raw input).
 
     Returns:
-        the new model, of the input model's class (compiled with its compile configuration when it was compiled);
-        its ``masksembles_report`` attribute (a ``LayerReport``, printed as a Markdown table) lists every matching
+        the new model, of the input model's class (compiled with its compile configuration when it was compiled;
+        a subclass of the same name that saves its changes when masks went inside custom layers or a graph its
+        class builds); its ``masksembles_report`` attribute (a ``LayerReport``, printed as a Markdown table) lists every matching
         layer, what was done and why. The report is not saved with the model; the masks are.
 
     Raises:
@@ -734,13 +744,16 @@ def convert_dropout(
     raw input (reached from a model input through no convolution, dense, einsum-dense, embedding or recurrent layer)
     unless ``include_first``. Also left as is: ``rate=0``; a ``noise_shape`` that shares one draw across the
     channels (per-sample dropout such as EfficientNet's stochastic depth, ``noise_shape=(None, 1, 1, 1)``); an input
-    that is not a single tensor or has different channel counts at different calls; and dropouts inside custom
-    layers (e.g. ``MultiHeadAttention``'s), which cannot be reached. The ``i``-th converted dropout gets masks from
-    ``derive_seed(seed, i)``.
+    that is not a single tensor or has different channel counts at different calls; an attention-weight dropout
+    (one that reads a ``Softmax`` layer's output, ``MultiHeadAttention``'s), with
+    ``masksembles_core.insertion.attention_dropout_reason``; and a dropout inside a custom layer the model never
+    calls. Dropouts inside custom layers (keras-hub's ``TransformerEncoder``) are replaced where the custom layer
+    holds them. The ``i``-th converted dropout gets masks from ``derive_seed(seed, i)``.
 
     Returns:
-        the new model, of the input model's class (compiled with its compile configuration when it was compiled),
-        with a ``masksembles_report`` attribute: a ``LayerReport`` (operation ``"convert_dropout"``) with one row per
+        the new model, of the input model's class (compiled with its compile configuration when it was compiled;
+        a subclass of the same name that saves its changes when masks went inside custom layers or a graph its
+        class builds), with a ``masksembles_report`` attribute: a ``LayerReport`` (operation ``"convert_dropout"``) with one row per
         dropout layer, ``"converted"`` or ``"left as is"`` with the reason.
 
     Raises:

@@ -1,5 +1,6 @@
-"""Small models written the way keras-hub writes its transformers (read from keras-team/keras-hub 0.32: ``TransformerEncoder``,
-``BertBackbone``, ``BertTextClassifier``), so the Keras tests cover its patterns without keras-hub installed.
+"""Small models written the way keras-hub writes its transformers (read from keras-team/keras-hub 0.32:
+``TransformerEncoder``, ``BertBackbone``, ``BertTextClassifier``), so the Keras tests cover its patterns without
+keras-hub installed.
 
 - ``Encoder``: a custom layer that creates its sublayers in ``build()`` as attributes (a ``MultiHeadAttention``, two
   ``LayerNormalization``, the feedforward ``Dense`` pair and two ``Dropout``) and calls them in its own ``call``,
@@ -23,7 +24,7 @@ PACKAGE = "masksembles_tests"
 
 @keras.saving.register_keras_serializable(package=PACKAGE)
 class Encoder(layers.Layer):  # type: ignore[misc]
-    """A post-norm transformer encoder block: attention, dropout, residual, norm; feedforward, dropout, residual, norm."""
+    """A post-norm encoder block: attention, dropout, residual, norm; feedforward, dropout, residual, norm."""
 
     def __init__(self, intermediate_dim: int, num_heads: int, dropout: float = 0.1, **kwargs: Any) -> None:
         super().__init__(**kwargs)

@@ -2,7 +2,7 @@
 attributes, MultiHeadAttention's) are reached, the model keeps its class and task API, trains, predicts and saves.
 
 Models: the keras-hub-like replicas of tests/keras/hub_like.py always; keras-hub's ``BertTextClassifier`` and
-``ViTImageClassifier`` from tiny configs (nothing downloaded) when the ``keras-hub`` backend is requested.
+``ViTImageClassifier`` from tiny configs (nothing downloaded) when the ``keras_hub`` backend is requested.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ ATTENTION = (
     "weights, not channels"
 )
 FIRST = re.escape("the network's first layer: it reads the raw input (include_first=True masks it)")
-HUB = "keras-hub" in requested_backends()
+HUB = "keras_hub" in requested_backends()
 
 
 def text_batch(seed: int = 0) -> dict[str, np.ndarray]:
@@ -74,6 +74,19 @@ if HUB:
     MODELS.update(bert=bert, vit=vit)
 
 
+# (model, operation) -> (layers looked at, layers given masks): BERT-like, 8 dropouts of which 2 attention-weight;
+# ViT, its MLP's dropout (used twice) and 2 attention-weight dropouts left; insert: every Dense (ViT: not the patch
+# projection, a Conv2D that reads the image)
+COUNTS = {
+    ("replica", "convert_dropout"): (8, 6),
+    ("replica", "insert"): (6, 6),
+    ("bert", "convert_dropout"): (8, 6),
+    ("bert", "insert"): (6, 6),
+    ("vit", "convert_dropout"): (8, 4),
+    ("vit", "insert"): (6, 5),
+}
+
+
 def surgery(model: keras.Model, operation: str, scale: float = 2.0) -> keras.Model:
     if operation == "convert_dropout":
         return mk.convert_dropout(model, N, scale, seed=0)
@@ -99,6 +112,7 @@ def test_surgery_reaches_inside_custom_layers_and_keeps_the_class(name: str, ope
     report = result.masksembles_report
     assert isinstance(result, type(model)) and type(result).__name__ == type(model).__name__, "the task's class"
     assert type(result.backbone) is type(model.backbone), "the task API: its backbone"
+    assert (len(report.rows), len(report.changed)) == COUNTS[name, operation], str(report)
     inside = [row for row in report.rows if row.path.count("/") >= 2]
     assert inside, "layers inside custom layers are looked at"
     for row in report.rows:
@@ -170,10 +184,10 @@ def test_trains_predicts_and_round_trips_a_keras_file(name: str, operation: str,
 
 def test_a_keras_hub_task_keeps_its_task_api(tmp_path: Path) -> None:
     if not HUB:
-        pytest.skip(f"backend 'keras-hub' not requested (MASKSEMBLES_TEST_BACKENDS={requested_backends()})")
+        pytest.skip(f"backend 'keras_hub' not requested (MASKSEMBLES_TEST_BACKENDS={requested_backends()})")
     import keras_hub
 
-    model, x = bert()
+    model, _ = bert()
     converted = mk.convert_dropout(model, N, 2.0, seed=0)
     assert isinstance(converted, keras_hub.models.BertTextClassifier) and converted.preprocessor is None
     assert isinstance(converted.backbone, keras_hub.models.BertBackbone)
@@ -234,7 +248,7 @@ def guide_blocks() -> list[str]:
 
 def test_the_guide_transformers_section_runs(capsys: pytest.CaptureFixture[str]) -> None:
     if not HUB:
-        pytest.skip(f"backend 'keras-hub' not requested (MASKSEMBLES_TEST_BACKENDS={requested_backends()})")
+        pytest.skip(f"backend 'keras_hub' not requested (MASKSEMBLES_TEST_BACKENDS={requested_backends()})")
     blocks = guide_blocks()
     assert blocks
     namespace: dict[str, Any] = {"__name__": "guide_transformers"}
