@@ -666,8 +666,8 @@ def insert(
     Returns:
         the new model, of the input model's class (compiled with its compile configuration when it was compiled;
         a subclass of the same name that saves its changes when masks went inside custom layers or a graph its
-        class builds); its ``masksembles_report`` attribute (a ``LayerReport``, printed as a Markdown table) lists every matching
-        layer, what was done and why. The report is not saved with the model; the masks are.
+        class builds); its ``masksembles_report`` attribute (a ``LayerReport``, printed as a Markdown table) lists
+        every matching layer, what was done and why. The report is not saved with the model; the masks are.
 
     Raises:
         TypeError: ``model`` is not a Sequential/functional model, or ``before`` is neither types nor a callable.
@@ -753,8 +753,8 @@ def convert_dropout(
     Returns:
         the new model, of the input model's class (compiled with its compile configuration when it was compiled;
         a subclass of the same name that saves its changes when masks went inside custom layers or a graph its
-        class builds), with a ``masksembles_report`` attribute: a ``LayerReport`` (operation ``"convert_dropout"``) with one row per
-        dropout layer, ``"converted"`` or ``"left as is"`` with the reason.
+        class builds), with a ``masksembles_report`` attribute: a ``LayerReport`` (operation
+        ``"convert_dropout"``) with one row per dropout layer, ``"converted"`` or ``"left as is"`` with the reason.
 
     Raises:
         TypeError: ``model`` is not a Sequential/functional model.
