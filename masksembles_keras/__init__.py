@@ -3,16 +3,18 @@
 Layers are written in ``keras.ops`` only and registered for serialization under the package
 ``"masksembles"``, so a ``.keras`` file loads once this package is imported. The masks come from
 ``masksembles_core`` and are saved with the model. ``insert`` and ``convert_dropout`` put Masksembles
-layers into an existing Sequential or functional model.
+layers into an existing Sequential or functional model, inside its custom layers too (keras-hub's transformers).
 """
 
 from ._inference import predict, tile, untile
 from ._layers import Masksembles, Masksembles1D, Masksembles2D, Masksembles3D
 from ._losses import GaussianNLL
+from ._rewire import Masked
 from ._surgery import convert_dropout, insert
 
 __all__ = [
     "GaussianNLL",
+    "Masked",
     "Masksembles",
     "Masksembles1D",
     "Masksembles2D",

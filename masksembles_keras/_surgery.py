@@ -1,39 +1,48 @@
-"""Model surgery: ``insert`` (the paper's recipe) and ``convert_dropout``, on Sequential and functional models.
+"""Model surgery: ``insert`` (the paper's recipe) and ``convert_dropout``, on Sequential and functional models and
+inside their custom layers.
 
 Both run the same two steps. ``_survey`` lists every layer and operation of the model in graph order, with the
-shape of the tensor each call reads; the rule of ``masksembles_core.insertion`` (``plan_insertion`` for ``insert``,
+shape of the tensor each call reads, and the layers custom layers hold as attributes (their calls read by running
+the model once, ``_trace``); the rule of ``masksembles_core.insertion`` (``plan_insertion`` for ``insert``,
 ``plan_conversion`` for ``convert_dropout``) decides where masks go; ``_Rebuilder`` builds a new model with a
 Masksembles layer in front of (``insert``) or in place of (``convert_dropout``) the chosen layers and copies every
-other layer and operation with its weights, so the input model is never modified. ``_read_raw`` follows the raw
-input from the model's inputs through the graph to the layers that read it alone: the network's first layers (for
-``convert_dropout``, the dropouts it reaches through no layer that mixes channels).
+other layer and operation with its weights, so the input model is never modified. What a rebuilt graph cannot hold
+(a layer inside a custom layer, a layer of a functional model whose class builds its own graph) is changed in place
+in that copy (``_rewire``). ``_read_raw`` follows the raw input from the model's inputs through the graph to the
+layers that read it alone: the network's first layers (for ``convert_dropout``, the dropouts it reaches through no
+layer that mixes channels).
 
 Paths: a layer of the model is its name (``"conv2"``); a layer of a nested Sequential/functional model is
-``"<nested model name>/<layer name>"`` (nesting repeats), as in Keras' variable paths. A layer inside a custom layer
-or a subclassed model (Python ``call()`` code, which cannot be rebuilt) is ``"<custom layer path>/<layer name>"`` and
-is reported as left alone; so is a layer the graph calls that a custom layer also holds (a tied projection reading
-an embedding's matrix, say): masks before its call would not reach the custom layer's use of its weights.
+``"<nested model name>/<layer name>"`` (nesting repeats), as in Keras' variable paths. A layer a custom layer holds
+is ``"<custom layer path>/<layer name>"``. A layer held twice (by two custom layers, or called by the graph and held
+by a custom layer: a tied projection reading an embedding's matrix, say) is left alone: masks before one call would
+not reach the other use of its weights.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import keras
+from keras import ops
 
 from masksembles_core.insertion import (
     CONVERTED,
     ZERO_RATE,
     Candidate,
+    attention_dropout_reason,
     check_insert_arguments,
     plan_conversion,
     plan_insertion,
     used_outside_its_call,
 )
 
+from ._inference import _no_autograd
 from ._layers import Masksembles, Masksembles1D, Masksembles2D, Masksembles3D
+from ._rewire import Locator, Rewired, apply_change, held_layers, holder_of, mark_rewired, record, replace, resolve
 
 Shape = tuple[int | None, ...]
 Predicate = Callable[[str, Any], bool]
@@ -63,19 +72,47 @@ class _Site:
     Attributes:
         path: its path (module docstring).
         op: the layer or raw operation (``x + 1``, ``x[:, 0]``, a ``keras.ops`` call).
-        inputs: per call in the graph, the shape of the one tensor it reads (None: it reads several tensors).
+        locator: the steps from the model to it (``_rewire.resolve``).
+        inputs: per call, the shape of the one tensor it reads (None: it reads several tensors); a graph's calls
+            come from its nodes, a held layer's from running the model once (``_trace``).
         holder: for a layer a custom layer holds, that layer's site (a layer also called in the graph is still held).
+        users: the other custom layers that hold it too (the weights of a layer held twice are shared).
+        in_graph: a graph calls it.
+        replaced: masks go there by ``_rewire.replace`` in a copy of the model (held by a custom layer, or in a
+            functional model whose class builds its own graph), not by rebuilding a graph.
+        aliases: the other locators of the same layer object (a shared layer).
+        attention: the path of the Softmax whose output it reads (an attention-weight dropout), or "".
+        order: the index of its first call when the model ran once (held layers), to list them in call order.
     """
 
     path: str
     op: Any
+    locator: Locator = ()
     inputs: list[Shape | None] = field(default_factory=list)
     holder: _Site | None = None
+    users: list[_Site] = field(default_factory=list)
+    in_graph: bool = False
+    replaced: bool = False
+    aliases: list[Locator] = field(default_factory=list)
+    attention: str = ""
+    order: int = -1
 
 
 def _is_graph_model(op: object) -> bool:
-    """A Sequential or functional model (a ``keras.Function`` graph): the models the surgery can rebuild."""
+    """A Sequential or functional model (a ``keras.Function`` graph)."""
     return isinstance(op, keras.Sequential) or (isinstance(op, keras.Model) and isinstance(op, keras.Function))
+
+
+def _rebuildable(op: object) -> bool:
+    """A graph model that a rebuilt graph gives back with its class: a Sequential, or a functional model whose
+    class takes ``(inputs, outputs, name)`` (as ``keras.models.clone_model`` decides). Other functional models
+    (keras-hub's backbones and tasks build their graph in ``__init__``) are copied through their config."""
+    if isinstance(op, Rewired) or not _is_graph_model(op):
+        return False
+    if isinstance(op, keras.Sequential):
+        return type(op) is keras.Sequential
+    spec = inspect.getfullargspec(type(op).__init__)
+    return spec.args[1:] == ["inputs", "outputs", "name"] or (spec.varargs is not None and spec.varkw is not None)
 
 
 def _check_model(model: object, operation: str) -> None:
@@ -112,42 +149,210 @@ def _graph_calls(model: Any) -> list[tuple[Any, list[Shape | None]]]:
     return [(op, inputs[id(op)]) for op in model.operations if id(op) in inputs]
 
 
-def _survey(model: Any, prefix: str = "", sites: dict[int, _Site] | None = None) -> list[_Site]:
-    """Every layer and operation of ``model`` and of its nested models, once each, in ``model.layers`` order."""
-    found: dict[int, _Site] = {} if sites is None else sites
-    for op, inputs in _graph_calls(model):
-        site = found.get(id(op))
-        if site is not None and site.holder is not None and not site.inputs:  # held, and called in the graph too
-            site.path = f"{prefix}{op.name}"
-        if site is None:
-            site = found[id(op)] = _Site(f"{prefix}{op.name}", op)
-            if _is_graph_model(op):
-                _survey(op, f"{site.path}/", found)
-            elif isinstance(op, keras.layers.Layer):
-                for inner in op._flatten_layers(include_self=False, recursive=True):  # its tracked sublayers
-                    held = found.setdefault(id(inner), _Site(f"{site.path}/{inner.name}", inner))
-                    held.holder = held.holder or site
-        site.inputs.extend(inputs)
-    return list(found.values())
+class _Survey:
+    """Every layer and operation of a model, once each: the graphs' calls in ``model.layers`` order (nested models
+    followed), and the layers each custom layer holds, after it."""
+
+    def __init__(self, model: Any) -> None:
+        self.found: dict[int, _Site] = {}
+        self.paths: set[str] = set()
+        self.graph(model, "", (), replaced=False)
+
+    def path(self, wanted: str, fallback: str) -> str:
+        path = wanted if wanted not in self.paths else fallback
+        self.paths.add(path)
+        return path
+
+    def graph(self, model: Any, prefix: str, locator: Locator, replaced: bool) -> None:
+        replaced = replaced or not _rebuildable(model)
+        for op, inputs in _graph_calls(model):
+            site = self.found.get(id(op))
+            if site is not None and not site.in_graph:  # held first, called by a graph too: the graph's path
+                site.path, site.locator = f"{prefix}{op.name}", (*locator, ("layer", op.name))
+                self.paths.add(site.path)
+            if site is None:
+                path = self.path(f"{prefix}{op.name}", f"{prefix}{op.name}#{len(self.found)}")
+                site = self.found[id(op)] = _Site(path, op, (*locator, ("layer", op.name)), replaced=replaced)
+                if _is_graph_model(op):
+                    self.graph(op, f"{site.path}/", site.locator, replaced)
+                elif isinstance(op, keras.layers.Layer):
+                    self.held(site)
+            site.in_graph = True
+            site.inputs.extend(inputs)
+
+    def held(self, holder: _Site) -> None:
+        for steps, layer in held_layers(holder.op):
+            site = self.found.get(id(layer))
+            if site is not None:  # also held or called elsewhere: a shared layer
+                site.users.append(holder)
+                site.aliases.append(holder.locator + steps)
+                continue
+            name = steps[0][1] + "".join(f"[{key}]" for _, key in steps[1:])
+            path = self.path(f"{holder.path}/{layer.name}", f"{holder.path}/{name}")
+            site = self.found[id(layer)] = _Site(path, layer, holder.locator + steps, holder=holder, replaced=True)
+            if _is_graph_model(layer):
+                self.graph(layer, f"{site.path}/", site.locator, replaced=True)
+            else:
+                self.held(site)
+
+    def sites(self) -> list[_Site]:
+        """The sites in model order; the layers a custom layer holds follow it in the order of their first call."""
+        children: dict[int, list[_Site]] = {}
+        for site in self.found.values():
+            if site.holder is not None and not site.in_graph:
+                children.setdefault(id(site.holder), []).append(site)
+        ordered: list[_Site] = []
+
+        def add(site: _Site) -> None:
+            ordered.append(site)
+            held = children.get(id(site), [])
+            for child in sorted(held, key=lambda child: (child.order < 0, child.order)):
+                add(child)
+
+        for site in self.found.values():
+            if site.holder is None or site.in_graph:
+                add(site)
+        return ordered
 
 
-def _read_raw(model: Any, raw: Sequence[bool], stops: set[int], found: set[int]) -> list[bool]:
+@dataclass
+class _Call:
+    """One call of a layer while the model ran once (``_trace``)."""
+
+    layer: int
+    parent: int | None
+    tensors: list[Any]
+    output: Any = None
+
+
+def _run_traced(model: Any, layers: Sequence[Any], size: int) -> list[_Call]:
+    """Run ``model`` once on ones (batch 2, every other unknown axis ``size``), noting each call of ``layers``."""
+    calls: list[_Call] = []
+    stack: list[int] = []
+
+    def traced(layer: Any, call: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            tensors = [value for value in keras.tree.flatten((args, kwargs)) if ops.is_tensor(value)]
+            calls.append(_Call(id(layer), stack[-1] if stack else None, tensors))
+            stack.append(len(calls) - 1)
+            index = stack[-1]
+            try:
+                calls[index].output = call(*args, **kwargs)
+            finally:
+                stack.pop()
+            return calls[index].output
+
+        return run
+
+    def ones(tensor: Any) -> Any:
+        shape = (2, *(size if dim is None else dim for dim in tensor.shape[1:]))
+        return ops.ones(shape, dtype=tensor.dtype)
+
+    for layer in layers:  # the instance's call, for this run only (Keras calls ``self.call``)
+        object.__setattr__(layer, "call", traced(layer, layer.call))
+    try:
+        with _no_autograd():
+            model(keras.tree.map_structure(ones, model.input), training=False)
+    finally:
+        for layer in layers:
+            object.__delattr__(layer, "call")
+    return calls
+
+
+def _trace(model: Any, sites: Sequence[_Site]) -> tuple[list[_Call], str]:
+    """Run the model twice (unknown axes 8, then 9) to read how its custom layers call the layers they hold: each
+    held layer's input shapes (an axis that differs is unknown), the order of first calls, and the dropouts that
+    read a Softmax's output. Returns the first run's calls, and the error if the model could not run."""
+    layers = [site.op for site in sites if isinstance(site.op, keras.layers.Layer) and not _is_graph_model(site.op)]
+    try:
+        runs = [_run_traced(model, layers, size) for size in (8, 9)]
+    except Exception as error:  # any error of the user's model: reported on the layers it hides
+        return [], f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    by_layer = {id(site.op): site for site in sites}
+    shapes: dict[int, list[list[Shape | None]]] = {}
+    for run in runs:
+        per_layer: dict[int, list[Shape | None]] = {}
+        for call in run:
+            per_layer.setdefault(call.layer, []).append(_shape(call.tensors))
+        for layer, found in per_layer.items():
+            shapes.setdefault(layer, []).append(found)
+    softmax = {
+        id(call.output): by_layer[call.layer]
+        for call in runs[0]
+        if isinstance(by_layer[call.layer].op, keras.layers.Softmax)
+    }
+    for index, call in enumerate(runs[0]):
+        site = by_layer[call.layer]
+        if site.order < 0:
+            site.order = index
+        if len(call.tensors) == 1 and id(call.tensors[0]) in softmax:
+            site.attention = softmax[id(call.tensors[0])].path
+    for site in sites:
+        if site.holder is None or site.in_graph:
+            continue  # a graph's nodes give its inputs
+        first, second = shapes.get(id(site.op), [[], []])
+        site.inputs = [_merged(a, b) for a, b in zip(first, second, strict=False)]
+    return runs[0], ""
+
+
+def _merged(first: Shape | None, second: Shape | None) -> Shape | None:
+    """One call's input shape from the two runs: an axis that differs follows the unknown axes (None); batch None."""
+    if first is None or second is None or len(first) != len(second):
+        return None
+    return (None, *(a if a == b else None for a, b in zip(first[1:], second[1:], strict=True)))
+
+
+def _raw_held(
+    calls: Sequence[_Call], sites: Sequence[_Site], reads: Mapping[int, list[bool]], stops: set[int]
+) -> set[int]:
+    """The held layers in ``stops`` that read the raw input inside the custom layers that read it.
+
+    ``reads`` gives, for each custom layer a graph calls on the raw input, which of its input tensors carry it (in
+    the order of ``keras.tree.flatten((args, kwargs))``). Inside custom layers there is no graph: the raw input is
+    followed from layer to layer by the tensors the run passed (a layer not in ``stops`` passes it on), so a raw
+    operation between two held layers (``x * 2`` in ``call``) ends it there.
+    """
+    by_layer = {id(site.op): site for site in sites}
+    carrying: set[int] = set()
+    found: set[int] = set()
+    for call in calls:
+        if call.parent is None:
+            flags = reads.get(call.layer, [])
+            carrying.update(id(tensor) for tensor, flag in zip(call.tensors, flags, strict=False) if flag)
+        elif any(id(tensor) in carrying for tensor in call.tensors):
+            if call.layer in stops:
+                found.add(call.layer)
+            elif not any(True for _ in held_layers(by_layer[call.layer].op)):  # a custom layer: its own calls follow
+                carrying.update(id(tensor) for tensor in keras.tree.flatten(call.output) if ops.is_tensor(tensor))
+    return found
+
+
+def _read_raw(
+    model: Any,
+    raw: Sequence[bool],
+    stops: set[int],
+    found: set[int],
+    held_reads: dict[int, list[bool]] | None = None,
+) -> list[bool]:
     """Follow the raw input through ``model``'s graph, whose input ``i`` carries it when ``raw[i]``.
 
     Every layer in ``stops`` (or custom layer holding one) whose tensors all carry the raw input is added to
     ``found`` and its outputs do not carry it; other layers and operations whose tensors all carry it pass it on.
     One that also reads a stop's result (an attention output a mask input joins at the scores, a residual, a
     concatenation with learned features) reads no raw input. Nested models are followed, input by input.
+    ``held_reads`` collects, for each custom layer that reads it, which of its input tensors carry it.
     Returns, per output of ``model``, whether it carries the raw input.
     """
 
     def through(op: Any, reads: list[bool], outputs: int) -> list[bool]:
         if _is_graph_model(op):
             inner_raw = reads if len(reads) == len(op.inputs) else [all(reads)] * len(op.inputs)
-            return _read_raw(op, inner_raw, stops, found)
+            return _read_raw(op, inner_raw, stops, found, held_reads)
+        inner = op._flatten_layers(include_self=False, recursive=True) if isinstance(op, keras.layers.Layer) else []
+        if inner and held_reads is not None:
+            held_reads.setdefault(id(op), reads)
         if not all(reads):
             return [False] * outputs
-        inner = op._flatten_layers(include_self=False, recursive=True) if isinstance(op, keras.layers.Layer) else []
         if id(op) in stops or any(id(layer) in stops for layer in inner):
             found.add(id(op))
             return [False] * outputs
@@ -174,13 +379,23 @@ def _channel_axis(layer: Any) -> int:
     return 1 if getattr(layer, "data_format", None) == "channels_first" else -1
 
 
-def _channels(site: _Site, axis: int) -> tuple[int, str]:
-    """The channel count of the site's input on ``axis``, or (0, why there is no single one or masks cannot go)."""
+def _user(site: _Site) -> str:
+    return f"custom layer {site.path!r} ({type(site.op).__name__})"
+
+
+def _channels(site: _Site, axis: int, traced: str) -> tuple[int, str]:
+    """The channel count of the site's input on ``axis``, or (0, why there is no single one or masks cannot go).
+
+    ``traced`` is the error of the run that reads custom layers (``_trace``), "" when it ran.
+    """
+    if site.holder is not None and site.in_graph:  # a layer a graph calls whose weights a custom layer holds
+        return 0, used_outside_its_call(_user(site.holder))
+    if site.users:  # held by a second custom layer (or called by a graph and held)
+        return 0, used_outside_its_call(_user(site.users[-1]))
+    if site.holder is not None and traced:
+        return 0, f"inside {type(site.holder.op).__name__} {site.holder.path!r}: the model could not run ({traced})"
     if site.holder is not None and not site.inputs:
-        kind = type(site.holder.op).__name__
-        return 0, f"inside {kind} {site.holder.path!r}: only a Sequential/functional graph can be rebuilt"
-    if site.holder is not None:
-        return 0, used_outside_its_call(f"custom layer {site.holder.path!r} ({type(site.holder.op).__name__})")
+        return 0, f"never called when the model runs (inside {type(site.holder.op).__name__} {site.holder.path!r})"
     if any(shape is None for shape in site.inputs):
         return 0, "its input is not a single tensor"
     counts = {shape[axis] for shape in site.inputs if shape is not None}
@@ -219,6 +434,23 @@ def _copy(op: Any) -> Any:
     return type(op).from_config(op.get_config())
 
 
+def _config_copy(model: Any) -> Any:
+    """A model of ``model``'s class built from its config (compiled as it was, unless its class compiles it; weights
+    copied later).
+
+    A keras-hub task's preprocessor holds no weights and may hold what its config does not (a tokenizer's
+    vocabulary, loaded from a preset's assets): the copy shares it.
+    """
+    config = model.get_config()
+    preprocessor = getattr(model, "preprocessor", None)
+    if isinstance(preprocessor, keras.layers.Layer) and "preprocessor" in config and not preprocessor.weights:
+        config = {**config, "preprocessor": preprocessor}
+    result = type(model).from_config(config)
+    if model.compiled and not result.compiled:  # a keras-hub task compiles itself (its compile() is its own)
+        result.compile_from_config(model.get_compile_config())
+    return result
+
+
 def _new_input(tensor: Any) -> Any:
     """A new ``keras.Input`` like the model input ``tensor``, named after its InputLayer (as the model's layers are)."""
     name = tensor._keras_history.operation.name  # the InputLayer that made the tensor (no public accessor)
@@ -253,6 +485,10 @@ class _Rebuilder:
         return result
 
     def model(self, model: Any) -> Any:
+        if not _rebuildable(model):  # a functional model that builds its own graph: a copy through its config
+            result = _config_copy(model)
+            self.copies.append((model, result))
+            return result
         if isinstance(model, keras.Sequential):
             layers = [_new_input(model.inputs[0])]
             for layer in model.layers:
@@ -299,6 +535,53 @@ class _Rebuilder:
         return op(*args, **kwargs)
 
 
+def _survey(model: Any) -> tuple[list[_Site], list[_Call], str]:
+    """The sites of ``model`` in order; with layers held by custom layers, the model's traced run (``_trace``)."""
+    survey = _Survey(model)
+    found = list(survey.found.values())
+    calls, traced = _trace(model, found) if any(site.holder is not None for site in found) else ([], "")
+    return survey.sites(), calls, traced
+
+
+def _first_layers(model: Any, sites: Sequence[_Site], calls: Sequence[_Call], stops: set[int]) -> list[str]:
+    """The paths of the layers in ``stops`` that read the raw input: through the graphs, and inside the custom
+    layers that read it (``_raw_held``)."""
+    found: set[int] = set()
+    reads: dict[int, list[bool]] = {}
+    _read_raw(model, [True] * len(model.inputs), stops, found, reads)
+    found |= _raw_held(calls, sites, reads, stops)
+    return [site.path for site in sites if id(site.op) in found]
+
+
+def _retie(result: Any, sites: Sequence[_Site]) -> None:
+    """Give back to the copy the layers the model shares between places (a layer two custom layers hold, a tied
+    projection): copied through each holder's config, they came out as separate layers."""
+    for site in sites:
+        if not site.aliases:
+            continue
+        shared = resolve(result, site.locator)
+        for alias in site.aliases:
+            copy = resolve(result, alias)
+            if copy is not shared:
+                replace(holder_of(result, alias), copy, shared)
+
+
+def _build(model: Any, sites: Sequence[_Site], edits: Mapping[int, _Edit], changes: list[dict[str, Any]]) -> Any:
+    """The new model: graphs rebuilt with ``edits``, shared layers tied again, then ``changes`` made in place (a
+    model with changes saves them: ``_rewire.Rewired``)."""
+    result = _Rebuilder(edits)(model)
+    _retie(result, sites)
+    for change in changes:
+        apply_change(result, change)
+    if changes:
+        mark_rewired(result, [*getattr(result, "masksembles_changes", []), *changes])
+    return result
+
+
+def _input_shape(site: _Site) -> Shape:
+    return next(shape for shape in site.inputs if shape is not None)
+
+
 def _unique_name(name: str, taken: set[str]) -> str:
     candidate, suffix = name, 0
     while candidate in taken:
@@ -324,14 +607,14 @@ def _selector(before: object) -> Predicate:
     )
 
 
-def _candidate(site: _Site, default: bool) -> Candidate:
+def _candidate(site: _Site, default: bool, traced: str) -> Candidate:
     """The insertion candidate of a matching layer, with the reason it must be left alone, if any.
 
     With the default ``before``, a convolution with one group per input channel (``Conv2D(groups=C)``, depthwise)
     is left alone; a user who names depthwise layers in ``before`` gets masks there.
     """
     axis = _channel_axis(site.op)
-    channels, reason = _channels(site, axis)
+    channels, reason = _channels(site, axis, traced)
     if not reason and default and 1 < getattr(site.op, "groups", 1) == channels:
         reason = DEPTHWISE
     return Candidate(site.path, type(site.op).__name__, channels, axis, reason)
@@ -369,8 +652,11 @@ def insert(
     ``model.layers`` order (a nested model's layers follow it) are skipped; the ``i``-th layer given masks gets
     ``derive_seed(seed, i)``. Left alone, with the reason in the report: depthwise convolutions
     (``Conv2D(groups=C)``) when ``before`` is the default, layers with a single input channel, layers reading several
-    tensors or inputs of different channel counts, and layers inside custom layers or subclassed models (their
-    ``call()`` cannot be rebuilt).
+    tensors or inputs of different channel counts, layers held twice, and layers inside custom layers the model
+    never calls. A layer a custom layer holds (keras-hub's ``TransformerEncoder`` holds its feedforward ``Dense``
+    layers) is replaced there by ``Masked(masks, layer)``; so is a layer of a functional model whose class builds its
+    own graph (keras-hub's backbones and tasks), copied through its config so that it keeps its class (docs/keras.md,
+    "What the surgery can and cannot reach").
 
     Args:
         model: a built Sequential or functional model (left unchanged).
@@ -384,9 +670,10 @@ def insert(
         include_first: also put masks on the input of the network's first layers (the raw input).
 
     Returns:
-        the new model, of the input model's class (compiled with its compile configuration when it was compiled);
-        its ``masksembles_report`` attribute (a ``LayerReport``, printed as a Markdown table) lists every matching
-        layer, what was done and why. The report is not saved with the model; the masks are.
+        the new model, of the input model's class (compiled with its compile configuration when it was compiled;
+        a subclass of the same name that saves its changes when masks went inside custom layers or a graph its
+        class builds); its ``masksembles_report`` attribute (a ``LayerReport``, printed as a Markdown table) lists
+        every matching layer, what was done and why. The report is not saved with the model; the masks are.
 
     Raises:
         TypeError: ``model`` is not a Sequential/functional model, or ``before`` is neither types nor a callable.
@@ -397,35 +684,36 @@ def insert(
     matches = _selector(before)
     default = isinstance(before, tuple | list) and set(before) == set(DEFAULT_BEFORE)
     _check_model(model, "insert")
-    sites = _survey(model)
+    sites, calls, traced = _survey(model)
     chosen = [
         site
         for site in sites
         if isinstance(site.op, keras.layers.Layer) and not _is_graph_model(site.op) and matches(site.path, site.op)
     ]
-    found: set[int] = set()  # the network's first layers: they read the raw input
     stops = {id(site.op) for site in sites if isinstance(site.op, INPUT_LAYERS)} | {id(site.op) for site in chosen}
-    _read_raw(model, [True] * len(model.inputs), stops, found)
-    first = [site.path for site in sites if id(site.op) in found]
     report = plan_insertion(
-        [_candidate(site, default) for site in chosen],
+        [_candidate(site, default, traced) for site in chosen],
         [site.path for site in sites],
         n,
         scale,
         seed=seed,
         start=start,
         include_first=include_first,
-        first_layers=first,
+        first_layers=_first_layers(model, sites, calls, stops),
     )
     by_path = {site.path: site for site in sites}
     taken = {site.op.name for site in sites}
     edits: dict[int, _Edit] = {}
+    changes: list[dict[str, Any]] = []
     for row in report.changed:
         site = by_path[row.path]
         name = _unique_name(f"{site.op.name}_masksembles", taken)
         masks = _masks_layer(site, n, scale, row.seed, _channel_axis(site.op), name)
-        edits[id(site.op)] = _Edit(masks, keep=True)
-    result = _Rebuilder(edits)(model)
+        if site.replaced:  # in a custom layer or a graph its class builds: wrapped in place
+            changes.append(record(site.locator, masks, _input_shape(site), wrap=True))
+        else:
+            edits[id(site.op)] = _Edit(masks, keep=True)
+    result = _build(model, sites, edits, changes)
     result.masksembles_report = report
     return result
 
@@ -462,14 +750,17 @@ def convert_dropout(
     raw input (model inputs alone, through no convolution, dense, einsum-dense, embedding or recurrent layer) unless
     ``include_first``. Also left as is: ``rate=0``; a ``noise_shape`` that shares one draw across the
     channels (per-sample dropout such as EfficientNet's stochastic depth, ``noise_shape=(None, 1, 1, 1)``); an input
-    that is not a single tensor or has different channel counts at different calls; and dropouts inside custom
-    layers (e.g. ``MultiHeadAttention``'s), which cannot be reached. The ``i``-th converted dropout gets masks from
-    ``derive_seed(seed, i)``.
+    that is not a single tensor or has different channel counts at different calls; an attention-weight dropout
+    (one that reads a ``Softmax`` layer's output, ``MultiHeadAttention``'s), with
+    ``masksembles_core.insertion.attention_dropout_reason``; and a dropout inside a custom layer the model never
+    calls. Dropouts inside custom layers (keras-hub's ``TransformerEncoder``) are replaced where the custom layer
+    holds them. The ``i``-th converted dropout gets masks from ``derive_seed(seed, i)``.
 
     Returns:
-        the new model, of the input model's class (compiled with its compile configuration when it was compiled),
-        with a ``masksembles_report`` attribute: a ``LayerReport`` (operation ``"convert_dropout"``) with one row per
-        dropout layer, ``"converted"`` or ``"left as is"`` with the reason.
+        the new model, of the input model's class (compiled with its compile configuration when it was compiled;
+        a subclass of the same name that saves its changes when masks went inside custom layers or a graph its
+        class builds), with a ``masksembles_report`` attribute: a ``LayerReport`` (operation
+        ``"convert_dropout"``) with one row per dropout layer, ``"converted"`` or ``"left as is"`` with the reason.
 
     Raises:
         TypeError: ``model`` is not a Sequential/functional model.
@@ -478,32 +769,37 @@ def convert_dropout(
     """
     n, scale, seed = check_insert_arguments(n, scale, seed, None)
     _check_model(model, "convert_dropout")
-    sites = _survey(model)
+    sites, calls, traced = _survey(model)
     dropouts = [site for site in sites if isinstance(site.op, keras.layers.Dropout)]
     candidates = []
     for site in dropouts:
         axis = _channel_axis(site.op)  # SpatialDropout2D/3D's data_format; Dropout and SpatialDropout1D: -1
-        channels, unusable = _channels(site, axis)
-        reason = unusable or _dropout_reason(site.op, axis)
+        channels, unusable = _channels(site, axis, traced)
+        reason = _dropout_reason(site.op, axis)
+        if site.attention and not reason:
+            reason = attention_dropout_reason(f"applied to the output of Softmax {site.attention!r}")
+        reason = reason or unusable
         candidates.append(Candidate(site.path, type(site.op).__name__, channels, axis, reason))
-    found: set[int] = set()  # the dropouts that read the raw input
     stops = {id(site.op) for site in sites if isinstance(site.op, MIXING)} | {id(site.op) for site in dropouts}
-    _read_raw(model, [True] * len(model.inputs), stops, found)
     report = plan_conversion(
         candidates,
         n,
         scale,
         seed=seed,
-        first_layers=[site.path for site in dropouts if id(site.op) in found],
+        first_layers=_first_layers(model, sites, calls, stops),
         include_first=include_first,
         converts="Dropout/SpatialDropout1D/SpatialDropout2D/SpatialDropout3D layers",
     )
     edits: dict[int, _Edit] = {}
+    changes: list[dict[str, Any]] = []
     for site, row in zip(dropouts, report.rows, strict=True):
         if row.action == CONVERTED:
             assert row.channel_axis is not None
             masks = _masks_layer(site, n, scale, row.seed, row.channel_axis, site.op.name)
-            edits[id(site.op)] = _Edit(masks, keep=False)
-    result = _Rebuilder(edits)(model)
+            if site.replaced:  # in a custom layer or a graph its class builds: replaced in place
+                changes.append(record(site.locator, masks, _input_shape(site), wrap=False))
+            else:
+                edits[id(site.op)] = _Edit(masks, keep=False)
+    result = _build(model, sites, edits, changes)
     result.masksembles_report = report
     return result

@@ -20,6 +20,7 @@ BACKEND_MODULES: dict[str, tuple[str, ...]] = {
     "keras-tensorflow": ("tensorflow", "keras", "masksembles_keras"),
     "keras-jax": ("jax", "keras", "masksembles_keras"),
     "keras-torch": ("torch", "keras", "masksembles_keras"),
+    "keras_hub": ("keras", "keras_hub", "masksembles_keras"),  # keras-hub models (tests/keras), any Keras backend
     "flax": ("jax", "flax", "masksembles_flax"),
 }
 

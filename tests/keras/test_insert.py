@@ -372,7 +372,7 @@ def test_masks_compute_in_the_float_policy_of_their_layer() -> None:
 
 
 class Block(keras.layers.Layer):  # type: ignore[misc]
-    """A custom layer holding its own Dense and Dropout: its call() cannot be rebuilt."""
+    """A custom layer holding its own Dense and Dropout as attributes, called in its own call()."""
 
     def __init__(self, **kwargs: object) -> None:
         super().__init__(**kwargs)
@@ -383,25 +383,31 @@ class Block(keras.layers.Layer):  # type: ignore[misc]
         return self.dropout(self.dense(x), training=training)
 
 
-def test_layers_inside_custom_layers_are_reported_and_the_custom_layer_is_copied() -> None:
+def test_layers_inside_custom_layers_get_masks_and_the_custom_layer_is_copied() -> None:
     inputs = keras.Input((4,))
     x = Block(name="custom")(keras.layers.Dense(5, name="stem")(inputs))
     model = keras.Model(inputs, keras.layers.Dense(2, name="head")(x))
     result = mk.insert(model, 2, 2.0, seed=0)
     report = result.masksembles_report
-    assert [(row.path, row.action) for row in report.rows] == [
-        ("stem", LEFT),
-        ("custom/block_dense", LEFT),
-        ("head", INSERTED),
+    assert [(row.path, row.action, row.channels) for row in report.rows] == [
+        ("stem", LEFT, None),
+        ("custom/block_dense", INSERTED, 5),
+        ("head", INSERTED, 6),
     ]
-    assert report.rows[1].reason == ("inside Block 'custom': only a Sequential/functional graph can be rebuilt")
-    for name in ("stem", "custom", "head"):
-        weights = zip(model.get_layer(name).get_weights(), result.get_layer(name).get_weights(), strict=True)
-        assert all(np.array_equal(before, after) for before, after in weights), name
+    custom = result.get_layer("custom")
+    assert type(custom) is Block and custom is not model.get_layer("custom")
+    assert isinstance(custom.dense, mk.Masked) and custom.dense.layer.name == "block_dense"
+    pairs = [(model.get_layer(name), result.get_layer(name)) for name in ("stem", "head")]
+    for before, after in [*pairs, (model.get_layer("custom").dense, custom.dense.layer)]:
+        weights = zip(before.get_weights(), after.get_weights(), strict=True)
+        assert all(np.array_equal(a, b) for a, b in weights), before.name
+    x = data(model)
+    np.testing.assert_array_equal(run(mk.insert(model, 2, 1.0), x), run(model, x))
     custom_first = keras.Model(inputs, keras.layers.Dense(2, name="head")(Block(name="custom")(inputs)))
     rows = mk.insert(custom_first, 2, 2.0, seed=0).masksembles_report.rows
-    assert [(row.path, row.action) for row in rows] == [("custom/block_dense", LEFT), ("head", INSERTED)], (
-        "the custom layer's Dense reads the raw input: the head after it is not a first layer"
+    assert [(row.path, row.action) for row in rows] == [("custom/block_dense", LEFT), ("head", INSERTED)]
+    assert rows[0].reason == "the network's first layer: it reads the raw input (include_first=True masks it)", (
+        "the custom layer's Dense reads the raw input"
     )
 
 

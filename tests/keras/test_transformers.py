@@ -1,0 +1,258 @@
+"""insert and convert_dropout on transformers: layers inside custom layers (a TransformerEncoder's Dense and Dropout
+attributes, MultiHeadAttention's) are reached, the model keeps its class and task API, trains, predicts and saves.
+
+Models: the keras-hub-like replicas of tests/keras/hub_like.py always; keras-hub's ``BertTextClassifier`` and
+``ViTImageClassifier`` from tiny configs (nothing downloaded) when the ``keras_hub`` backend is requested.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import keras
+import numpy as np
+import pytest
+
+import masksembles_keras as mk
+from masksembles_core.insertion import CONVERTED, INSERTED, LEFT
+from tests.backends import requested_backends
+from tests.keras.common import masks_of, run
+from tests.keras.hub_like import Backbone, Classifier, Encoder
+
+N = 4
+BATCH = 5  # not a multiple of N
+GUIDE = Path(__file__).resolve().parents[2] / "docs" / "keras.md"
+ATTENTION = (
+    r"attention-weight dropout \(applied to the output of Softmax '.*/softmax(_\d+)?'\): its input is attention "
+    "weights, not channels"
+)
+FIRST = re.escape("the network's first layer: it reads the raw input (include_first=True masks it)")
+HUB = "keras_hub" in requested_backends()
+
+
+def text_batch(seed: int = 0) -> dict[str, np.ndarray]:
+    """What a BERT preprocessor returns: token ids, segment ids, and a padding mask with padding in every 2nd row."""
+    rng = np.random.default_rng(seed)
+    padding_mask = np.ones((BATCH, 8), "int32")
+    padding_mask[::2, 6:] = 0
+    token_ids = rng.integers(1, 50, (BATCH, 8)).astype("int32") * padding_mask
+    return {"token_ids": token_ids, "segment_ids": np.zeros((BATCH, 8), "int32"), "padding_mask": padding_mask}
+
+
+def replica() -> tuple[keras.Model, Any]:
+    keras.utils.set_random_seed(0)
+    return Classifier(Backbone(name="backbone"), name="classifier"), text_batch()
+
+
+def bert() -> tuple[keras.Model, Any]:
+    import keras_hub
+
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.BertBackbone(
+        vocabulary_size=50, num_layers=2, num_heads=2, hidden_dim=16, intermediate_dim=32, max_sequence_length=16
+    )
+    return keras_hub.models.BertTextClassifier(backbone, num_classes=3, preprocessor=None), text_batch()
+
+
+def vit() -> tuple[keras.Model, Any]:
+    import keras_hub
+
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.ViTBackbone(
+        image_shape=(16, 16, 3), patch_size=4, num_layers=2, num_heads=2, hidden_dim=16, mlp_dim=32,
+        dropout_rate=0.1, attention_dropout=0.1,
+    )  # fmt: skip
+    classifier = keras_hub.models.ViTImageClassifier(backbone, num_classes=3, preprocessor=None, dropout=0.1)
+    return classifier, np.random.default_rng(0).normal(size=(BATCH, 16, 16, 3)).astype("float32")
+
+
+MODELS: dict[str, Callable[[], tuple[keras.Model, Any]]] = {"replica": replica}
+if HUB:
+    MODELS.update(bert=bert, vit=vit)
+
+
+# (model, operation) -> (layers looked at, layers given masks): BERT-like, 8 dropouts of which 2 attention-weight;
+# ViT, its MLP's dropout (used twice) and 2 attention-weight dropouts left; insert: every Dense (ViT: not the patch
+# projection, a Conv2D that reads the image)
+COUNTS = {
+    ("replica", "convert_dropout"): (8, 6),
+    ("replica", "insert"): (6, 6),
+    ("bert", "convert_dropout"): (8, 6),
+    ("bert", "insert"): (6, 6),
+    ("vit", "convert_dropout"): (8, 4),
+    ("vit", "insert"): (6, 5),
+}
+
+
+def surgery(model: keras.Model, operation: str, scale: float = 2.0) -> keras.Model:
+    if operation == "convert_dropout":
+        return mk.convert_dropout(model, N, scale, seed=0)
+    return mk.insert(model, N, scale, seed=0)
+
+
+def expected_row(name: str, path: str, operation: str) -> tuple[str, str]:
+    """The action and the reason (a pattern) each layer of the three models gets."""
+    if operation == "insert":  # ViT's patch projection, a Conv2D in a custom layer, reads the image
+        return (LEFT, FIRST) if path.endswith("/patch_embedding") else (INSERTED, "")
+    if re.search(r"self_attention_layer/dropout|/mha/dropout", path):  # MultiHeadAttention's own dropout
+        return LEFT, ATTENTION
+    if name == "vit" and path.endswith("/mlp/dropout"):  # one Dropout called after both MLP Dense layers
+        return LEFT, re.escape("called on inputs with different channel counts (16, 32)")
+    return CONVERTED, ""
+
+
+@pytest.mark.parametrize("operation", ["convert_dropout", "insert"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_surgery_reaches_inside_custom_layers_and_keeps_the_class(name: str, operation: str) -> None:
+    model, _ = MODELS[name]()
+    result = surgery(model, operation)
+    report = result.masksembles_report
+    assert isinstance(result, type(model)) and type(result).__name__ == type(model).__name__, "the task's class"
+    assert type(result.backbone) is type(model.backbone), "the task API: its backbone"
+    assert (len(report.rows), len(report.changed)) == COUNTS[name, operation], str(report)
+    inside = [row for row in report.rows if row.path.count("/") >= 2]
+    assert inside, "layers inside custom layers are looked at"
+    for row in report.rows:
+        action, reason = expected_row(name, row.path, operation)
+        assert row.action == action and re.fullmatch(reason or "", row.reason), (row.path, row.action, row.reason)
+    assert all(row.channels in (16, 32) and row.channel_axis == -1 for row in report.changed)
+    assert not [layer for layer in model._flatten_layers() if isinstance(layer, mk.Masksembles)], "input unchanged"
+    masks = [layer for layer in result._flatten_layers() if isinstance(layer, mk.Masksembles)]
+    assert len(masks) == len(report.changed)
+
+
+def test_the_replicas_layers_are_replaced_where_the_encoder_keeps_them() -> None:
+    model, _ = replica()
+    converted = mk.convert_dropout(model, N, 2.0, seed=0)
+    encoder = converted.backbone.transformer_layers[1]
+    assert isinstance(encoder, Encoder)
+    assert type(encoder._feedforward_dropout) is mk.Masksembles1D
+    assert encoder._feedforward_dropout.name == "feedforward_dropout"
+    assert type(encoder._self_attention_layer._dropout_layer) is keras.layers.Dropout
+    assert type(converted.get_layer("classifier_dropout")) is mk.Masksembles1D, "a graph layer, swapped in place"
+    inserted = mk.insert(model, N, 2.0, seed=0)
+    wrapped = inserted.backbone.transformer_layers[0]._feedforward_output_dense
+    assert isinstance(wrapped, mk.Masked) and isinstance(wrapped.layer, keras.layers.Dense)
+    assert wrapped.masksembles.channels == 32 and wrapped.name == "feedforward_output_dense"
+    logits = inserted.get_layer("logits")
+    assert isinstance(logits, mk.Masked) and logits.output is inserted.outputs[0]
+
+
+@pytest.mark.parametrize("operation", ["convert_dropout", "insert"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_all_ones_masks_reproduce_the_model(name: str, operation: str) -> None:
+    """scale=1: every weight copied, every layer in its place, the same outputs."""
+    model, x = MODELS[name]()
+    result = surgery(model, operation, scale=1.0)
+    assert len(result.masksembles_report.changed) >= 4
+    np.testing.assert_allclose(run(result, x), run(model, x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("operation", ["convert_dropout", "insert"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_trains_predicts_and_round_trips_a_keras_file(name: str, operation: str, tmp_path: Path) -> None:
+    model, x = MODELS[name]()
+    result = surgery(model, operation)
+    result.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    masks = {id(layer): masks_of(layer) for layer in result._flatten_layers() if isinstance(layer, mk.Masksembles)}
+    trainable = [keras.ops.convert_to_numpy(weight) for weight in result.trainable_weights]
+    result.fit(x, np.arange(BATCH) % 3, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    after = [keras.ops.convert_to_numpy(weight) for weight in result.trainable_weights]
+    assert all(not np.array_equal(a, b) for a, b in zip(trainable, after, strict=True)), "every weight trains"
+    for layer in result._flatten_layers():
+        if isinstance(layer, mk.Masksembles):
+            assert np.array_equal(masks_of(layer), masks[id(layer)]), "masks are fixed"
+    members = mk.predict(result, x)
+    assert members.shape == (N, BATCH, 3) and np.isfinite(members).all()
+    assert not np.allclose(members[0], members[1]), "the members differ"
+    result.save(tmp_path / "model.keras")
+    if name == "replica":
+        loaded = keras.saving.load_model(tmp_path / "model.keras")
+    else:  # Keras' own warnings for a model whose class has its own compile() (keras-hub tasks): compile it again
+        with pytest.warns(UserWarning) as caught:
+            loaded = keras.saving.load_model(tmp_path / "model.keras")
+        assert {str(warning.message).split(" ")[0] for warning in caught} <= {"`compile()`", "Skipping"}
+    assert isinstance(loaded, type(model)) and type(loaded.backbone) is type(model.backbone)
+    assert [layer.path for layer in loaded._flatten_layers() if isinstance(layer, mk.Masksembles)] == [
+        layer.path for layer in result._flatten_layers() if isinstance(layer, mk.Masksembles)
+    ]
+    np.testing.assert_array_equal(mk.predict(loaded, x), members)
+
+
+def test_a_keras_hub_task_keeps_its_task_api(tmp_path: Path) -> None:
+    if not HUB:
+        pytest.skip(f"backend 'keras_hub' not requested (MASKSEMBLES_TEST_BACKENDS={requested_backends()})")
+    import keras_hub
+
+    model, _ = bert()
+    converted = mk.convert_dropout(model, N, 2.0, seed=0)
+    assert isinstance(converted, keras_hub.models.BertTextClassifier) and converted.preprocessor is None
+    assert isinstance(converted.backbone, keras_hub.models.BertBackbone)
+    assert converted.backbone.token_embedding is converted.backbone.get_layer("token_embedding")
+    converted.save_to_preset(tmp_path / "preset")
+    assert (tmp_path / "preset" / "config.json").exists() and (tmp_path / "preset" / "task.json").exists()
+
+
+@keras.saving.register_keras_serializable(package="masksembles_tests")
+class Pair(keras.layers.Layer):  # type: ignore[misc]
+    """Two custom layers holding one Dense (weights shared between them)."""
+
+    def __init__(self, dense: keras.layers.Dense, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.dense = dense
+        self.drop = keras.layers.Dropout(0.2, name=f"{self.name}_drop")
+
+    def call(self, x: Any) -> Any:
+        return self.drop(self.dense(x))
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), "dense": keras.saving.serialize_keras_object(self.dense)}
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> Pair:
+        return cls(keras.saving.deserialize_keras_object(config.pop("dense")), **config)
+
+
+def test_a_layer_two_custom_layers_hold_is_left_alone_and_stays_shared() -> None:
+    inputs = keras.Input((6,))
+    shared = keras.layers.Dense(6, name="shared")
+    x = keras.layers.Dense(6, name="stem")(inputs)
+    x = Pair(shared, name="second")(Pair(shared, name="first")(x))
+    model = keras.Model(inputs, keras.layers.Dense(3, name="head")(x))
+    inserted = mk.insert(model, 2, 2.0, seed=0)
+    rows = {row.path: (row.action, row.reason) for row in inserted.masksembles_report.rows}
+    assert rows["first/shared"] == (
+        LEFT,
+        "its weights are used by custom layer 'second' (Pair) outside its own call: a mask on its input would not "
+        "apply there",
+    )
+    assert rows["head"] == (INSERTED, "")
+    converted = mk.convert_dropout(model, 2, 2.0, seed=0)
+    assert [row.path for row in converted.masksembles_report.changed] == ["first/first_drop", "second/second_drop"]
+    for result in (inserted, converted):
+        first, second = result.get_layer("first"), result.get_layer("second")
+        assert first.dense is second.dense, "the copy keeps the Dense shared"
+        assert first.dense is not shared
+    x = np.ones((2, 6), "float32")
+    np.testing.assert_allclose(run(mk.convert_dropout(model, 2, 1.0), x), run(model, x), rtol=1e-6)
+
+
+def guide_blocks() -> list[str]:
+    """The Python blocks of docs/keras.md's "Transformers" section."""
+    section = GUIDE.read_text().split("\n## Transformers\n", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"^```python\n(.*?)^```", section, flags=re.S | re.M)
+
+
+def test_the_guide_transformers_section_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    if not HUB:
+        pytest.skip(f"backend 'keras_hub' not requested (MASKSEMBLES_TEST_BACKENDS={requested_backends()})")
+    blocks = guide_blocks()
+    assert blocks
+    namespace: dict[str, Any] = {"__name__": "guide_transformers"}
+    for index, block in enumerate(blocks):
+        exec(compile(block, f"docs/keras.md Transformers block {index}", "exec"), namespace)
+    out = capsys.readouterr().out
+    assert "convert_dropout: Masksembles n=4" in out and "| nll |" in out
