@@ -241,6 +241,27 @@ def _masks_layers(operation: Any) -> list[Masksembles]:
             if isinstance(layer, Masksembles)]  # fmt: skip
 
 
+def compiled(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` as one compiled program on the JAX backend, whose eager operations each compile on first use
+    (a pack-time evaluation of every call would compile every operation twice); as it is on the others."""
+    if keras.backend.backend() != "jax":
+        return function
+    import jax
+
+    return jax.jit(function)
+
+
+@dataclass(frozen=True)
+class _Question:
+    """One evaluation of a call: ``"zero"`` (its inputs all +0, or -0 with ``sign``), ``"index"`` (its input holding
+    each position's index along ``axis``) or ``"redrawn"`` (at the second probe, sample 0 of every input changed)."""
+
+    key: str
+    kind: str
+    axis: int = 0
+    sign: float = 0.0
+
+
 class Capture:
     """The model's calls, probed at the example's batch size B and B+1, and the core kind of each value
     (``masksembles_core.captured.CapturedGraph``)."""
@@ -250,7 +271,7 @@ class Capture:
         self.model = model
         layers = model._flatten_layers(include_self=True, recursive=True)
         self.n = mca.check_members([layer.n for layer in layers if isinstance(layer, Masksembles)], n)
-        x = ops.convert_to_numpy(example)
+        x = np.asarray(ops.convert_to_numpy(example))
         if x.ndim < 1 or x.shape[0] < 1:
             raise ValueError(f"{PREFIX} need an example input with a batch of at least 1 on axis 0; received {x.shape}")
         self.batch = int(x.shape[0])
@@ -258,28 +279,75 @@ class Capture:
         graph = _Graph(model)
         self.calls = graph.calls
         self.output_key = graph.output
-        self.values = [self._run({INPUT: x}), self._run({INPUT: np.concatenate([x, x[:1]])})]
+        run = compiled(self._run)
+        with _no_autograd():
+            probes = [run(x), run(np.concatenate([x, x[:1]]))]
+        self.values = [{key: np.asarray(ops.convert_to_numpy(v)) for key, v in probe.items()} for probe in probes]
         self.seen = {
             key: Probed(tuple(tuple(int(d) for d in v[key].shape) for v in self.values), self.batch)
             for key in self.values[0]
         }
         self.by_key = {key: (call, position) for call in self.calls for position, key in enumerate(call.outputs)}
+        self.dependent: dict[str, bool] = {}
+        classified = {key: self._classify(call, key, position) for key, (call, position) in self.by_key.items()}
+        self.answers = self._answers(classified)
         self.ops: dict[str, _Op] = {}
         self.reset(dense=False)
 
-    def _run(self, values: dict[str, Any]) -> dict[str, Any]:
-        """Every call, eagerly, in inference: each value as a backend tensor."""
-        values = {INPUT: ops.convert_to_tensor(values[INPUT])}
-        with _no_autograd():
-            for call in self.calls:
-                values.update(zip(call.outputs, call.run(values), strict=True))
+    def _run(self, x: Any) -> dict[str, Any]:
+        """Every call in inference: each value."""
+        values = {INPUT: x}
+        for call in self.calls:
+            values.update(zip(call.outputs, call.run(values), strict=True))
         return values
 
     def reset(self, dense: bool) -> None:
         """Classify every value again (the axis solver turns some into fallbacks); ``dense``: all of them fallbacks."""
         self.ops = {}
         for key, (call, position) in self.by_key.items():
-            self.ops[key] = self.fallback(key) if dense else self._classify(call, key, position)
+            op = None if dense else self._classify(call, key, position)
+            self.ops[key] = op if op is not None else self.fallback(key)
+
+    def _answers(self, classified: Mapping[str, _Op | None]) -> dict[_Question, np.ndarray]:
+        """Every evaluation the core may ask for, run in one call (one compiled program on JAX): zeros through each
+        elementwise call, index tensors through each move, a redrawn sample through every call."""
+        questions = []
+        for key, op in classified.items():
+            if op is None:
+                questions.append(_Question(key, "redrawn"))
+                continue
+            if op.kind in ("channelwise", "grouped", "combine", "concat"):
+                questions += [_Question(key, "zero", sign=0.0), _Question(key, "zero", sign=-0.0)]
+            if op.rule == "map":
+                questions += [_Question(key, "index", axis=a) for a in range(self.seen[op.tensors[0]].rank)]
+            questions.append(_Question(key, "redrawn"))
+        dtypes = {key: str(value.dtype) for key, value in self.values[0].items()}
+
+        def ask(large: dict[str, Any]) -> list[Any]:
+            results = []
+            for question in questions:
+                call, position = self.by_key[question.key]
+                given: dict[str, Any] = {}
+                for t in call.inputs:
+                    shape = self.seen[t].shape
+                    if question.kind == "zero":
+                        given[t] = ops.full(shape, question.sign, dtype=dtypes[t])
+                    elif question.kind == "index":
+                        view = [1] * len(shape)
+                        view[question.axis] = shape[question.axis]
+                        steps = ops.reshape(ops.arange(shape[question.axis], dtype="float32"), view)
+                        given[t] = ops.broadcast_to(steps, shape)
+                    else:
+                        first = large[t][:1]
+                        changed = first * -2.0 + 1.0 if dtypes[t].startswith(("float", "bfloat")) else first + 1
+                        given[t] = ops.concatenate([ops.cast(changed, dtypes[t]), large[t][1:]], axis=0)
+                output = call.run(given)[position]
+                results.append(ops.equal(output, 0) if question.kind == "zero" else output)
+            return results
+
+        with _no_autograd():
+            answers = compiled(ask)({key: ops.convert_to_tensor(value) for key, value in self.values[1].items()})
+        return {q: np.asarray(ops.convert_to_numpy(a)) for q, a in zip(questions, answers, strict=True)}
 
     # ---- what the core's pipeline asks (``masksembles_core.captured.CapturedGraph``)
 
@@ -303,25 +371,17 @@ class Capture:
 
     def fallback(self, key: str) -> _Op:
         call, position = self.by_key[key]
-        dependent = self._reads_the_batch(call, key)
         return _Op(key, "fallback", call.inputs, rule="none", call=call, output=position, role="fallback",
-                   batch_dependent=dependent)  # fmt: skip
+                   batch_dependent=self._reads_the_batch(call, key))  # fmt: skip
 
     def axis_map(self, op: _Op, source_axis: int) -> int | None:
-        (source,) = op.tensors
-        shape = self.seen[source].shape
-        view = [1] * len(shape)
-        view[source_axis] = shape[source_axis]
-        index = np.broadcast_to(np.arange(shape[source_axis], dtype="float32").reshape(view), shape)
-        result = np.asarray(ops.convert_to_numpy(self._evaluate(op, {source: index})), dtype=np.float64)
-        return _whole_axis(result, shape[source_axis])
+        result = self.answers[_Question(op.key, "index", axis=source_axis)].astype(np.float64)
+        return _whole_axis(result, self.seen[op.tensors[0]].shape[source_axis])
 
     def zero_map(self, op: _Op) -> np.ndarray:
         zero = np.ones(self.seen[op.key].shape[op.axis], dtype=bool)
         for sign in (0.0, -0.0):
-            inputs = {t: np.full(self.seen[t].shape, sign, dtype=self._dtype(t)) for t in op.tensors}
-            result = ops.convert_to_numpy(self._evaluate(op, inputs))
-            zero &= captured.zero_channels(result == 0, op.axis)
+            zero &= captured.zero_channels(self.answers[_Question(op.key, "zero", sign=sign)], op.axis)
         return zero
 
     def zero_rule(self, op: _Op) -> tuple[str, tuple[int, ...]]:
@@ -334,57 +394,35 @@ class Capture:
     def repeatable(self, key: str) -> bool:
         return array_repeatable(self.seen[key])
 
-    # ---- evaluations of one call
-
-    def _dtype(self, key: str) -> str:
-        return str(ops.convert_to_numpy(self.values[0][key]).dtype)
-
-    def _evaluate(self, op: _Op, given: Mapping[str, Any], probe: int = 0) -> Any:
-        """The call with the values ``given`` (NumPy arrays) instead of its inputs' (from probe ``probe``)."""
-        values = dict(self.values[probe])
-        values.update({key: ops.convert_to_tensor(value) for key, value in given.items()})
-        with _no_autograd():
-            return op.call.run(values)[op.output]
-
     def _reads_the_batch(self, call: Call, key: str) -> bool:
         """Whether a call may read the batch (its size, or other samples), so that it runs per member: a Masksembles
         layer, a value without an exact batch axis, or a result that changes for other samples when one sample is
         redrawn, or with the batch size."""
-        if _masks_layers(call.operation) or not call.inputs:
-            return True
-        keys = [*call.inputs, key]
-        if any(self.seen[k].batch_axis != 0 for k in keys):
-            return True
-        position = call.outputs.index(key)
-        op = _Op(key, "fallback", call.inputs, call=call, output=position)
-        small = ops.convert_to_numpy(self.values[0][key])
-        large = ops.convert_to_numpy(self.values[1][key])
-        if not _close(small, large[: self.batch]):
-            return True
-        rng = np.random.default_rng(0)
-        redrawn = {}
-        for t in call.inputs:
-            value = np.array(ops.convert_to_numpy(self.values[1][t]))
-            value[0] = rng.standard_normal(value.shape[1:]).astype(value.dtype) if value.dtype.kind == "f" else 1
-            redrawn[t] = value
-        changed = ops.convert_to_numpy(self._evaluate(op, redrawn, probe=1))
-        return not _close(changed[1:], large[1:])
+        if key not in self.dependent:
+            self.dependent[key] = (
+                bool(_masks_layers(call.operation))
+                or not call.inputs
+                or any(self.seen[k].batch_axis != 0 for k in (*call.inputs, key))
+                or not _close(self.values[0][key], self.values[1][key][: self.batch])
+                or not _close(self.answers[_Question(key, "redrawn")][1:], self.values[1][key][1:])
+            )
+        return self.dependent[key]
 
     # ---- classification
 
-    def _classify(self, call: Call, key: str, position: int) -> _Op:
+    def _classify(self, call: Call, key: str, position: int) -> _Op | None:
+        """The call's compacted kind, or None: a fallback."""
         tensors = call.inputs
         if len(call.outputs) != 1 or not tensors:
-            return self.fallback(key)
+            return None
         rank = self.seen[key].rank
-        op = self._layer(call, key, tensors, rank) if call.layer else self._raw(call, key, tensors, rank)
-        return op if op is not None else self.fallback(key)
+        return self._layer(call, key, tensors, rank) if call.layer else self._raw(call, key, tensors, rank)
 
     def _layer(self, call: Call, key: str, tensors: list[str], rank: int) -> _Op | None:
         layer = call.operation
         channels_first = getattr(layer, "data_format", "channels_last") == "channels_first"
-        axis = 1 if channels_first else rank - 1
-        single = len(tensors) == 1 and len(_leaves(call)) == 1
+        axis = 1 if channels_first else self.seen[tensors[0]].rank - 1  # of the (first) input
+        single = len(tensors) == 1 and len([leaf for leaf in _leaves(call) if leaf is not None]) == 1
         if isinstance(layer, Masksembles):
             if not single or call.kwargs.get("samples") is not None:
                 return None

@@ -22,7 +22,7 @@ import numpy as np
 from masksembles_core.packing import Move, Program, Step, block_indices, channel_indices
 
 from ._layers import Masksembles
-from ._pack_capture import INPUT, Capture, Call, _Op, spatial_size
+from ._pack_capture import INPUT, Call, Capture, _Op, spatial_size
 from ._packed_layers import (
     ChannelSelect,
     MemberConcat,
@@ -33,6 +33,8 @@ from ._packed_layers import (
     MemberOutput,
 )
 from ._surgery import _copy
+
+ZEROS = {"kernel_initializer": "zeros", "bias_initializer": "zeros"}  # weights assigned at once: nothing to draw
 
 
 def _numpy(variable: Any) -> np.ndarray:
@@ -215,7 +217,7 @@ class Emitter:
             packed.kernel.assign(blocks.transpose(0, 2, 1))
         else:
             packed = keras.layers.Dense(copies * units, activation=layer.activation, use_bias=layer.use_bias,
-                                        dtype=dtype)  # fmt: skip
+                                        dtype=dtype, kernel_initializer="zeros")  # fmt: skip
             result = packed(x)
             packed.kernel.assign(np.concatenate(list(blocks), axis=0).T)
         if bias is not None:
@@ -234,7 +236,7 @@ class Emitter:
             stacked = np.concatenate(list(self._kernel_blocks(step, oriented)))
             groups = 1 if step.edges[0].placement.shared else copies
         self._count(step, op, stacked.size)
-        config = {**layer.get_config(), "filters": stacked.shape[0], "groups": groups}
+        config = {**layer.get_config(), "filters": stacked.shape[0], "groups": groups, **ZEROS}
         del config["name"]
         packed = type(layer).from_config(config)
         result = packed(x)
@@ -255,7 +257,7 @@ class Emitter:
             groups.append(np.where(valid, oriented[np.maximum(first, 0) // multiplier], np.zeros((), kernel.dtype)))
         stacked = np.concatenate(groups)
         self._count(step, op, stacked.size)
-        config = layer.get_config()
+        config = {**layer.get_config(), "depthwise_initializer": "zeros", "bias_initializer": "zeros"}
         del config["name"]
         packed = type(layer).from_config(config)
         result = packed(x)

@@ -125,8 +125,12 @@ class MemberDense(keras.layers.Layer):  # type: ignore[misc]
 
     def build(self, input_shape: Sequence[int | None]) -> None:
         width = int(input_shape[-1]) // self.members  # type: ignore[arg-type]
-        self.kernel = self.add_weight(name="kernel", shape=(self.members, width, self.units))
-        self.bias = self.add_weight(name="bias", shape=(self.members * self.units,)) if self.use_bias else None
+        self.kernel = self.add_weight(name="kernel", shape=(self.members, width, self.units), initializer="zeros")
+        self.bias = (
+            self.add_weight(name="bias", shape=(self.members * self.units,), initializer="zeros")
+            if self.use_bias
+            else None
+        )
 
     def call(self, x: Any) -> Any:
         y = ops.einsum("...mi,mio->...mo", _split_axis(x, len(x.shape) - 1, self.members), self.kernel)

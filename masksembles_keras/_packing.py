@@ -28,6 +28,7 @@ from typing import Any
 import keras
 import numpy as np
 
+import masksembles_core as mc
 from masksembles_core import captured
 from masksembles_core.adapter import check_program
 from masksembles_core.packing import (
@@ -39,9 +40,9 @@ from masksembles_core.packing import (
     timed_choice,
 )
 
-from ._inference import predict
+from ._inference import _no_autograd
 from ._layers import SERIALIZATION_PACKAGE, Masksembles
-from ._pack_capture import Capture
+from ._pack_capture import Capture, compiled
 from ._pack_emit import Emitter
 from ._packed_layers import SelectMembers, TileBatch
 
@@ -153,7 +154,8 @@ class _Verifier:
 
     def __init__(self, model: keras.Model, x: np.ndarray, n: int, chosen: Sequence[int], squeeze: bool) -> None:
         self.x = x[:VERIFY_SAMPLES]
-        members = np.asarray(predict(model, self.x, n))[list(chosen)]
+        tiled = _run(model, mc.tile(self.x, n))  # what predict runs, as one compiled call
+        members = mc.untile(np.asarray(keras.ops.convert_to_numpy(tiled)), n)[list(chosen)]
         self.expected = members[0] if squeeze else members
         self.squeeze = squeeze
 
@@ -173,11 +175,9 @@ def _eps(dtype: np.dtype) -> float:
 
 
 def _run(model: keras.Model, x: np.ndarray) -> Any:
-    """One inference call of ``model`` on ``x``, outside any compiled function."""
-    from ._inference import _no_autograd
-
+    """One inference call of ``model`` on ``x`` (one compiled program on JAX)."""
     with _no_autograd():
-        return model(x, training=False)
+        return compiled(lambda value: model(value, training=False))(x)
 
 
 def _verified(
