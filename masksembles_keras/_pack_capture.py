@@ -269,6 +269,7 @@ class Capture:
     def __init__(self, model: Any, example: Any, n: int | None) -> None:
         check_model(model)
         self.model = model
+        self.input = INPUT
         layers = model._flatten_layers(include_self=True, recursive=True)
         self.n = mca.check_members([layer.n for layer in layers if isinstance(layer, Masksembles)], n)
         x = np.asarray(ops.convert_to_numpy(example))
@@ -350,10 +351,6 @@ class Capture:
         return {q: np.asarray(ops.convert_to_numpy(a)) for q, a in zip(questions, answers, strict=True)}
 
     # ---- what the core's pipeline asks (``masksembles_core.captured.CapturedGraph``)
-
-    @property
-    def input(self) -> str:
-        return INPUT
 
     @property
     def output(self) -> str:

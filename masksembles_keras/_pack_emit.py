@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import keras
 import numpy as np
@@ -56,7 +56,8 @@ def _macs(call: Call, capture: Capture, key: str) -> int:
     out = capture.seen[key].shape
     if isinstance(layer, keras.layers.Dense):
         return math.prod(out[1:]) * int(layer.kernel.shape[0])
-    kernel = layer.kernel.shape  # (*window, C_in / groups, C_out), depthwise (*window, C_in, multiplier)
+    kernel: tuple[int, ...] = tuple(layer.kernel.shape)
+    # (*window, C_in / groups, C_out), depthwise (*window, C_in, multiplier)
     return (
         math.prod(out[1:])
         * math.prod(kernel[:-2])
@@ -94,7 +95,7 @@ class Emitter:
         edge = step.edges[position]
         source = edge.source
         produced = self.program.step(source).placement
-        value, key = self.tensors[source], (source,)
+        value, key = self.tensors[source], cast(tuple[Any, ...], (source,))
         shared = produced.shared
         for move in edge.moves:
             key = (*key, move.kind, _bytes(move.index), _bytes(move.scale))
@@ -221,7 +222,7 @@ class Emitter:
             result = packed(x)
             packed.kernel.assign(np.concatenate(list(blocks), axis=0).T)
         if bias is not None:
-            packed.bias.assign(bias)
+            cast(Any, packed.bias).assign(bias)
         return result
 
     def _conv(self, step: Step, op: _Op, x: Any, copies: int) -> Any:

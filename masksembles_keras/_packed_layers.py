@@ -206,7 +206,7 @@ class MemberConcat(keras.layers.Layer):  # type: ignore[misc]
 
     def compute_output_shape(self, input_shape: Sequence[Sequence[int | None]]) -> tuple[int | None, ...]:
         shape = list(input_shape[0])
-        shape[self.axis] = sum(int(part[self.axis]) for part in input_shape)  # type: ignore[arg-type]
+        shape[self.axis] = sum(int(part[self.axis] or 0) for part in input_shape)
         return tuple(shape)
 
     def get_config(self) -> dict[str, Any]:
