@@ -102,7 +102,10 @@ def main() -> None:
         for batch in BATCHES:
             x = rng.standard_normal((batch, *shape)).astype("float32")
             times = interleaved_medians(
-                {"single": lambda: single.predict_on_batch(x), "packed": lambda: packed.predict_on_batch(x)},
+                {
+                    "single": lambda s=single, v=x: s.predict_on_batch(v),
+                    "packed": lambda p=packed, v=x: p.predict_on_batch(v),
+                },
                 rounds=args.rounds,
             )
             ratio = times["packed"] / times["single"]

@@ -298,7 +298,7 @@ def test_a_subclassed_model_is_refused_with_what_to_do() -> None:
     model = Subclassed()
     x = example(build("mlp"), 4)
     model(x)
-    with pytest.raises(TypeError, match="Subclassed is a subclassed keras.Model.*build it as a functional model"):
+    with pytest.raises(TypeError, match=r"Subclassed is a subclassed keras\.Model.*build it as a functional model"):
         mk.pack(model, x)
     with pytest.raises(TypeError, match="subclassed"):
         mk.extract_member(model, 0, x)
