@@ -14,3 +14,16 @@ if f"keras-{os.environ.get('KERAS_BACKEND', 'tensorflow')}" in requested_backend
     collect_ignore_glob: list[str] = []
 else:
     collect_ignore_glob = ["test_*.py"]
+
+if not collect_ignore_glob:
+    from collections.abc import Iterator
+
+    import pytest
+
+    from tests.pack_safety import no_verification_fallback
+
+    @pytest.fixture(autouse=True)
+    def _pack_needs_no_safety_net(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+        from masksembles_keras import _packing
+
+        yield from no_verification_fallback(request, monkeypatch, _packing._Verifier)

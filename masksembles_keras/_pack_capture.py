@@ -1,0 +1,543 @@
+"""The first step of Keras ``pack``: the model's graph as a list of calls, probed, and what each call is.
+
+A Sequential or functional model is read call by call (``model._nodes_by_depth``, as ``_surgery`` reads it; nested
+Sequential and functional models are inlined), every layer and raw operation (``x * 2.0``, ``keras.ops.sigmoid(x)``,
+``x[:, 0]``) with its arguments. The calls are run one by one, eagerly and in inference (``training=False``), on the
+example input and on it with one more sample: every value's shape at both batch sizes (its batch axes). Each call is
+then classified as a ``masksembles_core.packing`` kind (``_Op``) and answers the core's questions
+(``masksembles_core.captured.CapturedGraph``) by running the call alone: on zeros (+0 and -0) for which channels
+stay zero, on index tensors for where an axis lands, on a batch with one sample redrawn for whether it keeps samples
+apart. Nothing is assumed from a name but the channel axis of a layer with a ``data_format`` or ``axis``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import keras
+import numpy as np
+from keras import ops
+
+import masksembles_core.adapter as mca
+from masksembles_core import captured
+from masksembles_core.captured import CapturedOp, Probed, array_repeatable
+
+from ._inference import _no_autograd
+from ._layers import Masksembles
+from ._surgery import _is_graph_model
+
+PREFIX = "pack/extract_member"
+INPUT = "input"
+ELEMENTWISE_ACTIVATIONS = {
+    "relu", "relu6", "sigmoid", "tanh", "gelu", "silu", "swish", "elu", "selu", "softplus", "softsign", "exponential",
+    "hard_sigmoid", "hard_silu", "hard_swish", "linear", "leaky_relu", "mish", "log_sigmoid", "celu", "hard_tanh",
+    "tanh_shrink", "soft_shrink", "hard_shrink", "squareplus", "sparse_plus", "sparse_sigmoid", "threshold",
+}  # fmt: skip
+UNARY_OPS = {
+    "Relu", "Relu6", "Sigmoid", "Softplus", "Softsign", "Silu", "LogSigmoid", "LeakyRelu", "HardSigmoid", "HardSilu",
+    "Elu", "Selu", "Gelu", "Celu", "TanhShrink", "HardTanh", "HardShrink", "SoftShrink", "Squareplus", "SparsePlus",
+    "SparseSigmoid", "Threshold", "Absolute", "Abs", "Exp", "Exp2", "Expm1", "Log", "Log1p", "Log2", "Log10", "Sqrt",
+    "Square", "Negative", "Sin", "Cos", "Tan", "Tanh", "Sinh", "Cosh", "Arctan", "Sign", "Floor", "Ceil", "Round",
+    "Reciprocal", "Clip", "Cbrt", "Trunc", "Copy", "Erf", "Cast",
+}  # fmt: skip
+BINARY_OPS = {
+    "Add",
+    "Subtract",
+    "Multiply",
+    "Divide",
+    "TrueDivide",
+    "Maximum",
+    "Minimum",
+    "Power",
+    "Mod",
+    "FloorDivide",
+}
+MOVE_OPS = {
+    "GetItem", "Reshape", "Transpose", "ExpandDims", "Squeeze", "Moveaxis", "Swapaxes", "Mean", "Max", "Min", "Amax",
+    "Amin", "Flip",
+}  # fmt: skip
+CONV_TYPES = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D)
+DEPTHWISE_TYPES = (keras.layers.DepthwiseConv1D, keras.layers.DepthwiseConv2D)
+IDENTITY_TYPES = (  # at inference
+    keras.layers.Dropout, keras.layers.GaussianNoise, keras.layers.GaussianDropout, keras.layers.AlphaDropout,
+    keras.layers.ActivityRegularization, keras.layers.Identity,
+)  # fmt: skip
+ACTIVATION_TYPES = (keras.layers.ReLU, keras.layers.LeakyReLU, keras.layers.ELU)
+COMBINE_TYPES = (
+    keras.layers.Add, keras.layers.Subtract, keras.layers.Multiply, keras.layers.Average, keras.layers.Maximum,
+    keras.layers.Minimum,
+)  # fmt: skip
+SPATIAL_TYPES = (  # layers over the spatial axes of a data_format: the channel axis stays where it is
+    keras.layers.MaxPooling1D, keras.layers.MaxPooling2D, keras.layers.MaxPooling3D, keras.layers.AveragePooling1D,
+    keras.layers.AveragePooling2D, keras.layers.AveragePooling3D, keras.layers.ZeroPadding1D,
+    keras.layers.ZeroPadding2D, keras.layers.ZeroPadding3D, keras.layers.Cropping1D, keras.layers.Cropping2D,
+    keras.layers.Cropping3D, keras.layers.UpSampling1D, keras.layers.UpSampling2D, keras.layers.UpSampling3D,
+)  # fmt: skip
+GLOBAL_POOLING_TYPES = (
+    keras.layers.GlobalAveragePooling1D, keras.layers.GlobalAveragePooling2D, keras.layers.GlobalAveragePooling3D,
+    keras.layers.GlobalMaxPooling1D, keras.layers.GlobalMaxPooling2D, keras.layers.GlobalMaxPooling3D,
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _Ref:
+    """A run-time value in a call's arguments."""
+
+    key: str
+
+
+def _substitute(value: Any, replace: Callable[[Any], Any | None]) -> Any:
+    """``value`` (nested lists, tuples and dicts) with each leaf ``replace`` returns something for replaced."""
+    replaced = replace(value)
+    if replaced is not None:
+        return replaced
+    if isinstance(value, list | tuple) and not hasattr(value, "_fields"):
+        return type(value)(_substitute(item, replace) for item in value)
+    if isinstance(value, dict):
+        return {key: _substitute(item, replace) for key, item in value.items()}
+    return value
+
+
+def _refs(value: Any) -> list[str]:
+    found: list[str] = []
+    _substitute(value, lambda leaf: found.append(leaf.key) if isinstance(leaf, _Ref) else None)
+    return list(dict.fromkeys(found))
+
+
+@dataclass(eq=False)
+class Call:
+    """One call of a layer or raw operation in the model's graph: its arguments (run-time values as ``_Ref``) and
+    the keys of its outputs."""
+
+    operation: Any
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    outputs: tuple[str, ...]
+    path: str
+
+    @property
+    def inputs(self) -> list[str]:
+        return _refs((self.args, self.kwargs))
+
+    @property
+    def layer(self) -> bool:
+        return isinstance(self.operation, keras.layers.Layer)
+
+    @property
+    def kind(self) -> str:
+        """The operation's class name (``Dense``, ``Multiply``, ...)."""
+        return type(self.operation).__name__
+
+    def arguments(self, values: Mapping[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The arguments with each run-time value taken from ``values``."""
+        args, kwargs = _substitute(
+            (self.args, self.kwargs), lambda leaf: values[leaf.key] if isinstance(leaf, _Ref) else None
+        )
+        return args, kwargs
+
+    def run(self, values: Mapping[str, Any], operation: Any = None) -> list[Any]:
+        """The call on ``values`` (eagerly, or on Keras tensors to build a model), with ``operation`` (a copy) instead
+        of the model's; a list of outputs."""
+        args, kwargs = self.arguments(values)
+        op = self.operation if operation is None else operation
+        if isinstance(op, keras.layers.Layer) and "training" not in kwargs:
+            kwargs = {**kwargs, "training": False}
+        result = op(*args, **kwargs)
+        return list(result) if isinstance(result, list | tuple) else [result]
+
+    def describe(self) -> str:
+        return f"{self.path} ({self.kind})"
+
+
+def check_model(model: object) -> None:
+    """A built Sequential or functional model with one input and one output."""
+    if not _is_graph_model(model):
+        kind = "a subclassed keras.Model" if isinstance(model, keras.Model) else "not a keras.Model"
+        raise TypeError(
+            f"{PREFIX} read the graph of Sequential and functional Keras models; {type(model).__name__} is {kind}, "
+            "whose call() cannot be read: build it as a functional model (keras.Model(inputs, outputs)) with the "
+            "same layers, or run every member with masksembles_keras.predict"
+        )
+    if not model.built:  # type: ignore[attr-defined]
+        raise ValueError(f"{PREFIX} need a built model (give it an Input, or call it once on data)")
+    if len(model.inputs) != 1 or len(model.outputs) != 1:  # type: ignore[attr-defined]
+        raise ValueError(
+            f"{PREFIX} support models with one input and one output tensor; this one has "
+            f"{len(model.inputs)} inputs and {len(model.outputs)} outputs"  # type: ignore[attr-defined]
+        )
+
+
+class _Graph:
+    """The calls of a model in order, nested Sequential/functional models inlined."""
+
+    def __init__(self, model: Any) -> None:
+        self.calls: list[Call] = []
+        self.count = 0
+        (self.output,) = self._walk(model, [INPUT], "")
+
+    def _walk(self, model: Any, inputs: list[str], prefix: str) -> list[str]:
+        if isinstance(model, keras.Sequential):
+            (key,) = inputs
+            for layer in model.layers:
+                key = self._call(layer, (_Ref(key),), {}, 1, prefix)[0]
+            return [key]
+        keys = {id(tensor): key for tensor, key in zip(model.inputs, inputs, strict=True)}
+        for depth in sorted(model._nodes_by_depth, reverse=True):  # inputs first
+            for node in model._nodes_by_depth[depth]:
+                if node.is_input:
+                    continue
+                args, kwargs = _substitute(
+                    (node.arguments.args, node.arguments.kwargs),
+                    lambda leaf: _Ref(keys[id(leaf)]) if isinstance(leaf, keras.KerasTensor) else None,
+                )
+                outputs = self._call(node.operation, args, kwargs, len(node.outputs), prefix)
+                keys.update((id(tensor), key) for tensor, key in zip(node.outputs, outputs, strict=True))
+        return [keys[id(tensor)] for tensor in model.outputs]
+
+    def _call(self, operation: Any, args: Any, kwargs: dict[str, Any], outputs: int, prefix: str) -> list[str]:
+        if _is_graph_model(operation):
+            reads = _refs((args, kwargs))
+            if len(reads) == len(operation.inputs) and len(operation.outputs) == outputs:
+                return self._walk(operation, reads, f"{prefix}{operation.name}/")
+        keys = [f"v{self.count + i}" for i in range(outputs)]
+        self.count += outputs
+        self.calls.append(Call(operation, tuple(args), dict(kwargs), tuple(keys), f"{prefix}{operation.name}"))
+        return keys
+
+
+@dataclass(eq=False)
+class _Op(CapturedOp[str]):
+    """A run-time value as the core sees it, with the call that computes it (``output``: which of its outputs) and
+    how the emitter writes it (``role``): ``dense``, ``conv``, ``depthwise``, ``batchnorm``, ``masks``,
+    ``identity``, ``flatten``, ``reshape`` (a move whose shape is rebuilt), ``call`` (the operation again, on the
+    compacted tensor) or ``fallback``."""
+
+    call: Call = field(kw_only=True)
+    output: int = 0
+    role: str = "call"
+
+
+def _scalar(value: Any) -> bool:
+    return (
+        value is None
+        or isinstance(value, bool | int | float | str)
+        or (np.ndim(value) == 0 and not isinstance(value, keras.Variable))
+    )
+
+
+def _activation(function: Any) -> bool:
+    """Whether a layer's activation is elementwise (by its registered name)."""
+    name = keras.activations.serialize(function)
+    return isinstance(name, str) and name in ELEMENTWISE_ACTIVATIONS
+
+
+def _masks_layers(operation: Any) -> list[Masksembles]:
+    if not isinstance(operation, keras.layers.Layer):
+        return []
+    return [layer for layer in operation._flatten_layers(include_self=True, recursive=True)
+            if isinstance(layer, Masksembles)]  # fmt: skip
+
+
+def compiled(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` as one compiled program on the JAX backend, whose eager operations each compile on first use
+    (a pack-time evaluation of every call would compile every operation twice); as it is on the others."""
+    if keras.backend.backend() != "jax":
+        return function
+    import jax
+
+    return jax.jit(function)
+
+
+@dataclass(frozen=True)
+class _Question:
+    """One evaluation of a call: ``"zero"`` (its inputs all +0, or -0 with ``sign``), ``"index"`` (its input holding
+    each position's index along ``axis``) or ``"redrawn"`` (at the second probe, sample 0 of every input changed)."""
+
+    key: str
+    kind: str
+    axis: int = 0
+    sign: float = 0.0
+
+
+class Capture:
+    """The model's calls, probed at the example's batch size B and B+1, and the core kind of each value
+    (``masksembles_core.captured.CapturedGraph``)."""
+
+    def __init__(self, model: Any, example: Any, n: int | None) -> None:
+        check_model(model)
+        self.model = model
+        self.input = INPUT
+        layers = model._flatten_layers(include_self=True, recursive=True)
+        self.n = mca.check_members([layer.n for layer in layers if isinstance(layer, Masksembles)], n)
+        x = np.asarray(ops.convert_to_numpy(example))
+        if x.ndim < 1 or x.shape[0] < 1:
+            raise ValueError(f"{PREFIX} need an example input with a batch of at least 1 on axis 0; received {x.shape}")
+        self.batch = int(x.shape[0])
+        self.example = x
+        graph = _Graph(model)
+        self.calls = graph.calls
+        self.output_key = graph.output
+        run = compiled(self._run)
+        with _no_autograd():
+            probes = [run(x), run(np.concatenate([x, x[:1]]))]
+        self.values = [{key: np.asarray(ops.convert_to_numpy(v)) for key, v in probe.items()} for probe in probes]
+        self.seen = {
+            key: Probed(tuple(tuple(int(d) for d in v[key].shape) for v in self.values), self.batch)
+            for key in self.values[0]
+        }
+        self.by_key = {key: (call, position) for call in self.calls for position, key in enumerate(call.outputs)}
+        self.dependent: dict[str, bool] = {}
+        classified = {key: self._classify(call, key, position) for key, (call, position) in self.by_key.items()}
+        self.answers = self._answers(classified)
+        self.ops: dict[str, _Op] = {}
+        self.reset(dense=False)
+
+    def _run(self, x: Any) -> dict[str, Any]:
+        """Every call in inference: each value."""
+        values = {INPUT: x}
+        for call in self.calls:
+            values.update(zip(call.outputs, call.run(values), strict=True))
+        return values
+
+    def reset(self, dense: bool) -> None:
+        """Classify every value again (the axis solver turns some into fallbacks); ``dense``: all of them fallbacks."""
+        self.ops = {}
+        for key, (call, position) in self.by_key.items():
+            op = None if dense else self._classify(call, key, position)
+            self.ops[key] = op if op is not None else self.fallback(key)
+
+    def _answers(self, classified: Mapping[str, _Op | None]) -> dict[_Question, np.ndarray]:
+        """Every evaluation the core may ask for, run in one call (one compiled program on JAX): zeros through each
+        elementwise call, index tensors through each move, a redrawn sample through every call."""
+        questions = []
+        for key, op in classified.items():
+            if op is None:
+                questions.append(_Question(key, "redrawn"))
+                continue
+            if op.kind in ("channelwise", "grouped", "combine", "concat"):
+                questions += [_Question(key, "zero", sign=0.0), _Question(key, "zero", sign=-0.0)]
+            if op.rule == "map":
+                questions += [_Question(key, "index", axis=a) for a in range(self.seen[op.tensors[0]].rank)]
+            questions.append(_Question(key, "redrawn"))
+        dtypes = {key: str(value.dtype) for key, value in self.values[0].items()}
+
+        def ask(large: dict[str, Any]) -> list[Any]:
+            results = []
+            for question in questions:
+                call, position = self.by_key[question.key]
+                given: dict[str, Any] = {}
+                for t in call.inputs:
+                    shape = self.seen[t].shape
+                    if question.kind == "zero":
+                        given[t] = ops.full(shape, question.sign, dtype=dtypes[t])
+                    elif question.kind == "index":
+                        view = [1] * len(shape)
+                        view[question.axis] = shape[question.axis]
+                        steps = ops.reshape(ops.arange(shape[question.axis], dtype="float32"), view)
+                        given[t] = ops.broadcast_to(steps, shape)
+                    else:
+                        first = large[t][:1]
+                        changed = first * -2.0 + 1.0 if dtypes[t].startswith(("float", "bfloat")) else first + 1
+                        given[t] = ops.concatenate([ops.cast(changed, dtypes[t]), large[t][1:]], axis=0)
+                output = call.run(given)[position]
+                results.append(ops.equal(output, 0) if question.kind == "zero" else output)
+            return results
+
+        with _no_autograd():
+            answers = compiled(ask)({key: ops.convert_to_tensor(value) for key, value in self.values[1].items()})
+        return {q: np.asarray(ops.convert_to_numpy(a)) for q, a in zip(questions, answers, strict=True)}
+
+    # ---- what the core's pipeline asks (``masksembles_core.captured.CapturedGraph``)
+
+    @property
+    def output(self) -> str:
+        return self.output_key
+
+    @property
+    def output_leaves(self) -> list[str]:
+        return [self.output_key]
+
+    def probed(self, key: str) -> Probed:
+        return self.seen[key]
+
+    def name(self, key: str) -> str:
+        return key
+
+    def fallback(self, key: str) -> _Op:
+        call, position = self.by_key[key]
+        return _Op(key, "fallback", call.inputs, rule="none", call=call, output=position, role="fallback",
+                   batch_dependent=self._reads_the_batch(call, key))  # fmt: skip
+
+    def axis_map(self, op: _Op, source_axis: int) -> int | None:
+        result = self.answers[_Question(op.key, "index", axis=source_axis)].astype(np.float64)
+        return _whole_axis(result, self.seen[op.tensors[0]].shape[source_axis])
+
+    def zero_map(self, op: _Op) -> np.ndarray:
+        zero = np.ones(self.seen[op.key].shape[op.axis], dtype=bool)
+        for sign in (0.0, -0.0):
+            zero &= captured.zero_channels(self.answers[_Question(op.key, "zero", sign=sign)], op.axis)
+        return zero
+
+    def zero_rule(self, op: _Op) -> tuple[str, tuple[int, ...]]:
+        """Products of two values are zero when one is; anything else when evaluating it on zeros gave zeros."""
+        product = op.call.kind == "Multiply" and len(op.call.inputs) == len(_leaves(op.call))
+        if product:
+            return "any", ()
+        return ("all", ()) if self.zero_map(op).all() else ("never", ())
+
+    def repeatable(self, key: str) -> bool:
+        return array_repeatable(self.seen[key])
+
+    def _reads_the_batch(self, call: Call, key: str) -> bool:
+        """Whether a call may read the batch (its size, or other samples), so that it runs per member: a Masksembles
+        layer, a value without an exact batch axis, or a result that changes for other samples when one sample is
+        redrawn, or with the batch size."""
+        if key not in self.dependent:
+            self.dependent[key] = (
+                bool(_masks_layers(call.operation))
+                or not call.inputs
+                or any(self.seen[k].batch_axis != 0 for k in (*call.inputs, key))
+                or not _close(self.values[0][key], self.values[1][key][: self.batch])
+                or not _close(self.answers[_Question(key, "redrawn")][1:], self.values[1][key][1:])
+            )
+        return self.dependent[key]
+
+    # ---- classification
+
+    def _classify(self, call: Call, key: str, position: int) -> _Op | None:
+        """The call's compacted kind, or None: a fallback."""
+        tensors = call.inputs
+        if len(call.outputs) != 1 or not tensors:
+            return None
+        rank = self.seen[key].rank
+        return self._layer(call, key, tensors, rank) if call.layer else self._raw(call, key, tensors, rank)
+
+    def _layer(self, call: Call, key: str, tensors: list[str], rank: int) -> _Op | None:
+        layer = call.operation
+        channels_first = getattr(layer, "data_format", "channels_last") == "channels_first"
+        axis = 1 if channels_first else self.seen[tensors[0]].rank - 1  # of the (first) input
+        single = len(tensors) == 1 and len([leaf for leaf in _leaves(call) if leaf is not None]) == 1
+        if isinstance(layer, Masksembles):
+            if not single or call.kwargs.get("samples") is not None:
+                return None
+            masks = np.asarray(ops.convert_to_numpy(layer.masks)) != 0
+            channel = layer.channel_axis % rank
+            return _Op(key, "masks", tensors, rule="fixed", fixed_in=channel, fixed_out=channel, batch_in=0,
+                       batch_out=0, masks=masks, call=call, role="masks")  # fmt: skip
+        if getattr(layer, "dtype_policy", None) is not None and layer.dtype_policy.quantization_mode is not None:
+            return None
+        if not single:
+            if isinstance(layer, COMBINE_TYPES):
+                return _Op(key, "combine", tensors, call=call)
+            if isinstance(layer, keras.layers.Concatenate) and len(tensors) == len(_leaves(call)):
+                return _Op(key, "concat", tensors, rule="concat", concat_dim=layer.axis % rank, call=call)
+            return None
+        if isinstance(layer, keras.layers.Dense) and not getattr(layer, "lora_enabled", False):
+            if not _activation(layer.activation):
+                return None
+            return _Op(key, "mixing", tensors, rule="fixed", fixed_in=rank - 1, fixed_out=rank - 1, call=call,
+                       role="dense")  # fmt: skip
+        if isinstance(layer, CONV_TYPES) and not getattr(layer, "lora_enabled", False):
+            if not _activation(layer.activation):
+                return None
+            kind = "mixing" if layer.groups == 1 else "grouped"
+            return _Op(key, kind, tensors, rule="fixed", fixed_in=axis, fixed_out=axis, batch_in=0, batch_out=0,
+                       groups=layer.groups, call=call, role="conv")  # fmt: skip
+        if isinstance(layer, DEPTHWISE_TYPES):
+            if not _activation(layer.activation):
+                return None
+            groups = self.seen[tensors[0]].shape[axis]
+            return _Op(key, "grouped", tensors, rule="fixed", fixed_in=axis, fixed_out=axis, batch_in=0, batch_out=0,
+                       groups=groups, call=call, role="depthwise")  # fmt: skip
+        if isinstance(layer, keras.layers.BatchNormalization):
+            channel = layer.axis % rank
+            return _Op(key, "channelwise", tensors, rule="fixed", fixed_in=channel, fixed_out=channel, call=call,
+                       role="batchnorm")  # fmt: skip
+        if isinstance(layer, IDENTITY_TYPES):
+            return _Op(key, "channelwise", tensors, keeps_zeros=True, call=call, role="identity")
+        if isinstance(layer, ACTIVATION_TYPES) or (
+            isinstance(layer, keras.layers.Activation) and _activation(layer.activation)
+        ):
+            return _Op(key, "channelwise", tensors, call=call)
+        if isinstance(layer, SPATIAL_TYPES):
+            return _Op(key, "channelwise", tensors, rule="fixed", fixed_in=axis, fixed_out=axis, batch_in=0,
+                       batch_out=0, call=call)  # fmt: skip
+        if isinstance(layer, GLOBAL_POOLING_TYPES):
+            out = axis if layer.keepdims else 1
+            return _Op(key, "channelwise", tensors, rule="fixed", fixed_in=axis, fixed_out=out, batch_in=0,
+                       batch_out=0, call=call)  # fmt: skip
+        if isinstance(layer, keras.layers.Flatten) and not channels_first:
+            return _Op(key, "flatten", tensors, rule="flatten", batch_in=0, batch_out=0, call=call, role="flatten")
+        if isinstance(layer, keras.layers.Reshape):
+            return _Op(key, "channelwise", tensors, rule="map", keeps_zeros=True, batch_in=0, batch_out=0, call=call,
+                       role="reshape")  # fmt: skip
+        if isinstance(layer, keras.layers.Permute):
+            return _Op(key, "channelwise", tensors, rule="map", keeps_zeros=True, call=call)
+        return None
+
+    def _raw(self, call: Call, key: str, tensors: list[str], rank: int) -> _Op | None:
+        """A raw operation (``keras.ops``), its constants in its config and arguments."""
+        name = call.kind
+        if not type(call.operation).__module__.startswith("keras."):
+            return None
+        config = call.operation.get_config()
+        constants = [leaf for leaf in _leaves(call) if not isinstance(leaf, _Ref)]
+        scalars = all(_scalar(value) for value in (*constants, *config.values()))
+        if name in UNARY_OPS | BINARY_OPS and scalars:
+            if len(tensors) == 1:
+                return _Op(key, "channelwise", tensors, call=call)
+            if name in BINARY_OPS and len(tensors) == 2 and not constants:
+                return _Op(key, "combine", tensors, call=call)
+            return None
+        if name in MOVE_OPS and len(tensors) == 1 and len(_leaves(call)) == 1:
+            role = "reshape" if name == "Reshape" else "call"
+            batch = 0 if role == "reshape" else -1
+            return _Op(key, "channelwise", tensors, rule="map", keeps_zeros=name not in ("Mean", "Max", "Min", "Amax",
+                       "Amin"), batch_in=batch, batch_out=batch, call=call, role=role)  # fmt: skip
+        if name == "Concatenate" and len(tensors) == len(_leaves(call)):
+            return _Op(key, "concat", tensors, rule="concat", concat_dim=config["axis"] % rank, call=call)
+        return None
+
+
+def _leaves(call: Call) -> list[Any]:
+    """The leaves of a call's arguments (run-time values as ``_Ref``)."""
+    found: list[Any] = []
+
+    def visit(leaf: Any) -> None:
+        if isinstance(leaf, list | tuple | dict) and not isinstance(leaf, _Ref):
+            return None
+        found.append(leaf)
+        return None
+
+    _substitute((call.args, call.kwargs), lambda leaf: visit(leaf))
+    return found
+
+
+def _close(a: np.ndarray, b: np.ndarray) -> bool:
+    """Equal up to float rounding of a reordered computation."""
+    if a.shape != b.shape:
+        return False
+    if a.dtype.kind not in "fc":
+        return bool(np.array_equal(a, b))
+    scale = float(np.max(np.abs(b), initial=0.0)) or 1.0
+    return bool(np.allclose(a, b, rtol=0.0, atol=1e-5 * scale, equal_nan=True))
+
+
+def _whole_axis(out: np.ndarray, size: int) -> int | None:
+    """The axis of ``out`` holding 0..size-1 in order, the same along every other axis."""
+    for axis in range(out.ndim):
+        if out.shape[axis] != size:
+            continue
+        view = [1] * out.ndim
+        view[axis] = size
+        if np.array_equal(out, np.broadcast_to(np.arange(size, dtype=np.float64).reshape(view), out.shape)):
+            return axis
+    return None
+
+
+def spatial_size(shape: Sequence[int], batch_axis: int, channel_axis: int) -> int:
+    """The positions a channel has in a value: every axis but the batch's and the channels'."""
+    return math.prod(s for a, s in enumerate(shape) if a not in (batch_axis, channel_axis))

@@ -1,0 +1,309 @@
+"""The last step of Keras ``pack``: the core's program written as an ordinary functional Keras model.
+
+Every step of ``masksembles_core.packing.Program`` becomes layers on the previous steps' outputs (placements and the
+layers that move between them: ``_packed_layers``): the members' Dense layers as one Dense (a shared input) or one
+batched matmul (``MemberDense``), their convolutions as one grouped convolution (``groups`` = members x the groups
+each one keeps), depthwise convolutions as one depthwise convolution over the members' kept channels, BatchNormalization
+as a BatchNormalization over the kept channels (its statistics and affine gathered), a Masksembles layer as the
+masking move into it, Flatten and Concatenate member by member, and every other compacted layer or raw operation
+called again on the compacted tensor (an activation, pooling, a sum). Fallbacks call a copy of the model's layer (its
+weights copied) or its raw operation at full width.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, cast
+
+import keras
+import numpy as np
+
+from masksembles_core.packing import Move, Program, Step, block_indices, channel_indices
+
+from ._layers import Masksembles
+from ._pack_capture import INPUT, Call, Capture, _Op, spatial_size
+from ._packed_layers import (
+    ChannelSelect,
+    MemberConcat,
+    MemberDense,
+    MemberFlatten,
+    MemberFrame,
+    MemberMasks,
+    MemberOutput,
+)
+from ._surgery import _copy
+
+ZEROS = {"kernel_initializer": "zeros", "bias_initializer": "zeros"}  # weights assigned at once: nothing to draw
+
+
+def _numpy(variable: Any) -> np.ndarray:
+    return np.asarray(keras.ops.convert_to_numpy(variable))
+
+
+def _laid_out(vector: np.ndarray, layouts: Sequence[np.ndarray]) -> np.ndarray:
+    """A per-channel vector laid out like ``layouts`` side by side (0 for padding)."""
+    index, valid = channel_indices(layouts)
+    return np.where(valid, vector[index], np.zeros((), vector.dtype))
+
+
+def _macs(call: Call, capture: Capture, key: str) -> int:
+    """Multiply-adds per sample of a model's Dense or convolution layer at full width (0 for anything else)."""
+    layer = call.operation
+    if not isinstance(layer, keras.layers.Dense | keras.layers.Conv1D | keras.layers.Conv2D | keras.layers.Conv3D
+                      | keras.layers.DepthwiseConv1D | keras.layers.DepthwiseConv2D):  # fmt: skip
+        return 0
+    out = capture.seen[key].shape
+    if isinstance(layer, keras.layers.Dense):
+        return math.prod(out[1:]) * int(layer.kernel.shape[0])
+    kernel: tuple[int, ...] = tuple(layer.kernel.shape)
+    # (*window, C_in / groups, C_out), depthwise (*window, C_in, multiplier)
+    return (
+        math.prod(out[1:])
+        * math.prod(kernel[:-2])
+        * (1 if isinstance(layer, keras.layers.DepthwiseConv1D | keras.layers.DepthwiseConv2D) else kernel[-2])
+    )
+
+
+class Emitter:
+    """Builds the Keras model of a core program (``model``), with its multiply-adds (``macs``) and the model's
+    layers that run at full width (``fallbacks``)."""
+
+    def __init__(self, capture: Capture, axis: dict[str, int], program: Program, squeeze: bool, pick: int) -> None:
+        self.capture, self.axis, self.program = capture, axis, program
+        self.m = len(program.members)
+        self.macs = {"dense": 0, "packed": 0, "fallback": 0}
+        self.copies: list[tuple[Any, Any]] = []
+        self.results: dict[int, list[Any]] = {}  # a fallback call with several outputs: run once
+        example = capture.example
+        self.input = keras.Input(shape=example.shape[1:], dtype=str(example.dtype), name="input")
+        self.tensors: dict[str, Any] = {}
+        self.moved: dict[tuple[Any, ...], Any] = {}
+        for step in program.steps:
+            self.tensors[step.name] = self._step(step)
+        output = program.step(program.output)
+        self.output = self._output(output, squeeze, pick)
+        for original, copy in self.copies:
+            copy.set_weights(original.get_weights())
+        self.fallbacks = tuple(
+            dict.fromkeys(capture.ops[name].call.describe() for name in program.fallbacks if name in capture.ops)
+        )
+
+    # ---- moves
+
+    def _edge(self, step: Step, position: int) -> Any:
+        edge = step.edges[position]
+        source = edge.source
+        produced = self.program.step(source).placement
+        value, key = self.tensors[source], cast(tuple[Any, ...], (source,))
+        shared = produced.shared
+        for move in edge.moves:
+            key = (*key, move.kind, _bytes(move.index), _bytes(move.scale))
+            if key not in self.moved:
+                self.moved[key] = self._move(source, move, shared)(value)
+            value = self.moved[key]
+            if move.kind in ("to_channels", "tile", "to_batch"):
+                shared = False
+            elif move.kind == "select":
+                shared = edge.placement.shared
+        return value
+
+    def _move(self, source: str, move: Move, shared: bool) -> Any:
+        seen = self.capture.seen[source]
+        if move.kind == "select":
+            assert move.index is not None and move.scale is not None
+            scale = None if (move.scale == 1).all() else move.scale.tolist()
+            return ChannelSelect(move.index.tolist(), scale, self.axis[source])
+        if move.kind == "tile":
+            if not seen.batch_axes:
+                return lambda value: value  # the same for every member
+            return MemberFrame("tile", self.m, seen.batch_axis)
+        return MemberFrame(move.kind, self.m, seen.batch_axis, self.axis[source])
+
+    # ---- steps
+
+    def _step(self, step: Step) -> Any:
+        if step.node.kind == "input":
+            return self.input
+        op = self.capture.ops[step.name]
+        edges = [self._edge(step, position) for position in range(len(step.edges))]
+        full = _macs(op.call, self.capture, step.name)
+        self.macs["dense"] += full * self.m
+        if step.placement.dense:
+            frame = 1 if step.placement.shared else self.m
+            self.macs["packed"] += full * frame
+            self.macs["fallback"] += full * frame
+            return self._dense(op, edges)
+        copies = 1 if step.placement.shared else self.m
+        role = op.role
+        if role in ("masks", "identity"):
+            return edges[0]
+        if role == "dense":
+            return self._dense_layer(step, op, edges[0], copies)
+        if role == "conv":
+            return self._conv(step, op, edges[0], copies)
+        if role == "depthwise":
+            return self._depthwise(step, op, edges[0], copies)
+        if role == "batchnorm":
+            return self._batchnorm(step, op, edges[0])
+        if step.node.kind == "flatten":
+            last = self.axis[op.tensors[0]] == self.capture.seen[op.tensors[0]].rank - 1
+            return (MemberFlatten(copies) if last and copies > 1 else keras.layers.Flatten())(edges[0])
+        if step.node.kind == "concat":
+            parts = [edge for edge in edges if edge.shape[op.axis] > 0] or edges[:1]
+            if len(parts) == 1:
+                return parts[0]
+            return (MemberConcat(copies, op.axis) if copies > 1 else keras.layers.Concatenate(op.axis))(parts)
+        if role == "reshape":
+            shape = list(self.capture.seen[step.name].shape)
+            shape[op.axis] = int(edges[0].shape[self.axis[op.tensors[0]]])
+            return keras.layers.Reshape(tuple(shape[1:]))(edges[0])
+        return self._call(op, edges)
+
+    def _call(self, op: _Op, edges: list[Any]) -> Any:
+        """The model's layer (a copy) or raw operation again, on the moved tensors."""
+        call = op.call
+        if id(call) not in self.results:
+            values = dict(zip(op.tensors, edges, strict=True))
+            self.results[id(call)] = call.run(values, self._copy(call.operation))
+        return self.results[id(call)][op.output]
+
+    def _copy(self, operation: Any) -> Any:
+        if isinstance(operation, keras.layers.Layer):
+            copy = _copy(operation)
+            if operation.weights:
+                self.copies.append((operation, copy))
+            return copy
+        try:
+            return type(operation).from_config(operation.get_config())
+        except Exception:  # an operation whose config does not rebuild it: the same (stateless) operation
+            return operation
+
+    def _dense(self, op: _Op, edges: list[Any]) -> Any:
+        """A fallback at full width: the model's layer or operation on the member-stacked batch (or shared); a
+        Masksembles layer with the computed members' masks."""
+        operation = op.call.operation
+        if isinstance(operation, Masksembles):
+            masks = _numpy(operation.masks) != 0
+            rank = self.capture.seen[op.key].rank
+            return MemberMasks(masks[list(self.program.members)].astype(int).tolist(), operation.channel_axis % rank)(
+                edges[0]
+            )
+        return self._call(op, edges)
+
+    def _kernel_blocks(self, step: Step, oriented: np.ndarray) -> np.ndarray:
+        """(L, P_out, P_in, *window): each copy's block of a (C_out, C_in, *window) kernel, zero where padded."""
+        rows = step.placement.layouts
+        cols = step.edges[0].placement.member_layouts(len(rows))
+        r, c, valid = block_indices(rows, cols)
+        keep = valid.reshape(*valid.shape, *([1] * (oriented.ndim - 2)))
+        blocks: np.ndarray = np.where(keep, oriented[r, c], np.zeros((), oriented.dtype))
+        return blocks
+
+    def _count(self, step: Step, op: _Op, per_position: int) -> None:
+        seen = self.capture.seen[op.key]
+        positions = spatial_size(seen.shape, seen.batch_axis, op.axis)
+        self.macs["packed"] += positions * per_position
+
+    def _dense_layer(self, step: Step, op: _Op, x: Any, copies: int) -> Any:
+        layer = op.call.operation
+        blocks = self._kernel_blocks(step, _numpy(layer.kernel).T)  # (L, P_out, P_in)
+        units = blocks.shape[1]
+        bias = _laid_out(_numpy(layer.bias), step.placement.layouts) if layer.use_bias else None
+        self._count(step, op, blocks.size)
+        dtype = layer.dtype_policy
+        if copies > 1 and not step.edges[0].placement.shared:
+            packed = MemberDense(copies, units, layer.activation, layer.use_bias, dtype=dtype)
+            result = packed(x)
+            packed.kernel.assign(blocks.transpose(0, 2, 1))
+        else:
+            packed = keras.layers.Dense(copies * units, activation=layer.activation, use_bias=layer.use_bias,
+                                        dtype=dtype, kernel_initializer="zeros")  # fmt: skip
+            result = packed(x)
+            packed.kernel.assign(np.concatenate(list(blocks), axis=0).T)
+        if bias is not None:
+            cast(Any, packed.bias).assign(bias)
+        return result
+
+    def _conv(self, step: Step, op: _Op, x: Any, copies: int) -> Any:
+        layer = op.call.operation
+        kernel = _numpy(layer.kernel)  # (*window, C_in / groups, C_out)
+        oriented = np.moveaxis(kernel, (-1, -2), (0, 1))  # (C_out, C_in / groups, *window)
+        if step.node.kind == "grouped":
+            blocks = [_laid_out_rows(oriented, layout) for layout in step.placement.layouts]
+            stacked = np.concatenate(blocks)
+            groups = copies * step.groups
+        else:
+            stacked = np.concatenate(list(self._kernel_blocks(step, oriented)))
+            groups = 1 if step.edges[0].placement.shared else copies
+        self._count(step, op, stacked.size)
+        config = {**layer.get_config(), "filters": stacked.shape[0], "groups": groups, **ZEROS}
+        del config["name"]
+        packed = type(layer).from_config(config)
+        result = packed(x)
+        packed.kernel.assign(np.moveaxis(stacked, (0, 1), (-1, -2)))
+        if layer.use_bias:
+            packed.bias.assign(_laid_out(_numpy(layer.bias), step.placement.layouts))
+        return result
+
+    def _depthwise(self, step: Step, op: _Op, x: Any, copies: int) -> Any:
+        layer = op.call.operation
+        kernel = _numpy(layer.kernel)  # (*window, C_in, multiplier)
+        multiplier = kernel.shape[-1]
+        oriented = np.moveaxis(kernel, -2, 0)  # (C_in, *window, multiplier)
+        groups = []
+        for layout in step.placement.layouts:
+            first = layout.reshape(-1, multiplier)[:, 0]
+            valid = (first >= 0).reshape(-1, *([1] * (oriented.ndim - 1)))
+            groups.append(np.where(valid, oriented[np.maximum(first, 0) // multiplier], np.zeros((), kernel.dtype)))
+        stacked = np.concatenate(groups)
+        self._count(step, op, stacked.size)
+        config = {**layer.get_config(), "depthwise_initializer": "zeros", "bias_initializer": "zeros"}
+        del config["name"]
+        packed = type(layer).from_config(config)
+        result = packed(x)
+        packed.kernel.assign(np.moveaxis(stacked, 0, -2))
+        if layer.use_bias:
+            packed.bias.assign(_laid_out(_numpy(layer.bias), step.placement.layouts))
+        return result
+
+    def _batchnorm(self, step: Step, op: _Op, x: Any) -> Any:
+        layer = op.call.operation
+        config = layer.get_config()
+        del config["name"]
+        packed = type(layer).from_config(config)
+        result = packed(x)
+        layouts = step.placement.layouts
+        for name in ("gamma", "beta", "moving_mean", "moving_variance"):
+            variable = getattr(layer, name, None)
+            if variable is not None:
+                index, _ = channel_indices(layouts)  # padding reads channel 0: finite, and never read back
+                getattr(packed, name).assign(_numpy(variable)[index])
+        return result
+
+    def _output(self, step: Step, squeeze: bool, pick: int) -> Any:
+        value = self.tensors[step.name]
+        if step.placement.shared:
+            placement, axis = "shared", -1
+        elif step.placement.dense:
+            placement, axis = "batch", -1
+        else:
+            placement, axis = "channels", self.axis[step.name]
+        if squeeze and pick < 0:
+            pick = 0
+        return MemberOutput(placement, self.m, axis, pick)(value)
+
+
+def _laid_out_rows(oriented: np.ndarray, layout: np.ndarray) -> np.ndarray:
+    """The rows of a (C_out, ...) kernel in ``layout`` (zero where padded)."""
+    index, valid = channel_indices([layout])
+    keep = valid.reshape(-1, *([1] * (oriented.ndim - 1)))
+    rows: np.ndarray = np.where(keep, oriented[index], np.zeros((), oriented.dtype))
+    return rows
+
+
+def _bytes(array: np.ndarray | None) -> bytes | None:
+    return None if array is None else array.tobytes()
+
+
+__all__ = ["INPUT", "Emitter"]

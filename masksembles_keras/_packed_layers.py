@@ -1,0 +1,286 @@
+"""The layers a packed Keras model is built from, besides copies of the model's own: channel moves between the core's
+placements, the members' Linear layers, and the output in Keras' batch-first layout.
+
+A packed model holds every tensor in one of three ways (``masksembles_core.packing.Placement``): *shared* (B, ...),
+computed once; *per member*, the members' compacted channels side by side on the channel axis, (B, ..., m*P, ...);
+*on the member-stacked batch* (m*B, ...), member ``k``'s copy of the batch in block ``k``, as the tiled dense model
+holds it. The layers here move tensors between these; all are written in ``keras.ops`` and registered for
+serialization, so a packed model saves to ``.keras`` and loads once ``masksembles_keras`` is imported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import keras
+import numpy as np
+from keras import ops
+
+from ._layers import SERIALIZATION_PACKAGE, _apply_masks, _constant_initializer
+
+
+def _split_axis(x: Any, axis: int, members: int) -> Any:
+    """(..., m*P on ``axis``, ...) -> (..., m, P, ...): the members' blocks on their own axis (``axis``)."""
+    shape = list(x.shape)
+    shape[0] = -1  # the batch, known or not
+    shape[axis : axis + 1] = [members, int(x.shape[axis]) // members]
+    return ops.reshape(x, shape)
+
+
+def _merge_axes(x: Any, axis: int) -> Any:
+    """(..., a, b on ``axis``, ``axis + 1``, ...) -> (..., a*b, ...)."""
+    shape = list(x.shape)
+    shape[0] = -1
+    shape[axis : axis + 2] = [int(x.shape[axis]) * int(x.shape[axis + 1])]
+    return ops.reshape(x, shape)
+
+
+def _batch_to_front(x: Any, batch_axis: int) -> Any:
+    """Move the batch axis to 0 (a no-op when it is there)."""
+    return x if batch_axis == 0 else ops.moveaxis(x, batch_axis, 0)
+
+
+@keras.saving.register_keras_serializable(package=SERIALIZATION_PACKAGE)
+class ChannelSelect(keras.layers.Layer):  # type: ignore[misc]  # keras is untyped: Layer is Any to mypy
+    """A core ``select`` move: gather ``index`` on ``axis`` (the source's copies side by side), then multiply by
+    ``scale`` (the masks, 0 for a known zero written, 1 elsewhere; None: all ones)."""
+
+    def __init__(self, index: Sequence[int], scale: Sequence[float] | None, axis: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.index, self.scale, self.axis = [int(i) for i in index], None if scale is None else list(scale), axis
+
+    def call(self, x: Any) -> Any:
+        y = ops.take(x, ops.convert_to_tensor(np.asarray(self.index, dtype="int32")), axis=self.axis)
+        if self.scale is None:
+            return y
+        shape = [1] * len(x.shape)
+        shape[self.axis] = len(self.scale)
+        return y * ops.cast(ops.convert_to_tensor(np.asarray(self.scale).reshape(shape)), y.dtype)
+
+    def compute_output_shape(self, input_shape: Sequence[int | None]) -> tuple[int | None, ...]:
+        shape = list(input_shape)
+        shape[self.axis] = len(self.index)
+        return tuple(shape)
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), "index": self.index, "scale": self.scale, "axis": self.axis}
+
+
+@keras.saving.register_keras_serializable(package=SERIALIZATION_PACKAGE)
+class MemberFrame(keras.layers.Layer):  # type: ignore[misc]
+    """A core frame move for ``members`` members: ``"to_batch"`` ((B, ..., m*C on ``channel_axis``) -> (m*B, ...)),
+    ``"to_channels"`` (the reverse) or ``"tile"`` ((B, ...) -> (m*B, ...)); the batch on ``batch_axis``."""
+
+    def __init__(self, kind: str, members: int, batch_axis: int, channel_axis: int = -1, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.kind, self.members, self.batch_axis, self.channel_axis = kind, members, batch_axis, channel_axis
+
+    def call(self, x: Any) -> Any:
+        m, batch, channel = self.members, self.batch_axis, self.channel_axis
+        if self.kind == "tile":
+            return ops.concatenate([x] * m, axis=batch)
+        if self.kind == "to_batch":  # (.., B, .., m*C, ..) -> (m, .., B, .., C, ..) -> (.., m*B, .., C, ..)
+            split = ops.moveaxis(
+                _split_axis(_batch_to_front(x, batch), self._front(channel), m), self._front(channel), 0
+            )
+            merged = ops.reshape(split, (-1, *split.shape[2:]))
+            return merged if batch == 0 else ops.moveaxis(merged, 0, batch)
+        front = _batch_to_front(x, batch)  # to_channels: (m*B, .., C, ..) -> (B, .., m*C, ..)
+        split = ops.reshape(front, (m, -1, *front.shape[1:]))
+        moved = ops.moveaxis(split, 0, self._front(channel))
+        merged = _merge_axes(moved, self._front(channel))
+        return merged if batch == 0 else ops.moveaxis(merged, 0, batch)
+
+    def _front(self, axis: int) -> int:
+        """Where ``axis`` is once the batch is on axis 0."""
+        return axis + 1 if axis < self.batch_axis else axis
+
+    def compute_output_shape(self, input_shape: Sequence[int | None]) -> tuple[int | None, ...]:
+        shape = list(input_shape)
+        batch = shape[self.batch_axis]
+        if self.kind == "to_channels":
+            shape[self.batch_axis] = None if batch is None else batch // self.members
+            shape[self.channel_axis] = int(shape[self.channel_axis]) * self.members  # type: ignore[arg-type]
+        else:
+            shape[self.batch_axis] = None if batch is None else batch * self.members
+            if self.kind == "to_batch":
+                shape[self.channel_axis] = int(shape[self.channel_axis]) // self.members  # type: ignore[arg-type]
+        return tuple(shape)
+
+    def get_config(self) -> dict[str, Any]:
+        config = {"kind": self.kind, "members": self.members, "batch_axis": self.batch_axis}
+        return {**super().get_config(), **config, "channel_axis": self.channel_axis}
+
+
+@keras.saving.register_keras_serializable(package=SERIALIZATION_PACKAGE)
+class MemberDense(keras.layers.Layer):  # type: ignore[misc]
+    """The members' Dense layers as one batched matmul: (..., m*P_in) -> (..., m*P_out), member ``k``'s block of the
+    input through its own (P_in, P_out) kernel; then the bias and the Dense layer's activation."""
+
+    def __init__(self, members: int, units: int, activation: Any = None, use_bias: bool = True, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.members, self.units, self.use_bias = members, units, use_bias
+        self.activation = keras.activations.get(activation)
+
+    def build(self, input_shape: Sequence[int | None]) -> None:
+        width = int(input_shape[-1]) // self.members  # type: ignore[arg-type]
+        self.kernel = self.add_weight(name="kernel", shape=(self.members, width, self.units), initializer="zeros")
+        self.bias = (
+            self.add_weight(name="bias", shape=(self.members * self.units,), initializer="zeros")
+            if self.use_bias
+            else None
+        )
+
+    def call(self, x: Any) -> Any:
+        y = ops.einsum("...mi,mio->...mo", _split_axis(x, len(x.shape) - 1, self.members), self.kernel)
+        y = ops.reshape(y, (-1, *x.shape[1:-1], self.members * self.units))
+        if self.bias is not None:
+            y = y + self.bias
+        return self.activation(y)
+
+    def compute_output_shape(self, input_shape: Sequence[int | None]) -> tuple[int | None, ...]:
+        return (*input_shape[:-1], self.members * self.units)
+
+    def get_config(self) -> dict[str, Any]:
+        config = {"members": self.members, "units": self.units, "use_bias": self.use_bias}
+        return {**super().get_config(), **config, "activation": keras.activations.serialize(self.activation)}
+
+
+@keras.saving.register_keras_serializable(package=SERIALIZATION_PACKAGE)
+class MemberMasks(keras.layers.Layer):  # type: ignore[misc]
+    """A Masksembles layer run at full width on the member-stacked batch: block ``k`` of the batch times the ``k``-th
+    of the computed members' masks (``masks``: (m, C), in the members' order)."""
+
+    def __init__(self, masks: Sequence[Sequence[int]], channel_axis: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.given = np.asarray(masks, dtype=bool)
+        self.channel_axis = channel_axis
+
+    def build(self, input_shape: Sequence[int | None]) -> None:
+        self.masks = self.add_weight(
+            name="masks", shape=self.given.shape, initializer=_constant_initializer(self.given), trainable=False,
+            autocast=False,
+        )  # fmt: skip
+
+    def call(self, x: Any) -> Any:
+        return _apply_masks(x, self.masks, channel_axis=self.channel_axis % len(x.shape))
+
+    def get_config(self) -> dict[str, Any]:
+        masks = self.given.astype(np.int8).tolist()
+        return {**super().get_config(), "masks": masks, "channel_axis": self.channel_axis}
+
+
+@keras.saving.register_keras_serializable(package=SERIALIZATION_PACKAGE)
+class MemberFlatten(keras.layers.Layer):  # type: ignore[misc]
+    """Flatten a channels-last (B, *spatial, m*P) tensor member by member: (B, m*spatial*P), each member's features
+    (``s*P + j``) one block after the other (a plain flatten would interleave the members)."""
+
+    def __init__(self, members: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.members = members
+
+    def call(self, x: Any) -> Any:
+        split = _split_axis(x, len(x.shape) - 1, self.members)  # (B, *spatial, m, P)
+        return ops.reshape(ops.moveaxis(split, -2, 1), (-1, int(np.prod(x.shape[1:]))))
+
+    def compute_output_shape(self, input_shape: Sequence[int | None]) -> tuple[int | None, ...]:
+        return (input_shape[0], int(np.prod(input_shape[1:])))  # type: ignore[arg-type]
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), "members": self.members}
+
+
+@keras.saving.register_keras_serializable(package=SERIALIZATION_PACKAGE)
+class MemberConcat(keras.layers.Layer):  # type: ignore[misc]
+    """Concatenate per-member tensors on their channel ``axis``, member by member: part ``i`` of member ``k`` after
+    part ``i - 1`` of member ``k`` (a plain concatenation would put every member of a part together)."""
+
+    def __init__(self, members: int, axis: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.members, self.axis = members, axis
+
+    def call(self, parts: Sequence[Any]) -> Any:
+        split = [_split_axis(part, self.axis, self.members) for part in parts]
+        return _merge_axes(ops.concatenate(split, axis=self.axis + 1), self.axis)
+
+    def compute_output_shape(self, input_shape: Sequence[Sequence[int | None]]) -> tuple[int | None, ...]:
+        shape = list(input_shape[0])
+        shape[self.axis] = sum(int(part[self.axis] or 0) for part in input_shape)
+        return tuple(shape)
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), "members": self.members, "axis": self.axis}
+
+
+@keras.saving.register_keras_serializable(package=SERIALIZATION_PACKAGE)
+class MemberOutput(keras.layers.Layer):  # type: ignore[misc]
+    """The program's output in Keras' batch-first layout: (B, m, ...) from a tensor held ``placement`` ``"batch"``
+    ((m*B, ...), the batch on axis 0), ``"channels"`` ((B, ..., m*C on ``axis``, ...)) or ``"shared"`` ((B, ...), the
+    same for every member); with ``pick`` >= 0 only that position's member, (B, ...)."""
+
+    def __init__(self, placement: str, members: int, axis: int = -1, pick: int = -1, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.placement, self.members, self.axis, self.pick = placement, members, axis, pick
+
+    def call(self, x: Any) -> Any:
+        m = self.members
+        if self.placement == "batch":
+            y = ops.moveaxis(ops.reshape(x, (m, -1, *x.shape[1:])), 0, 1)
+        elif self.placement == "channels":
+            y = ops.moveaxis(_split_axis(x, self.axis, m), self.axis, 1)
+        else:
+            y = ops.stack([x] * m, axis=1)
+        return y if self.pick < 0 else y[:, self.pick]
+
+    def compute_output_shape(self, input_shape: Sequence[int | None]) -> tuple[int | None, ...]:
+        shape = list(input_shape)
+        if self.placement == "batch":
+            shape[0] = None if shape[0] is None else shape[0] // self.members
+        elif self.placement == "channels":
+            shape[self.axis] = int(shape[self.axis]) // self.members  # type: ignore[arg-type]
+        return tuple(shape) if self.pick >= 0 else (shape[0], self.members, *shape[1:])
+
+    def get_config(self) -> dict[str, Any]:
+        config = {"placement": self.placement, "members": self.members, "axis": self.axis, "pick": self.pick}
+        return {**super().get_config(), **config}
+
+
+@keras.saving.register_keras_serializable(package=SERIALIZATION_PACKAGE)
+class TileBatch(keras.layers.Layer):  # type: ignore[misc]
+    """``masksembles_keras.tile`` as a layer: (B, ...) -> (n*B, ...), copy ``k`` in block ``k`` (the whole model run
+    tiled, where verification replaced every packed program)."""
+
+    def __init__(self, n: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.n = n
+
+    def call(self, x: Any) -> Any:
+        return ops.concatenate([x] * self.n, axis=0)
+
+    def compute_output_shape(self, input_shape: Sequence[int | None]) -> tuple[int | None, ...]:
+        return (None if input_shape[0] is None else input_shape[0] * self.n, *input_shape[1:])
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), "n": self.n}
+
+
+@keras.saving.register_keras_serializable(package=SERIALIZATION_PACKAGE)
+class SelectMembers(keras.layers.Layer):  # type: ignore[misc]
+    """(n*B, ...) from a tiled model -> (B, m, ...) for the ``members`` asked for ((B, ...) when ``squeeze``)."""
+
+    def __init__(self, n: int, members: Sequence[int], squeeze: bool, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.n, self.members, self.squeeze = n, [int(k) for k in members], squeeze
+
+    def call(self, x: Any) -> Any:
+        y = ops.take(ops.reshape(x, (self.n, -1, *x.shape[1:])), np.asarray(self.members, dtype="int32"), axis=0)
+        return y[0] if self.squeeze else ops.moveaxis(y, 0, 1)
+
+    def compute_output_shape(self, input_shape: Sequence[int | None]) -> tuple[int | None, ...]:
+        batch = None if input_shape[0] is None else input_shape[0] // self.n
+        rest = tuple(input_shape[1:])
+        return (batch, *rest) if self.squeeze else (batch, len(self.members), *rest)
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), "n": self.n, "members": self.members, "squeeze": self.squeeze}

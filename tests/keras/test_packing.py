@@ -1,0 +1,319 @@
+"""Keras ``pack``/``extract_member`` on this backend: every program and every member equal ``predict``, at batch sizes
+that do and do not divide n; the result jit-compiles, saves and loads; fallbacks are reported; verification replaces
+a program that differs (with a wrong zero proof forced on purpose)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import keras
+import numpy as np
+import pytest
+from keras import layers, ops
+
+import masksembles_keras as mk
+from masksembles_keras import _pack_capture, _packing
+from tests.keras import architectures
+from tests.keras.common import JIT_COMPILE
+
+N = 4
+BATCHES = (5, 8)
+
+
+def masks(name: str, seed: int, scale: float = 2.0, **options: Any) -> mk.Masksembles:
+    return mk.Masksembles(N, scale, seed=seed, name=name, **options)
+
+
+def mlp() -> keras.Model:
+    """A Sequential MLP: Dense, activations, Masksembles."""
+    return keras.Sequential(
+        [
+            keras.Input((6,)),
+            layers.Dense(16, activation="relu"),
+            masks("m1", 0),
+            layers.Dense(16),
+            layers.Activation("tanh"),
+            masks("m2", 1),
+            layers.Dense(3),
+        ],
+        name="mlp",
+    )
+
+
+def cnn() -> keras.Model:
+    """Convolutions with BatchNorm, a residual Add, pooling, a Dense head."""
+    inputs = keras.Input((8, 8, 3))
+    x = layers.Conv2D(8, 3, padding="same")(inputs)
+    x = layers.ReLU()(layers.BatchNormalization()(x))
+    x = masks("m1", 0)(x)
+    y = layers.Conv2D(8, 3, padding="same")(x)
+    y = layers.BatchNormalization()(y)
+    x = layers.Activation("relu")(layers.Add()([x, y]))
+    x = layers.MaxPooling2D()(x)
+    x = masks("m2", 1)(x)
+    x = layers.GlobalAveragePooling2D()(x)
+    return keras.Model(inputs, layers.Dense(3)(x), name="cnn")
+
+
+def mobilenet() -> keras.Model:
+    """An inverted residual: expand, depthwise, grouped projection, residual."""
+    inputs = keras.Input((8, 8, 4))
+    x = layers.Conv2D(8, 1)(inputs)
+    x = masks("m1", 0)(x)
+    shortcut = x
+    x = layers.Conv2D(16, 1, use_bias=False)(x)
+    x = layers.ReLU(6.0)(layers.BatchNormalization()(x))
+    x = masks("m2", 1)(x)
+    x = layers.DepthwiseConv2D(3, padding="same", depth_multiplier=1)(x)
+    x = layers.ReLU(6.0)(layers.BatchNormalization()(x))
+    x = layers.Conv2D(8, 1, groups=2)(x)
+    x = layers.Add()([shortcut, layers.BatchNormalization()(x)])
+    x = layers.GlobalAveragePooling2D()(x)
+    return keras.Model(inputs, layers.Dense(3)(x), name="mobilenet")
+
+
+def concat() -> keras.Model:
+    inputs = keras.Input((10,))
+    x = masks("m1", 0)(layers.Dense(12, activation="relu")(inputs))
+    a = layers.Dense(8, activation="relu")(x)
+    b = layers.Dense(6, activation="gelu")(x)
+    x = masks("m2", 1)(layers.Concatenate()([a, b]))
+    return keras.Model(inputs, layers.Dense(3)(x), name="concat")
+
+
+def flatten_head() -> keras.Model:
+    inputs = keras.Input((6, 6, 2))
+    x = layers.Conv2D(6, 3, activation="relu")(inputs)
+    x = masks("m1", 0)(x)
+    x = layers.Conv2D(8, 3)(x)
+    x = masks("m2", 1)(x)
+    x = layers.Flatten()(x)
+    return keras.Model(inputs, layers.Dense(3)(x), name="flatten_head")
+
+
+def raw_ops() -> keras.Model:
+    """Raw operations between layers: ``x * 2.0 + 1.0`` and a sigmoid, neither of which keeps zeros."""
+    inputs = keras.Input((6,))
+    x = masks("m1", 0)(layers.Dense(12)(inputs))
+    x = ops.sigmoid(x * 2.0 + 1.0)
+    x = masks("m2", 1)(layers.Dense(12)(x))
+    x = ops.relu(x) - 0.5
+    return keras.Model(inputs, layers.Dense(3)(x), name="raw_ops")
+
+
+@keras.saving.register_keras_serializable(package="masksembles_tests")
+class Scaled(layers.Layer):  # type: ignore[misc]
+    """A custom layer: nothing in pack knows it."""
+
+    def build(self, input_shape: tuple[int | None, ...]) -> None:
+        self.gain = self.add_weight(shape=(int(input_shape[-1]),), initializer="random_normal", name="gain")
+
+    def call(self, x: Any) -> Any:
+        return x * self.gain + 0.1
+
+
+def custom_layer() -> keras.Model:
+    inputs = keras.Input((6,))
+    x = masks("m1", 0)(layers.Dense(12)(inputs))
+    x = Scaled(name="scaled")(x)
+    x = masks("m2", 1)(layers.Dense(12, activation="relu")(x))
+    return keras.Model(inputs, layers.Dense(3)(x), name="custom_layer")
+
+
+def batch_reader() -> keras.Model:
+    """A Lambda that subtracts the mean over the batch: it reads other samples."""
+    inputs = keras.Input((6,))
+    x = masks("m1", 0)(layers.Dense(12)(inputs))
+    x = layers.Lambda(lambda v: v - ops.mean(v, axis=0, keepdims=True), name="center")(x)
+    return keras.Model(inputs, layers.Dense(3)(x), name="batch_reader")
+
+
+def inserted() -> keras.Model:
+    """``insert`` with its defaults on a model not written for these tests (keras.applications' MobileNetV3 style)."""
+    model = architectures.mobilenet_v3_like()
+    randomize_batchnorm(model)
+    return mk.insert(model, N, 2.0, seed=0)
+
+
+def randomize_batchnorm(model: keras.Model) -> None:
+    rng = np.random.default_rng(0)
+    for layer in model.layers:
+        if isinstance(layer, layers.BatchNormalization):
+            layer.moving_mean.assign(rng.normal(size=layer.moving_mean.shape))
+            layer.moving_variance.assign(rng.uniform(0.5, 2.0, size=layer.moving_variance.shape))
+
+
+MODELS: dict[str, Callable[[], keras.Model]] = {
+    "mlp": mlp,
+    "cnn": cnn,
+    "mobilenet": mobilenet,
+    "concat": concat,
+    "flatten_head": flatten_head,
+    "raw_ops": raw_ops,
+    "custom_layer": custom_layer,
+    "batch_reader": batch_reader,
+    "inserted": inserted,
+}
+
+
+def build(name: str) -> keras.Model:
+    keras.utils.set_random_seed(0)
+    model = MODELS[name]()
+    randomize_batchnorm(model)
+    return model
+
+
+def example(model: keras.Model, batch: int, seed: int = 0) -> np.ndarray:
+    shape = (batch, *model.inputs[0].shape[1:])
+    return np.random.default_rng(seed).standard_normal(shape).astype("float32")
+
+
+def call(model: keras.Model, x: np.ndarray) -> np.ndarray:
+    """One inference call (compiled on JAX, eager elsewhere: the fastest way to check many small models)."""
+    return np.asarray(ops.convert_to_numpy(_packing._run(model, x)))
+
+
+def members_first(packed: keras.Model, x: np.ndarray) -> np.ndarray:
+    """The packed model's (B, m, ...) output as predict's (m, B, ...)."""
+    return np.moveaxis(call(packed, x), 1, 0)
+
+
+def assert_close(actual: np.ndarray, expected: np.ndarray) -> None:
+    scale = float(np.max(np.abs(expected)))
+    assert actual.shape == expected.shape
+    assert float(np.max(np.abs(actual - expected))) <= 1e-5 * scale
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_every_program_and_member_equal_predict(name: str) -> None:
+    model = build(name)
+    x = example(model, BATCHES[0])
+    programs = {program: mk.pack(model, x, program=program) for program in ("packed", "dense")}
+    assert programs["packed"].program == "packed" and programs["dense"].program == "dense"
+    extracted = [mk.extract_member(model, k, x) for k in range(N)]
+    for batch in (*BATCHES, 1):
+        inputs = example(model, batch, seed=batch)
+        expected = mk.predict(model, inputs, N)
+        for packed in programs.values():
+            assert packed.members == tuple(range(N))
+            assert_close(members_first(packed, inputs), expected)
+        for k, member in enumerate(extracted if batch in BATCHES else ()):
+            assert member.members == (k,)
+            assert_close(call(member, inputs), expected[k])
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn"])
+def test_auto_times_both_programs_and_says_why(name: str) -> None:
+    model = build(name)
+    x = example(model, 8)
+    chosen = mk.pack(model, x)  # program="auto"
+    assert chosen.program in ("packed", "dense") and set(chosen.seconds) == {"packed", "dense"}
+    assert chosen.choice.startswith(chosen.program)
+    assert_close(members_first(chosen, x), mk.predict(model, x, N))
+
+
+def test_fallbacks_name_what_runs_at_full_width() -> None:
+    assert mk.pack(build("mlp"), example(build("mlp"), 5), program="packed").fallbacks == ()
+    custom = mk.pack(build("custom_layer"), example(build("custom_layer"), 5), program="packed")
+    assert custom.fallbacks == ("scaled (Scaled)",)
+    assert "scaled (Scaled)" in repr(custom)
+    reader = build("batch_reader")
+    assert mk.pack(reader, example(reader, 5), program="packed").fallbacks == ("center (Lambda)",)
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "mobilenet", "raw_ops", "flatten_head"])
+def test_packed_model_is_smaller_where_nothing_falls_back(name: str) -> None:
+    model = build(name)
+    packed = mk.pack(model, example(model, 5), program="packed")
+    assert packed.fallbacks == ()
+    assert 0 < packed.macs["packed"] < packed.macs["dense"] and packed.macs["fallback"] == 0
+    member = mk.extract_member(model, 0, example(model, 5))
+    assert member.count_params() < model.count_params()
+
+
+@pytest.mark.parametrize("jit_compile", JIT_COMPILE)
+@pytest.mark.parametrize("name", ["cnn", "mobilenet", "raw_ops"])
+def test_compiled_predict_and_evaluate(name: str, jit_compile: bool) -> None:
+    model = build(name)
+    x = example(model, 8)
+    packed = mk.pack(model, x, program="packed")
+    packed.compile(loss="mse", jit_compile=jit_compile)
+    expected = mk.predict(model, x, N)
+    assert_close(np.moveaxis(packed.predict(x, batch_size=3, verbose=0), 1, 0), expected)
+    loss = packed.evaluate(x, np.moveaxis(expected, 0, 1), batch_size=3, verbose=0)
+    assert loss < 1e-8
+
+
+@pytest.mark.parametrize("name", ["cnn", "mobilenet", "concat", "flatten_head", "raw_ops", "custom_layer"])
+def test_keras_file_round_trip(name: str, tmp_path: Path) -> None:
+    model = build(name)
+    x = example(model, 5)
+    packed = mk.pack(model, x, program="packed")
+    path = tmp_path / "packed.keras"
+    packed.save(path)
+    loaded = keras.models.load_model(path)
+    assert isinstance(loaded, mk.PackedMasksembles)
+    assert (loaded.members, loaded.program, loaded.fallbacks, loaded.macs) == (
+        packed.members, packed.program, packed.fallbacks, packed.macs,
+    )  # fmt: skip
+    assert_close(np.moveaxis(loaded.predict(x, verbose=0), 1, 0), mk.predict(model, x, N))
+    member = mk.extract_member(model, 2, x)
+    member.save(path)
+    assert_close(np.asarray(keras.models.load_model(path).predict(x, verbose=0)), mk.predict(model, x, N)[2])
+
+
+@pytest.mark.verification_fallback
+def test_verification_replaces_a_program_built_on_a_wrong_zero_proof(monkeypatch: pytest.MonkeyPatch) -> None:
+    """If every channel were proven to stay zero, sigmoid(x * 2 + 1) would drop channels it makes live: the packed
+    program differs from predict, and verification returns the dense one instead, saying why."""
+    model = build("raw_ops")
+    x = example(model, 5)
+    monkeypatch.setattr(
+        _pack_capture.Capture, "zero_map", lambda self, op: np.ones(self.seen[op.key].shape[op.axis], dtype=bool)
+    )
+    packed = mk.pack(model, x, program="packed")
+    assert packed.program == "dense"
+    assert packed.fallbacks[0].startswith("verification: the packed program differed from predict")
+    assert "program=dense (verification:" in repr(packed)
+    assert_close(members_first(packed, x), mk.predict(model, x, N))
+    member = mk.extract_member(model, 1, x)
+    assert member.fallbacks[0].startswith("verification:")
+    assert_close(np.asarray(member.predict(x, verbose=0)), mk.predict(model, x, N)[1])
+    unchecked = mk.pack(model, x, program="packed", verify=False)
+    assert unchecked.program == "packed"
+    assert not np.allclose(members_first(unchecked, x), mk.predict(model, x, N), atol=1e-3)
+
+
+def test_pack_leaves_the_model_untouched() -> None:
+    model = build("cnn")
+    before = [np.copy(w) for w in model.get_weights()]
+    mk.pack(model, example(model, 5), program="packed")
+    assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights(), strict=True))
+
+
+class Subclassed(keras.Model):  # type: ignore[misc]
+    def __init__(self) -> None:
+        super().__init__()
+        self.dense = layers.Dense(8)
+        self.masks = mk.Masksembles(N, 2.0, seed=0)
+
+    def call(self, x: Any) -> Any:
+        return self.masks(self.dense(x))
+
+
+def test_a_subclassed_model_is_refused_with_what_to_do() -> None:
+    model = Subclassed()
+    x = example(build("mlp"), 4)
+    model(x)
+    with pytest.raises(TypeError, match=r"Subclassed is a subclassed keras\.Model.*build it as a functional model"):
+        mk.pack(model, x)
+    with pytest.raises(TypeError, match="subclassed"):
+        mk.extract_member(model, 0, x)
+
+
+def test_n_must_match_the_masks() -> None:
+    model = build("mlp")
+    with pytest.raises(ValueError, match="n=3 does not match"):
+        mk.pack(model, example(model, 4), 3)
