@@ -5,6 +5,7 @@ fresh buffers page-fault on every call): the proof over the traced graph and the
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -155,3 +156,20 @@ def _in_chunks(packed: fx.GraphModule, example: Tensor, samples: int) -> tuple[n
     result = graph.call_function(ops.in_chunks, (graph.get_attr("per_chunk"), graph.placeholder("x"), samples, axes))
     graph.output(result)
     return root, graph
+
+
+def _planned(capture: _Capture, chosen: Sequence[int]) -> list[int]:
+    """The members to compute for ``chosen``: every member where a node runs per member on the member-stacked batch
+    because it reads the batch (its size, as ``x.shape[0]`` or ``arange(B)``, or other samples, as a mean over the
+    batch): in the dense model that batch holds every member's copy. Not for a node proven to compute each sample
+    from that sample alone (``_keeps_samples``: a class token expanded to the batch size, a reshape with the batch
+    first), whose rows do not depend on how many members the batch holds, nor for a Masksembles layer that falls back
+    (the program's copy of it holds the computed members' masks, ``_Emitter._module``)."""
+    per_member = any(
+        op.kind == "fallback"
+        and op.batch_dependent
+        and not capture.is_masksembles(op.node)
+        and not _keeps_samples(capture, op.node)
+        for op in capture.ops.values()
+    )
+    return list(range(capture.n)) if per_member else list(chosen)

@@ -134,15 +134,3 @@ def _repeatable(seen: _Seen) -> bool:
     if not seen.tensor:
         return not seen.batch_dependent
     return not seen.batch_axes or seen.batch_axis >= 0
-
-
-def _planned(capture: _Capture, chosen: Sequence[int]) -> list[int]:
-    """The members to compute for ``chosen``: every member where a node runs per member on the member-stacked batch
-    because it reads the batch (its size, as ``x.shape[0]`` or ``arange(B)``, or other samples, as a mean over the
-    batch): in the dense model that batch holds every member's copy. A Masksembles layer that falls back needs no
-    other member (the program's copy of it holds the computed members' masks, ``_Emitter._module``)."""
-    per_member = any(
-        op.kind == "fallback" and op.batch_dependent and not capture.is_masksembles(op.node)
-        for op in capture.ops.values()
-    )
-    return list(range(capture.n)) if per_member else list(chosen)

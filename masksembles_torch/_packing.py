@@ -59,9 +59,9 @@ from . import _packed_ops as ops
 from ._layers import Masksembles
 from ._pack_attention import Region, fold_regions, unfold
 from ._pack_capture import _Capture, _describe, _members_of, _SharedInPlace
-from ._pack_chunks import _in_chunks, _samples_per_chunk
+from ._pack_chunks import _in_chunks, _planned, _samples_per_chunk
 from ._pack_emit import _Emitter
-from ._pack_graph import _Graph, _planned, _solve_axes
+from ._pack_graph import _Graph, _solve_axes
 from ._structures import Inputs, batch_size, batched_tensors, call, call_arguments, map_batched
 
 
