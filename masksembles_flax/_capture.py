@@ -681,12 +681,18 @@ class Answers:
 
 
 def _full(value: Value, fill: float | bool) -> Callable[[], jax.Array]:
-    return lambda: jnp.full(value.shape, fill, value.dtype)
+    return lambda: _opaque(jnp.full(value.shape, fill, value.dtype))
 
 
 def _ids(shape: tuple[int, ...], axis: int) -> Callable[[], jax.Array]:
     """Each position's index along ``axis``, as float32 (exact for any realistic size)."""
-    return lambda: jax.lax.broadcasted_iota(jnp.float32, shape, axis)
+    return lambda: _opaque(jax.lax.broadcasted_iota(jnp.float32, shape, axis))
+
+
+def _opaque(value: jax.Array) -> jax.Array:
+    """``value`` behind an optimization barrier: XLA would otherwise fold the question's equation on it at compile
+    time (a pool over a constant feature map took seconds and printed "Constant folding ... taking > 1s")."""
+    return cast(jax.Array, jax.lax.optimization_barrier(value))  # type: ignore[no-untyped-call]
 
 
 def _whole_axis(out: np.ndarray, source: Value, axis: int) -> int | None:

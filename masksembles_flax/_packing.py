@@ -16,11 +16,12 @@ the member-stacked batch (``PackedMasksembles.fallbacks`` names those operations
 Kernels: tensors a member computes are held one array per member, a shared one (before the first Masksembles layer)
 once. The members' Linear layers (``dot_general`` with a weight) run as one batched matmul over their stacked
 compacted weights; their convolutions one per member (XLA:CPU runs the grouped convolution that batching them makes
-several times slower than the separate ones); elementwise operations, moves and reductions run on each member's
-compacted array with their constant operands laid out like it. A channel move on a channels-last feature map is one
-product with a one-hot matrix (XLA:CPU fuses it with the convolutions around it, where a gather splits the program
-into kernels run one by one: the packed ResNet of ``benchmarks/`` ran 10-20% slower with gathers); elsewhere a
-gather. Operations that run at full width bind the model's primitive with the parameters it has at the
+several times slower than the separate ones), a depthwise one on CPU as a sum of shifted slices times per-channel
+weights (``_depthwise``: XLA:CPU's own depthwise convolution is 15-60x slower); elementwise operations, moves and
+reductions run on each member's compacted array with their constant operands laid out like it. A channel move on a
+channels-last feature map is one product with a one-hot matrix (XLA:CPU's gather copies value by value: gathers made
+the packed ResNet of ``benchmarks/`` 10-20% slower, and were no faster on the Flax-examples-style ones there);
+elsewhere a gather. Operations that run at full width bind the model's primitive with the parameters it has at the
 member-stacked batch size.
 
 Exactness: results equal the dense model's for finite activations, up to float rounding. Channels that Masksembles
@@ -150,6 +151,7 @@ class _Step:
     out_shape: tuple[int, ...] = ()
     in_axes: tuple[int, int] = (-1, -1)  # a compacted move's input batch and channel axes
     member_frame: bool = False
+    depthwise: bool = False  # a conv with one input and one output channel per group (``_depthwise`` on CPU)
 
 
 @dataclass(frozen=True, eq=False)
@@ -233,6 +235,56 @@ class PackedMasksembles(nnx.Module):
         return run.result()
 
 
+def _is_depthwise(params: dict[str, Any], kernel: tuple[int, ...]) -> bool:
+    """Whether a convolution with ``params`` and a kernel of shape ``kernel`` has one input and one output channel per
+    group, no input dilation, and its output laid out like its input (what ``_depthwise`` computes)."""
+    numbers = params["dimension_numbers"]
+    return (
+        kernel[numbers.rhs_spec[1]] == 1
+        and kernel[numbers.rhs_spec[0]] == params["feature_group_count"]
+        and params["batch_group_count"] == 1
+        and all(d == 1 for d in params["lhs_dilation"])
+        and tuple(numbers.lhs_spec) == tuple(numbers.out_spec)
+    )
+
+
+def _depthwise_as_sums() -> bool:
+    """Whether depthwise convolutions run as ``_depthwise``'s sums: on CPU (elsewhere as the model's convolution)."""
+    return jax.default_backend() == "cpu"
+
+
+def _depthwise(x: jax.Array, kernel: jax.Array, params: dict[str, Any]) -> jax.Array:
+    """A depthwise convolution (``_is_depthwise``) as a sum over the window of strided slices of the padded input
+    times each channel's weight: XLA fuses it into one loop, where XLA:CPU runs its own grouped convolution 15-60x
+    slower (a 5x5 on (32, 8, 8, 240) took 75 ms, the sum 4 ms; jax 0.10.2)."""
+    numbers = params["dimension_numbers"]
+    channel_axis, spatial = numbers.lhs_spec[1], numbers.lhs_spec[2:]
+    window = [kernel.shape[a] for a in numbers.rhs_spec[2:]]
+    weights = jnp.transpose(kernel, (*numbers.rhs_spec[2:], numbers.rhs_spec[1], numbers.rhs_spec[0]))
+    weights = weights.reshape((*window, kernel.shape[numbers.rhs_spec[0]]))  # (*window, C)
+    pads = [(0, 0, 0)] * x.ndim
+    for axis, (low, high) in zip(spatial, params["padding"], strict=True):
+        pads[axis] = (low, high, 0)
+    padded = jax.lax.pad(x, jnp.zeros((), x.dtype), pads)
+    strides, dilation = params["window_strides"], params["rhs_dilation"]
+    sizes = [
+        (padded.shape[a] - (k - 1) * d - 1) // s + 1
+        for a, k, d, s in zip(spatial, window, dilation, strides, strict=True)
+    ]
+    factor_shape = [1] * x.ndim
+    factor_shape[channel_axis] = weights.shape[-1]
+    total: jax.Array | None = None
+    for tap in np.ndindex(*window):
+        start, limit, step = [0] * x.ndim, list(padded.shape), [1] * x.ndim
+        for axis, t, d, s, size in zip(spatial, tap, dilation, strides, sizes, strict=True):
+            start[axis], limit[axis], step[axis] = t * d, t * d + s * (size - 1) + 1, s
+        term = jax.lax.slice(padded, start, limit, step) * weights[tap].reshape(factor_shape)
+        total = term if total is None else total + term
+    assert total is not None
+    dtype = params.get("preferred_element_type") or x.dtype
+    return total.astype(dtype)
+
+
 class _Run:
     """One call of a packed module: the values computed so far, the moves already made."""
 
@@ -298,6 +350,8 @@ class _Run:
         if step.how == "conv":
             eqn = cast(Eqn, step.eqn)
             params = cast(dict[str, Any], step.params)
+            if step.depthwise and _depthwise_as_sums():
+                return tuple(_depthwise(xk, self.weight(step.key, k), params) for k, xk in enumerate(inputs[0]))
             return tuple(
                 capture_module.bind(eqn, [xk, self.weight(step.key, k)], params)[0] for k, xk in enumerate(inputs[0])
             )
@@ -541,7 +595,8 @@ class _Emitter:
         restored = np.moveaxis(stacked, (1, 2), (out_dim + 1, in_dim + 1))
         key = self._weight_key(op)
         self.weights[key] = list(restored)
-        return _Step(step.name, "conv", edges, copies, op.eqn, params=params, key=key)
+        return _Step(step.name, "conv", edges, copies, op.eqn, params=params, key=key,
+                     depthwise=_is_depthwise(params, restored.shape[1:]))  # fmt: skip
 
     def _weight_key(self, op: Op) -> str:
         """``dot_general_000``, ``conv_general_dilated_001``, ...: the i-th kernel of that primitive in program order

@@ -286,11 +286,18 @@ def depthwise(bias: bool, groups: int = 12, features: int = 12) -> nnx.Conv:
     return conv(12, features, (3, 3), nnx.Rngs(3), feature_group_count=groups, use_bias=bias)
 
 
+def strided_depthwise() -> nnx.Conv:
+    """A depthwise convolution with strides, kernel dilation and uneven padding, one axis of each size."""
+    options: dict[str, Any] = {"strides": (2, 1), "kernel_dilation": (2, 3), "padding": ((2, 1), (0, 2))}
+    return conv(12, 12, (3, 2), nnx.Rngs(3), feature_group_count=12, **options)
+
+
 PATTERNS: dict[str, Callable[[], Callable[..., Any]]] = {
     "depthwise-conv": lambda: depthwise(False),
     "depthwise-conv-bias": lambda: depthwise(True),
     "grouped-conv": lambda: depthwise(True, groups=3),
     "depthwise-multiplier": lambda: nnx.Sequential(depthwise(True, features=24), conv(24, 12, (1, 1), nnx.Rngs(4))),
+    "depthwise-strided-dilated": lambda: strided_depthwise(),
     "squeeze-excite": lambda: SqueezeExcite(12),
     "channel-concat": ChannelConcat,
     "layernorm": lambda: nnx.LayerNorm(12, rngs=nnx.Rngs(0)),
@@ -314,6 +321,16 @@ PATTERNS: dict[str, Callable[[], Callable[..., Any]]] = {
 def test_pattern_packs_equal_to_predict(name: str) -> None:
     model = randomized(Between(PATTERNS[name]()))
     assert_packs(model, random_input((5, 6, 6, 3), 1))
+
+
+def test_depthwise_convolutions_run_as_sums_of_shifted_slices_on_cpu() -> None:
+    model = randomized(Between(PATTERNS["depthwise-strided-dilated"]()))
+    x = random_input((5, 6, 6, 3), 1)
+    packed = pack(model, x, program="packed")
+    groups = [
+        e.params["feature_group_count"] for e in jax.make_jaxpr(packed)(x).jaxpr.eqns if "conv" in e.primitive.name
+    ]
+    assert groups == [1] * (1 + N), "the stem once and the head per member; the depthwise convolutions as sums"
 
 
 # --- randomly built modules -----------------------------------------------------------------------------------------
