@@ -56,7 +56,8 @@ model holds it, or (B, C, ...) when shared; a folded fallback holds every channe
 
 Around the plan, what every adapter's ``pack`` does the same way: ``per_member_fallbacks`` (the shared fallbacks that
 must run per member), ``program_macs`` (multiply-adds of a program and of the members' dense models),
-``chosen_members``, ``output_mismatch`` (a built program checked against ``predict`` before it is returned) and
+``chosen_members``, ``output_mismatch`` and ``verified`` (a built program checked against ``predict`` before it is
+returned, and what replaces it when it differs) and
 ``timed_choice`` (which program ``program="auto"`` keeps, from interleaved timings). ``masksembles_core.captured``
 turns an adapter's captured operations into the graph ``plan_program`` reads.
 """
@@ -792,6 +793,30 @@ def output_mismatch(expected: Sequence[ArrayLike], actual: Sequence[ArrayLike], 
         if error > allowed:
             return f"output {index} differs from predict by up to {error:.3g} (largest |value| {scale:.3g})"
     return None
+
+
+P = TypeVar("P")
+
+
+def verified(
+    program: P, kind: str, mismatch: Callable[[P], str | None], replacements: Sequence[tuple[str, Callable[[], P]]]
+) -> tuple[P | None, str]:
+    """What an adapter's ``pack`` returns after checking a built program against ``predict`` (``mismatch``: the
+    difference, None when there is none): ``(program, "")`` when it agrees; else the first of ``replacements``
+    (``(what it runs, how to build it)``, e.g. ``("every node at full width", ...)``) that agrees, with the reason the
+    adapter puts first in its ``fallbacks``; else ``(None, reason)``, the reason naming every difference found (the
+    adapter then runs the whole model tiled, or raises). ``kind``: the program's name (``"packed"``, ``"dense"``)."""
+    why = mismatch(program)
+    if why is None:
+        return program, ""
+    reason = f"{VERIFICATION}: the {kind} program differed from predict on the example input ({why})"
+    for what, build in replacements:
+        candidate = build()
+        also = mismatch(candidate)
+        if also is None:
+            return candidate, f"{reason}; {what}"
+        reason += f"; so did {what} ({also})"
+    return None, reason
 
 
 def timed_rounds(

@@ -58,6 +58,7 @@ from masksembles_core.packing import (
     output_mismatch,
     plan_program,
     timed_choice,
+    verified,
 )
 
 from . import _capture as capture_module
@@ -766,24 +767,26 @@ def _verified(
     one extracted member, every member at full width and that member's output, with the reason first in
     ``fallbacks``. Raises if none of them equals ``predict``."""
     packed = _build(capture, chosen, squeeze, dense=dense)
-    if verifier is None or (why := verifier.mismatch(packed)) is None:
+    if verifier is None:
         return packed
-    reason = f"{VERIFICATION}: the {packed.program} program differed from predict on the example input ({why})"
-    tried = [why]
-    options = [(chosen, squeeze, -1)] if not dense else []
-    if squeeze:  # an operation that reads the batch sees every member's copy of it in predict
-        options.append((list(range(capture.n)), False, chosen[0]))
-    for members, squeezed, pick in options:
+
+    def full_width(members: Sequence[int], squeezed: bool, pick: int) -> PackedMasksembles:
         candidate = _build(capture, members, squeezed, dense=True)
         if pick >= 0:  # otherwise keep the member _build picks where the batch is read
             candidate.plan = dataclasses.replace(candidate.plan, pick=pick)
-        if (also := verifier.mismatch(candidate)) is None:
-            where = "every member at full width" if pick >= 0 else "every operation at full width"
-            fallbacks = (f"{reason}; {where}", *candidate.plan.fallbacks)
-            candidate.plan = dataclasses.replace(candidate.plan, fallbacks=fallbacks)
-            return candidate
-        tried.append(also)
-    raise RuntimeError(f"{PREFIX} could not build a program equal to predict: {'; '.join(tried)}")
+        return candidate
+
+    replacements = [] if dense else [("every operation at full width", lambda: full_width(chosen, squeeze, -1))]
+    if squeeze:  # an operation that reads the batch sees every member's copy of it in predict
+        every = list(range(capture.n))
+        replacements.append(("every member at full width", lambda: full_width(every, False, chosen[0])))
+    checked = verified(packed, packed.program, verifier.mismatch, replacements)
+    result, reason = checked
+    if result is None:
+        raise RuntimeError(f"{PREFIX} could not build a program equal to predict: {reason}")
+    if reason:
+        result.plan = dataclasses.replace(result.plan, fallbacks=(reason, *result.plan.fallbacks))
+    return result
 
 
 def _timed(module: PackedMasksembles, x: jax.Array) -> Callable[[], object]:

@@ -38,6 +38,7 @@ from masksembles_core.packing import (
     output_mismatch,
     plan_program,
     timed_choice,
+    verified,
 )
 
 from ._inference import _no_autograd
@@ -185,17 +186,17 @@ def _verified(
     whole: Callable[[str], PackedMasksembles],
 ) -> PackedMasksembles:  # fmt: skip
     """``packed`` if it equals ``predict``; otherwise every call at full width, or the whole model tiled when that
-    differs too, with the reason first in ``fallbacks``."""
-    if verifier is None or (why := verifier.mismatch(packed)) is None:
+    differs too, with the reason first in ``fallbacks`` (``masksembles_core.packing.verified``)."""
+    if verifier is None:
         return packed
-    reason = f"{VERIFICATION}: the {packed.program} program differed from predict on the example input ({why})"
-    if packed.program == "packed":
-        dense = full_width()
-        if (also := verifier.mismatch(dense)) is None:
-            dense._report["fallbacks"] = [f"{reason}; every call runs at full width", *dense.fallbacks]
-            return dense
-        reason += f"; so did every call at full width ({also})"
-    return whole(f"{reason}: the whole model runs tiled")
+    replacements = [("every call at full width", full_width)] if packed.program == "packed" else []
+    checked = verified(packed, packed.program, verifier.mismatch, replacements)
+    result, reason = checked
+    if result is None:
+        return whole(f"{reason}: the whole model runs tiled")
+    if reason:
+        result._report["fallbacks"] = [reason, *result.fallbacks]
+    return result
 
 
 def _timed(model: keras.Model, x: np.ndarray) -> Callable[[], object]:

@@ -45,7 +45,6 @@ from masksembles_core import captured
 from masksembles_core.adapter import check_program
 from masksembles_core.packing import (
     OUTPUT,
-    VERIFICATION,
     VERIFY_SAMPLES,
     FoldConflict,
     Program,
@@ -53,6 +52,7 @@ from masksembles_core.packing import (
     output_mismatch,
     plan_program,
     timed_choice,
+    verified,
 )
 
 from . import _packed_ops as ops
@@ -294,16 +294,16 @@ def _verified(
     capture: _Capture,
 ) -> PackedMasksembles:
     """``packed`` if it equals ``predict``; otherwise every node at full width (``full_width()``), or the whole model
-    tiled when that differs too, with the reason first in ``fallbacks``."""
-    if verifier is None or (why := verifier.mismatch(packed)) is None:
+    tiled when that differs too, with the reason first in ``fallbacks`` (``masksembles_core.packing.verified``)."""
+    if verifier is None:
         return packed
-    reason = f"{VERIFICATION}: the {packed.program} program differed from predict on the example input ({why})"
-    if packed.program == "packed":
-        dense = full_width()
-        if (also := verifier.mismatch(dense)) is None:
-            dense.meta["masksembles"]["fallbacks"] = (f"{reason}; every node runs at full width", *dense.fallbacks)
-            return dense
-        reason += f"; so did every node at full width ({also})"
+    replacements = [("every node at full width", full_width)] if packed.program == "packed" else []
+    checked = verified(packed, packed.program, verifier.mismatch, replacements)
+    result, reason = checked
+    if result is not None:
+        if reason:
+            result.meta["masksembles"]["fallbacks"] = (reason, *result.fallbacks)
+        return result
     squeeze = packed.meta["masksembles"]["squeeze"]
     whole = _whole_model(model, verifier.x, verifier.axes, packed.members, squeeze, capture.n)
     whole.meta["masksembles"]["fallbacks"] = (f"{reason}: the whole model runs tiled",)

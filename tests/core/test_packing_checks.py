@@ -20,6 +20,7 @@ from masksembles_core.packing import (
     program_macs,
     timed_choice,
     timed_rounds,
+    verified,
 )
 
 F32 = float(np.finfo(np.float32).eps)
@@ -152,3 +153,31 @@ def test_program_macs_count_what_each_member_reads_and_fallbacks_as_the_dense_mo
     assert conv_inputs == 3  # each member reads only its 3 live channels
     assert macs["packed"] == 2 * (25 * 4 * 3 * 9 + 25 * 4 * 1 * 9 + 1000 + 2 * 4)
     assert program_macs(program, {}) == {"dense": 0, "packed": 0, "fallback": 0}
+
+
+def test_verified_keeps_an_agreeing_program_and_otherwise_the_first_replacement_that_agrees() -> None:
+    def mismatch(program: str) -> str | None:
+        return None if program.startswith("good") else f"{program} is off by 1"
+
+    built: list[str] = []
+
+    def build(name: str) -> Callable[[], str]:
+        def made() -> str:
+            built.append(name)
+            return name
+
+        return made
+
+    kept = verified("good", "packed", mismatch, [("every node at full width", build("good wide"))])
+    assert kept == ("good", "") and built == []  # nothing else is built when the program agrees
+    replaced = verified("bad", "packed", mismatch, [("x", build("bad x")), ("y", build("good y"))])
+    assert replaced[0] == "good y" and built == ["bad x", "good y"]
+    assert replaced[1] == (
+        "verification: the packed program differed from predict on the example input (bad is off by 1); "
+        "so did x (bad x is off by 1); y"
+    )
+    none = verified("bad", "dense", mismatch, [])
+    assert none == (
+        None,
+        "verification: the dense program differed from predict on the example input (bad is off by 1)",
+    )

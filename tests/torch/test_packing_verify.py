@@ -55,7 +55,7 @@ def test_a_wrong_program_is_never_returned(program: str, monkeypatch: pytest.Mon
     packed = mt.pack(model, x, program=program)
     assert packed.program == "dense"
     assert packed.fallbacks[0].startswith("verification: the packed program differed from predict on the example")
-    assert packed.fallbacks[0].endswith("every node runs at full width")
+    assert packed.fallbacks[0].endswith("every node at full width")
     assert "verification" in repr(packed)
     assert relative_error(packed(x), expected) <= 1e-6
     member = mt.extract_member(model, 2, x)
