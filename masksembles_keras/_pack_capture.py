@@ -27,7 +27,7 @@ from masksembles_core.captured import CapturedOp, Probed, array_repeatable
 
 from ._inference import _no_autograd
 from ._layers import Masksembles
-from ._surgery import _is_graph_model
+from ._surgery import _check_model, _is_graph_model
 
 PREFIX = "pack/extract_member"
 INPUT = "input"
@@ -154,15 +154,11 @@ class Call:
 
 def check_model(model: object) -> None:
     """A built Sequential or functional model with one input and one output."""
-    if not _is_graph_model(model):
-        kind = "a subclassed keras.Model" if isinstance(model, keras.Model) else "not a keras.Model"
-        raise TypeError(
-            f"{PREFIX} read the graph of Sequential and functional Keras models; {type(model).__name__} is {kind}, "
-            "whose call() cannot be read: build it as a functional model (keras.Model(inputs, outputs)) with the "
-            "same layers, or run every member with masksembles_keras.predict"
-        )
-    if not model.built:  # type: ignore[attr-defined]
-        raise ValueError(f"{PREFIX} need a built model (give it an Input, or call it once on data)")
+    _check_model(
+        model, PREFIX, "read the graph of",
+        "build it as a functional model (keras.Model(inputs, outputs)) with the same layers, or run every member "
+        "with masksembles_keras.predict",
+    )  # fmt: skip
     if len(model.inputs) != 1 or len(model.outputs) != 1:  # type: ignore[attr-defined]
         raise ValueError(
             f"{PREFIX} support models with one input and one output tensor; this one has "

@@ -64,6 +64,8 @@ MIXING = (*INPUT_LAYERS, keras.layers.RNN)  # what mixes the raw input's channel
 DEPTHWISE = "depthwise convolution: each output channel reads one input channel (before=... includes it)"
 _MASKS_BY_RANK: dict[int, type[Masksembles]] = {2: Masksembles1D, 3: Masksembles1D, 4: Masksembles2D, 5: Masksembles3D}
 
+REBUILD_ADVICE = "put masksembles_keras.Masksembles layers in its code, or build it as a functional model"
+
 
 @dataclass
 class _Site:
@@ -115,13 +117,14 @@ def _rebuildable(op: object) -> bool:
     return spec.args[1:] == ["inputs", "outputs", "name"] or (spec.varargs is not None and spec.varkw is not None)
 
 
-def _check_model(model: object, operation: str) -> None:
+def _check_model(model: object, operation: str, does: str = "rebuilds", advice: str = REBUILD_ADVICE) -> None:
+    """A built Sequential or functional model: ``operation`` (``does`` what to its graph) refuses anything else with
+    what to do instead (``advice``)."""
     if not _is_graph_model(model):
         kind = "a subclassed keras.Model" if isinstance(model, keras.Model) else "not a keras.Model"
         raise TypeError(
-            f"{operation} rebuilds Sequential and functional Keras models; {type(model).__name__} is {kind}, whose "
-            "call() Keras cannot rebuild: put masksembles_keras.Masksembles layers in its code, or build it as a "
-            "functional model"
+            f"{operation} {does} Sequential and functional Keras models; {type(model).__name__} is {kind}, whose "
+            f"call() cannot be read: {advice}"
         )
     if not model.built:  # type: ignore[attr-defined]  # a keras.Model (Any to mypy)
         raise ValueError(f"{operation} needs a built model (give it an Input, or call it once on data)")
