@@ -64,6 +64,7 @@ def test_generated_model_packs_equal_to_predict(seed: int) -> None:
 
 
 def slow_seed(seed: int) -> Any:
+    """``seed``, or on TensorFlow a strict expected failure where its model hits the known pack bug."""
     if BACKEND == "tensorflow" and seed in TENSORFLOW_BOOL_FAILURES:
         reason = "pack adds 1 to the boolean condition of keras.ops.where, which TensorFlow refuses"
         return pytest.param(seed, marks=pytest.mark.xfail(strict=True, reason=reason))
