@@ -336,7 +336,12 @@ class Capture:
                         given[t] = ops.broadcast_to(steps, shape)
                     else:
                         first = large[t][:1]
-                        changed = first * -2.0 + 1.0 if dtypes[t].startswith(("float", "bfloat")) else first + 1
+                        if dtypes[t].startswith(("float", "bfloat")):
+                            changed = first * -2.0 + 1.0
+                        elif dtypes[t] == "bool":  # a where's condition: TensorFlow adds no numbers to bools
+                            changed = ops.logical_not(first)
+                        else:
+                            changed = first + 1
                         given[t] = ops.concatenate([ops.cast(changed, dtypes[t]), large[t][1:]], axis=0)
                 output = call.run(given)[position]
                 results.append(ops.equal(output, 0) if question.kind == "zero" else output)

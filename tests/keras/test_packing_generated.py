@@ -3,28 +3,23 @@ programs of ``pack`` and the first and last extracted members equal ``predict`` 
 it does not, with nothing left to the verification fallback (the autouse fixture of tests/keras/conftest.py).
 
 The default session runs ``DEFAULT_MODELS`` seeded models (every Keras session runs it once per backend, so it is
-small); ``pytest -m slow tests/keras/test_packing_generated.py`` runs ``SLOW_MODELS`` more. On TensorFlow, pack
-raises on a boolean intermediate (``keras.ops.where(x > 0, x, 1.0)``'s condition: the capture adds 1 to it, which
-TensorFlow refuses for bool), so the models that use it are strict expected failures there
-(``TENSORFLOW_BOOL_FAILURES``) until pack handles it; the default seeds have no ``where``.
+small), plus ``WHERE_MODELS``, seeds whose model uses ``keras.ops.where`` (a boolean intermediate, on which pack's
+capture once failed on TensorFlow); ``pytest -m slow tests/keras/test_packing_generated.py`` runs ``SLOW_MODELS``
+more.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import numpy as np
 import pytest
 
 import masksembles_keras as mk
-from tests.keras.common import BACKEND
 from tests.keras.generated_models import OPERATIONS, N, generate
 from tests.keras.test_packing import assert_close, call, members_first
 
 DEFAULT_MODELS = 10
 SLOW_MODELS = 60
-# the slow seeds whose model uses keras.ops.where: pack raises on TensorFlow (see the module docstring)
-TENSORFLOW_BOOL_FAILURES = frozenset({17, 20, 25, 27, 28, 29, 40, 42, 43, 50, 55, 58, 64})
+WHERE_MODELS = (29,)  # DepthwiseConv2D -> where(x > 0, x, 1.0) -> masks
 EXAMPLE_BATCH = 6  # n=4 does not divide it
 OTHER_BATCH = 8
 
@@ -58,20 +53,14 @@ def test_the_grammar_has_the_operations_asked_for() -> None:
     assert asked <= names and len(names) >= 30
 
 
-@pytest.mark.parametrize("seed", range(DEFAULT_MODELS))
+@pytest.mark.parametrize("seed", [*range(DEFAULT_MODELS), *WHERE_MODELS])
 def test_generated_model_packs_equal_to_predict(seed: int) -> None:
     check(seed)
 
 
-def slow_seed(seed: int) -> Any:
-    """``seed``, or on TensorFlow a strict expected failure where its model hits the known pack bug."""
-    if BACKEND == "tensorflow" and seed in TENSORFLOW_BOOL_FAILURES:
-        reason = "pack adds 1 to the boolean condition of keras.ops.where, which TensorFlow refuses"
-        return pytest.param(seed, marks=pytest.mark.xfail(strict=True, reason=reason))
-    return seed
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", [slow_seed(seed) for seed in range(DEFAULT_MODELS, DEFAULT_MODELS + SLOW_MODELS)])
+@pytest.mark.parametrize(
+    "seed", [seed for seed in range(DEFAULT_MODELS, DEFAULT_MODELS + SLOW_MODELS) if seed not in WHERE_MODELS]
+)
 def test_more_generated_models_pack_equal_to_predict(seed: int) -> None:
     check(seed)
