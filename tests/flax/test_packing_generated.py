@@ -20,9 +20,9 @@ from masksembles_flax.nnx import extract_member, pack
 from tests.flax.generated_models import OPERATIONS, N, generate
 from tests.flax.test_packing import relative_error
 
-DEFAULT_MODELS = 14
+DEFAULT_MODELS = 12
 SLOW_MODELS = 100
-AUTO_EVERY = 4  # every 4th model is also packed with program="auto" (it builds and times both programs)
+AUTO_EVERY = 6  # every 6th model is also packed with program="auto" (it builds and times both programs)
 
 
 @nnx.jit
