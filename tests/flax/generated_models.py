@@ -299,10 +299,11 @@ BRANCH_JOINS = ("add", "gate", "cat")
 
 
 class Generated(nnx.Module):
-    """A generated model: ``blocks`` in order, then ``head``; ``description`` names the blocks."""
+    """A generated model: ``blocks`` in order, then ``head``; ``description`` names the blocks, ``operations`` the
+    productions of ``OPERATIONS`` it was built from."""
 
-    def __init__(self, blocks: Chain, head: Chain, description: tuple[str, ...]) -> None:
-        self.blocks, self.head, self.description = blocks, head, description
+    def __init__(self, blocks: Chain, head: Chain, description: tuple[str, ...], operations: frozenset[str]) -> None:
+        self.blocks, self.head, self.description, self.operations = blocks, head, description, operations
 
     def __call__(self, x: Array) -> Array:
         return self.head(self.blocks(x))
@@ -344,6 +345,7 @@ def _draw(seed: int, blocks: int) -> tuple[Generated, Shape]:
     layers: list[Callable[[Array], Array]] = []
     description: list[str] = []
     seeds: list[int] = []
+    operations: set[str] = set()
     masks = rng.uniform(0.2, 0.6)
     for _ in range(rng.randint(2, blocks)):
         if shape.channels >= 4 and rng.random() < masks:
@@ -357,6 +359,7 @@ def _draw(seed: int, blocks: int) -> tuple[Generated, Shape]:
             right, _ = _chain(shape, context, rng.randint(0, 2), masks, seeds, right_names)
             layers.append(Branch(left, right, join))
             description.append(f"branch {join}: [{', '.join(left_names)}] [{', '.join(right_names)}]")
+            operations.update(left_names + right_names)
             if join == "cat":
                 shape = replace(shape, channels=2 * shape.channels)
             continue
@@ -364,6 +367,7 @@ def _draw(seed: int, blocks: int) -> tuple[Generated, Shape]:
         layer, shape = operation.build(shape, context)
         layers.append(layer)
         description.append(operation.name)
+        operations.add(operation.name)
     if not seeds:
         layers.append(_masks(shape, seeds))
         description.append("masks")
@@ -374,7 +378,8 @@ def _draw(seed: int, blocks: int) -> tuple[Generated, Shape]:
             head.append(lambda x: x.mean(axis=axes))
         head.append(linear(shape.channels, 3, context.rngs))
         description.append("head")
-    return Generated(Chain(layers), Chain(head), tuple(description)), first
+    model = Generated(Chain(layers), Chain(head), tuple(description), frozenset(operations - {"masks"}))
+    return model, first
 
 
 def generate(seed: int, blocks: int = 6) -> tuple[Generated, Shape]:
