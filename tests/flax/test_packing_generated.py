@@ -23,7 +23,7 @@ from tests.flax.test_packing import relative_error
 # Twelve models: the first four seeds and eight that, with them, use every operation of the grammar (a greedy cover
 # over seeds 0-299; ``test_the_default_models_use_every_operation`` keeps it one).
 DEFAULT_SEEDS = (0, 1, 2, 3, 13, 14, 48, 130, 160, 177, 219, 225)
-SLOW_SEEDS = tuple(seed for seed in range(112) if seed not in DEFAULT_SEEDS)
+SLOW_SEEDS = tuple(seed for seed in range(107) if seed not in DEFAULT_SEEDS)  # a hundred
 # seeds divisible by 6 (0 and 48 of the default ones) are also packed with program="auto" (it builds and times both)
 AUTO_EVERY = 6
 
