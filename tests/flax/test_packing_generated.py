@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -37,7 +38,7 @@ def outputs(model: nnx.Module, programs: list[nnx.Module], x: jax.Array) -> tupl
 def check(seed: int, *, members: tuple[int, ...], auto: bool) -> None:
     model, shape = generate(seed)
     rng = np.random.default_rng(seed)
-    example, other = (jax.numpy.asarray(rng.normal(size=shape.batched(b)), jax.numpy.float32) for b in (6, 8))
+    example, other = (jnp.asarray(rng.normal(size=shape.batched(b)), jnp.float32) for b in (6, 8))
     kinds = ("packed", "dense", "auto") if auto else ("packed", "dense")
     packed = [pack(model, example, program=kind) for kind in kinds]
     assert [p.program for p in packed[:2]] == ["packed", "dense"], model.description
