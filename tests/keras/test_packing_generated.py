@@ -14,10 +14,13 @@ import numpy as np
 import pytest
 
 import masksembles_keras as mk
+from tests.keras.common import BACKEND
 from tests.keras.generated_models import OPERATIONS, N, generate
 from tests.keras.test_packing import assert_close, call, members_first
 
-DEFAULT_MODELS = 10
+# JAX compiles every pack, extraction and comparison (about 4 s each here): it checks fewer of the same models, whose
+# capture and plan do not depend on the backend
+DEFAULT_MODELS = 4 if BACKEND == "jax" else 10
 SLOW_MODELS = 60
 WHERE_MODELS = (29,)  # DepthwiseConv2D -> where(x > 0, x, 1.0) -> masks
 EXAMPLE_BATCH = 6  # n=4 does not divide it
