@@ -19,7 +19,7 @@ from masksembles_core.packing import (
 from . import _packed_ops as ops
 from ._pack_capture import _Capture, _Seen, _target_name
 from ._pack_emit import MATMULS
-from ._pack_graph import _Graph, _leaves
+from ._pack_graph import _axis_map, _leaves
 
 # a CPU program proven per-sample whose largest tensor exceeds twice this size runs on chunks of the batch where it is
 # about this size: glibc hands blocks over 32 MiB straight back to the system, and every call page-faults on them
@@ -141,7 +141,7 @@ def _keeps_samples(capture: _Capture, node: fx.Node) -> bool:
     if classified is None or classified.kind not in ("channelwise", "combine") or out is None:
         return False
     if classified.rule == "map":  # a move or a reduction: the batch indices must come out whole on the batch axis
-        return len(axes) == 1 and axes[0] is not None and _Graph(capture).axis_map(classified, axes[0]) == out
+        return len(axes) == 1 and axes[0] is not None and _axis_map(capture, classified, axes[0]) == out
     return all(a == out for a in axes)
 
 

@@ -47,21 +47,7 @@ class _Graph:
         return self.capture.fallback(key)
 
     def axis_map(self, op: _Op, source_axis: int) -> int | None:
-        """Evaluated, not read from the operation's name: the operation runs on a tensor holding each position's
-        index along ``source_axis``, and the result must hold those indices whole, in order, on one axis."""
-        node, source = op.node, op.tensors[0]
-        seen = self.capture.seen[source]
-        shape = seen.shapes[0]
-        if _target_name(node) == "getitem" and not _takes_whole(node.args[1], seen.rank, [source_axis]):
-            return None
-        ids = torch.arange(shape[source_axis], dtype=torch.float64)
-        view = [1] * len(shape)
-        view[source_axis] = shape[source_axis]
-        try:
-            out = _evaluate(self.capture, node, {source: ids.view(view).expand(shape).contiguous()})
-        except Exception:  # the operation does not apply to this tensor as given
-            return None
-        return _whole_axis(out, ids)
+        return _axis_map(self.capture, op, source_axis)
 
     def zero_map(self, op: _Op) -> BoolArray:
         """Evaluated on +0 and on -0, with the operation's own arguments (a per-sample zero input, the batch of one)."""
@@ -81,6 +67,26 @@ class _Graph:
 
     def repeatable(self, key: fx.Node) -> bool:
         return _repeatable(self.capture.seen[key])
+
+
+def _axis_map(capture: _Capture, op: _Op, source_axis: int) -> int | None:
+    """The axis of ``op``'s value that holds, whole and in order, what its first input holds on ``source_axis``.
+
+    Evaluated, not read from the operation's name: the operation runs on a tensor holding each position's index
+    along ``source_axis``, and the result must hold those indices whole, in order, on one axis."""
+    node, source = op.node, op.tensors[0]
+    seen = capture.seen[source]
+    shape = seen.shapes[0]
+    if _target_name(node) == "getitem" and not _takes_whole(node.args[1], seen.rank, [source_axis]):
+        return None
+    ids = torch.arange(shape[source_axis], dtype=torch.float64)
+    view = [1] * len(shape)
+    view[source_axis] = shape[source_axis]
+    try:
+        out = _evaluate(capture, node, {source: ids.view(view).expand(shape).contiguous()})
+    except Exception:  # the operation does not apply to this tensor as given
+        return None
+    return _whole_axis(out, ids)
 
 
 def _solve_axes(capture: _Capture) -> tuple[_Graph, dict[fx.Node, int]]:
