@@ -55,7 +55,7 @@ DEVICE_CHECK_SMOKE = "tests/test_device_check_smoke.py"
 
 
 def run_pytest(session: nox.Session, backends: str, *paths: str) -> None:
-    session.run("pytest", *paths, *session.posargs, env={"MASKSEMBLES_TEST_BACKENDS": backends})
+    session.run("pytest", "--durations=15", *paths, *session.posargs, env={"MASKSEMBLES_TEST_BACKENDS": backends})
 
 
 @nox.session
@@ -242,6 +242,8 @@ def bench(session: nox.Session) -> None:
     session.install(*CONSTRAINTS, "-e", ".[torch,keras,flax]", "tensorflow-cpu>=2.21", "masksembles==1.1.1")
     session.install("--no-deps", "torch-uncertainty==0.13.0")  # only its masking layers are timed
     session.install(*CONSTRAINTS, *METRICS_TEST, "netcal==1.4.0")  # the metrics' references (netcal needs torch)
+    transformers = [r for r in nox.project.dependency_groups(PYPROJECT, "test-torch") if r.startswith("transformers")]
+    session.install(*CONSTRAINTS, *transformers)  # bench_packing's ViT (transformers) row
     scripts = ("generation", "torch", "packing", "keras", "flax", "flax_barrier", "flax_packing", "metrics")
     for script in scripts:
         session.run("python", f"benchmarks/bench_{script}.py")

@@ -7,7 +7,8 @@ N=4, S=2. Models (float32): an MLP 784→1024→1024→1024→10 with Masksemble
 small ResNet on 3×32×32 (masks inside the blocks and before the head); and, with masks placed by ``insert`` (the
 paper's recipe: before every Conv/Linear but the first), a MobileNetV3-like (depthwise convolutions, squeeze-excite,
 hardswish) and a ConvNeXt-like (depthwise 7×7, channels-first LayerNorm, GELU MLP, layer scale) on 3×64×64 and a
-ViT-like (dim 96, 4 blocks, 4×4 patches) on 3×32×32 and a BERT-tiny-like (hidden 128, 2 layers, 2 heads) on 32 token
+ViT-like (dim 96, 4 blocks, 4×4 patches) on 3×32×32, the same ViT as Hugging Face `transformers` builds it
+(``ViTForImageClassification`` from a config) and a BERT-tiny-like (hidden 128, 2 layers, 2 heads) on 128 token
 ids with a padding mask; and the issue's case, a ResNet-50 (bottleneck blocks 3-4-6-3)
 on 3×32×32 with masks after every block. For each batch size (medians of interleaved rounds, every ratio from the same
 run), ÷ one forward of the same network without Masksembles on the same batch: ``pack(model, program="packed")``,
@@ -218,11 +219,11 @@ class BertLayer(nn.Module):
 
 
 class BertTiny(nn.Module):
-    """BERT-tiny's shape (hidden 128, 2 layers, 2 heads) on token ids (B, 32) with padding (id 0) masked out of the
+    """BERT-tiny's shape (hidden 128, 2 layers, 2 heads) on token ids (B, 128) with padding (id 0) masked out of the
     attention: embeddings + LayerNorm, encoder layers, tanh pooler on the first token, classifier."""
 
     def __init__(
-        self, vocabulary: int = 1000, dim: int = 128, depth: int = 2, heads: int = 2, length: int = 32
+        self, vocabulary: int = 1000, dim: int = 128, depth: int = 2, heads: int = 2, length: int = 128
     ) -> None:
         super().__init__()
         self.words, self.positions = nn.Embedding(vocabulary, dim), nn.Parameter(torch.randn(1, length, dim) * 0.02)
@@ -238,7 +239,19 @@ class BertTiny(nn.Module):
         return self.classifier(torch.tanh(self.pooler(x[:, 0])))
 
 
-def tokens(batch: int, length: int = 32) -> Tensor:
+def transformers_vit() -> nn.Module:
+    """ViT-like's shape as Hugging Face ``transformers`` writes it (``ViTForImageClassification``, SDPA attention),
+    built from a config: nothing is downloaded."""
+    import transformers  # only this row needs it (the bench session installs it)
+
+    config = transformers.ViTConfig(
+        hidden_size=96, num_hidden_layers=4, num_attention_heads=3, intermediate_size=384, image_size=32,
+        patch_size=4, num_labels=10,
+    )  # fmt: skip
+    return transformers.ViTForImageClassification(config)
+
+
+def tokens(batch: int, length: int = 128) -> Tensor:
     """Token ids (batch, length) in [1, 1000), each sequence padded with 0 after a random length of at least 8."""
     ids = torch.randint(1, 1000, (batch, length))
     lengths = torch.randint(8, length + 1, (batch, 1))
@@ -292,7 +305,8 @@ MODELS: dict[str, tuple[Callable[[bool], nn.Module], tuple[int, ...], tuple[int,
     "MobileNetV3-like": (inserted(MobileNet), (3, 64, 64), (1, 32, 256)),
     "ConvNeXt-like": (inserted(ConvNeXt), (3, 64, 64), (1, 32, 256)),
     "ViT-like": (inserted(ViT), (3, 32, 32), (1, 32, 256)),
-    "BERT-tiny-like": (inserted(BertTiny), (32,), (1, 32, 256)),
+    "ViT (transformers)": (inserted(transformers_vit), (3, 32, 32), (1, 32, 256)),
+    "BERT-tiny-like": (inserted(BertTiny), (128,), (1, 32, 256)),
     "ResNet-50, masks after every block": (ResNet50, (3, 32, 32), (1, 8, 32)),
 }
 
