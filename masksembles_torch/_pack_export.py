@@ -88,6 +88,7 @@ def exported(model: nn.Module, example: Inputs) -> tuple[fx.GraphModule, _PyTree
     for node in list(gm.graph.nodes):  # before the views it reads become methods
         if node.op == "call_function" and node.target is ATEN.addmm.default:
             _addmm_as_linear(gm, node)
+    _masks_as_broadcast(gm)
     for node in list(gm.graph.nodes):
         _rewrite(node)
     gm.graph.eliminate_dead_code()
@@ -165,6 +166,38 @@ def _layers_as_modules(gm: fx.GraphModule, model: nn.Module) -> None:
         for node in reversed(nodes):
             if not node.users:
                 gm.graph.erase_node(node)
+
+
+def _masks_as_broadcast(gm: fx.GraphModule) -> None:
+    """An attention mask that is a constant expanded over the batch (``transformers``' mask for a model called
+    without one: ``arange(L) >= 0`` expanded to (B, 1, L, L)) read as the constant, which
+    ``scaled_dot_product_attention`` broadcasts to the same mask: then the mask does not follow the batch size, and
+    the attention can run with the members folded into its heads (``_pack_attention``)."""
+
+    def mask_of(node: fx.Node) -> Any:
+        if node.op != "call_function" or node.target is not ATEN.scaled_dot_product_attention.default:
+            return None
+        return node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
+
+    for mask in list(gm.graph.nodes):
+        source = mask.args[0] if mask.target is ATEN.expand.default else None
+        if not isinstance(source, fx.Node) or _reads_inputs(source):
+            continue
+        if all(mask_of(user) is mask and mask not in user.args[:3] for user in mask.users):
+            mask.replace_all_uses_with(source)
+
+
+def _reads_inputs(node: fx.Node) -> bool:
+    """Whether ``node``'s value follows a placeholder (an input, or a size of one)."""
+    pending, seen = [node], set()
+    while pending:
+        current = pending.pop()
+        if current.op == "placeholder":
+            return True
+        if current not in seen:
+            seen.add(current)
+            pending += current.all_input_nodes
+    return False
 
 
 def _rewrite(node: fx.Node) -> None:
