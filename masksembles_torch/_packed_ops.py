@@ -158,21 +158,38 @@ class MemberLinear(nn.Module):
     ``member_major_in``/``member_major_out`` (set by ``pack`` where the neighbouring operation reads or writes that
     layout) take/give (m, ..., I)/(m, ..., O) instead: every member's rows in one block, no copy.
     ``output_split`` s > 1 writes the output as (..., s, m, O/s): each of the s parts of the output holds the members'
-    blocks side by side (a fused qkv Linear whose heads the members are folded into).
+    blocks side by side (a fused qkv Linear whose heads the members are folded into). With ``split_heads`` H as well
+    (each part read as (H, O/(s*H)): heads of a size), it gives (..., s, m*H, O/(s*H)) instead, the heads of every
+    member of a part on one axis, as a view: the weight's outputs are stored in (H, s, O/(s*H)) order, so that each
+    member's matmul writes its block of a (rows, m, O) buffer in place and every part's head axis has one stride.
     """
 
-    def __init__(self, weight: Tensor, bias: Tensor | None, *, per_member: bool = False, output_split: int = 1) -> None:
+    def __init__(
+        self, weight: Tensor, bias: Tensor | None, *, per_member: bool = False, output_split: int = 1,
+        split_heads: int = 0,
+    ) -> None:  # fmt: skip
         super().__init__()
-        members, outputs, _ = weight.shape
+        members, outputs, inputs = weight.shape
+        if split_heads:  # outputs (s, H, D) -> (H, s, D): the parts of each head side by side
+            order = (members, output_split, split_heads, -1)
+            weight = weight.reshape(*order, inputs).transpose(1, 2).reshape(members, outputs, inputs)
+            bias = None if bias is None else bias.reshape(order).transpose(1, 2).reshape(-1)
         self.weight = nn.Parameter(weight.transpose(1, 2).contiguous(), requires_grad=False)  # (m, I, O)
         self.bias = None if bias is None else nn.Parameter(bias.view(members, 1, outputs), requires_grad=False)
         self.per_member = per_member
         self.member_major_in = False
         self.member_major_out = False
         self.output_split = output_split
+        self.split_heads = split_heads
 
     def forward(self, x: Tensor) -> Tensor:
         stacked, lead = self.blocks(x)
+        if self.split_heads:
+            members, _, outputs = self.weight.shape
+            y = stacked.new_empty(stacked.shape[1], members, outputs)
+            self.batched(stacked, out=y.transpose(0, 1))  # one matmul per member, each writing its block
+            heads = members * self.split_heads
+            return y.view(*lead, heads, self.output_split, outputs * members // (heads * self.output_split)).transpose(-3, -2)
         if self.output_split > 1:
             members, _, outputs = self.weight.shape
             y = self.batched(stacked).view(members, -1, self.output_split, outputs // self.output_split)
@@ -219,6 +236,7 @@ class MemberLinear(nn.Module):
         flags = ("per_member", "member_major_in", "member_major_out")
         layout = "".join(f", {name}=True" for name in flags if getattr(self, name))
         layout += f", output_split={self.output_split}" if self.output_split > 1 else ""
+        layout += f", split_heads={self.split_heads}" if self.split_heads else ""
         return f"members={members}, in_features={inputs}, out_features={outputs}, bias={self.bias is not None}{layout}"
 
 
