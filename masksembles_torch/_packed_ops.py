@@ -188,8 +188,8 @@ class MemberLinear(nn.Module):
             members, _, outputs = self.weight.shape
             y = stacked.new_empty(stacked.shape[1], members, outputs)
             self.batched(stacked, out=y.transpose(0, 1))  # one matmul per member, each writing its block
-            heads = members * self.split_heads
-            return y.view(*lead, heads, self.output_split, outputs * members // (heads * self.output_split)).transpose(-3, -2)
+            size = outputs // (self.split_heads * self.output_split)
+            return y.view(*lead, members * self.split_heads, self.output_split, size).transpose(-3, -2)
         if self.output_split > 1:
             members, _, outputs = self.weight.shape
             y = self.batched(stacked).view(members, -1, self.output_split, outputs // self.output_split)
