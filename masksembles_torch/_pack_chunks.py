@@ -107,7 +107,8 @@ def _keeps_samples(capture: _Capture, node: fx.Node) -> bool:
     ``reshape``/``view`` with the batch first before and after (row-major order keeps each sample's block), a
     broadcast along the batch, a concatenation along another axis, a softmax over another axis, attention or a
     matmul of two activations of one rank whose batch axes are the same leading one (they mix the last two axes
-    only), an elementwise operation whose tensors have their batch on the same axis, and a move or reduction whose
+    only), an elementwise operation or comparison whose tensors have their batch on the same axis, an index that only
+    adds axes (``x[:, None, None, :]``), an embedding lookup on the batch's indices, and a move or reduction whose
     evaluation on batch indices gives them whole on its output's batch axis. Anything else is not proven and keeps
     the whole batch in one call."""
     name = _called(node)

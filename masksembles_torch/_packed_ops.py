@@ -161,7 +161,8 @@ class MemberLinear(nn.Module):
     blocks side by side (a fused qkv Linear whose heads the members are folded into). With ``split_heads`` H as well
     (each part read as (H, O/(s*H)): heads of a size), it gives (..., s, m*H, O/(s*H)) instead, the heads of every
     member of a part on one axis, as a view: the weight's outputs are stored in (H, s, O/(s*H)) order, so that each
-    member's matmul writes its block of a (rows, m, O) buffer in place and every part's head axis has one stride.
+    member's matmul writes its block of a (rows, m, O) buffer in place and every part's head axis has one stride
+    (one batched call, which runs one matmul per member: ``per_member`` does not apply).
     """
 
     def __init__(
@@ -176,7 +177,7 @@ class MemberLinear(nn.Module):
             bias = None if bias is None else bias.reshape(order).transpose(1, 2).reshape(-1)
         self.weight = nn.Parameter(weight.transpose(1, 2).contiguous(), requires_grad=False)  # (m, I, O)
         self.bias = None if bias is None else nn.Parameter(bias.view(members, 1, outputs), requires_grad=False)
-        self.per_member = per_member
+        self.per_member = per_member and not split_heads
         self.member_major_in = False
         self.member_major_out = False
         self.output_split = output_split
