@@ -97,13 +97,18 @@ def _broadcast(capture: _Capture, node: fx.Node) -> bool:
     return position < 0 or source.shapes[0][position] == 1
 
 
+COMPARISONS = {operator.eq, operator.ne, operator.lt, operator.le, operator.gt, operator.ge, torch.eq, torch.ne}
+COMPARISON_METHODS = {"eq", "ne", "lt", "le", "gt", "ge", "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__"}
+
+
 def _keeps_samples(capture: _Capture, node: fx.Node) -> bool:
     """An operation that falls back yet computes each sample from that sample alone, given that its tensors have
     one batch axis each (``_samples_per_chunk`` checks that): a tuple's element, ``unbind`` of another axis, a
     ``reshape``/``view`` with the batch first before and after (row-major order keeps each sample's block), a
     broadcast along the batch, a concatenation along another axis, a softmax over another axis, attention or a
     matmul of two activations of one rank whose batch axes are the same leading one (they mix the last two axes
-    only), an elementwise operation whose tensors have their batch on the same axis, and a move or reduction whose
+    only), an elementwise operation or comparison whose tensors have their batch on the same axis, an index that only
+    adds axes (``x[:, None, None, :]``), an embedding lookup on the batch's indices, and a move or reduction whose
     evaluation on batch indices gives them whole on its output's batch axis. Anything else is not proven and keeps
     the whole batch in one call."""
     name = _called(node)
@@ -111,6 +116,8 @@ def _keeps_samples(capture: _Capture, node: fx.Node) -> bool:
     axes = [_batch_axis(capture, n) for n in tensors]
     out = _batch_axis(capture, node)
     if node.op == "call_function" and node.target is operator.getitem:
+        if len(tensors) == 1 and axes[0] is not None and out is not None and _new_axes_only(node.args[1]):
+            return True  # x[:, None, None, :]: a view with axes of size 1 added
         return bool(node.args) and isinstance(node.args[0], fx.Node) and bool(capture.seen[node.args[0]].parts)
     if name == "unbind" and len(tensors) == 1 and axes[0] is not None:
         dim = capture.argument(node, "dim", 1, 0)
@@ -137,12 +144,23 @@ def _keeps_samples(capture: _Capture, node: fx.Node) -> bool:
     if name in ("softmax", "log_softmax") and len(tensors) == 1 and axes[0] is not None:
         dim = capture.argument(node, "dim", 1)
         return isinstance(dim, int) and dim % capture.seen[tensors[0]].rank != axes[0]
+    embedding = node.op == "call_module" and isinstance(capture.gm.get_submodule(str(node.target)), nn.Embedding)
+    if (embedding or node.target is F.embedding) and len(tensors) == 1:  # a lookup per index
+        return axes[0] is not None and axes[0] == out
+    if node.target in COMPARISONS or name in COMPARISON_METHODS:  # elementwise: the batch on the same axis
+        return bool(axes) and out is not None and all(a == out for a in axes)
     classified = capture.classified.get(node)  # an operation that would compact, at full width as it reads fallbacks
     if classified is None or classified.kind not in ("channelwise", "combine") or out is None:
         return False
     if classified.rule == "map":  # a move or a reduction: the batch indices must come out whole on the batch axis
         return len(axes) == 1 and axes[0] is not None and _axis_map(capture, classified, axes[0]) == out
     return all(a == out for a in axes)
+
+
+def _new_axes_only(index: object) -> bool:
+    """An index of whole axes and new ones (``None``): ``x[:, None, None, :]``."""
+    parts = index if isinstance(index, tuple) else (index,)
+    return all(part is None or part == slice(None) for part in parts)
 
 
 def _in_chunks(packed: fx.GraphModule, example: Tensor, samples: int) -> tuple[nn.Module, fx.Graph]:

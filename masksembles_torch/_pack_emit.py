@@ -374,7 +374,10 @@ class _Emitter:
                 shape = self.capture.seen[op.node].shapes[0]  # rows per call: at the example's batch, or chunk
                 count = math.prod(shape[:-1]) * self.samples // self.capture.seen[self.capture.input].shapes[0][0]
                 split = self.split_outputs.get(op.node, 1)  # a folded region's qkv: the members inside each part
-                members = ops.MemberLinear(blocks, bias, per_member=count >= PER_MEMBER_ROWS, output_split=split)
+                members = ops.MemberLinear(
+                    blocks, bias, per_member=count >= PER_MEMBER_ROWS, output_split=split,
+                    split_heads=self._split_heads(op.node, blocks.shape[1] // split) if split > 1 else 0,
+                )  # fmt: skip
                 return self._call("linear", members, value)
             weight = blocks.flatten(0, 1)
             groups = len(rows) if member else 1
@@ -397,6 +400,17 @@ class _Emitter:
             conv = conv.to(memory_format=memory_format)  # type: ignore[call-overload]
             value = self.graph.call_method("contiguous", (value,), {"memory_format": memory_format})
         return self._call("conv", conv, value)
+
+    def _split_heads(self, entry: fx.Node, part: int) -> int:
+        """The heads per member of each ``part``-channel part of a split members' Linear ``entry`` (a fused qkv),
+        where the reshape that reads it puts the members' heads of a part on one axis with the head's channels after
+        it, (..., s, m*H, D); 0 otherwise (no such axis to give as a view)."""
+        (reshape,) = entry.users
+        fold, shape = self.folds.get(reshape), self.fold_shapes.get(reshape)
+        if not isinstance(fold, Fold) or fold.outer != 1 or shape is None or fold.axis == len(shape) - 1:
+            return 0
+        heads = shape[fold.axis]
+        return heads if heads * math.prod(shape[fold.axis + 1 :]) == part else 0
 
     def _norm(self, op: _Op, value: fx.Node, member: bool) -> fx.Node:
         node, module = op.node, op.module

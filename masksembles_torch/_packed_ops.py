@@ -158,21 +158,39 @@ class MemberLinear(nn.Module):
     ``member_major_in``/``member_major_out`` (set by ``pack`` where the neighbouring operation reads or writes that
     layout) take/give (m, ..., I)/(m, ..., O) instead: every member's rows in one block, no copy.
     ``output_split`` s > 1 writes the output as (..., s, m, O/s): each of the s parts of the output holds the members'
-    blocks side by side (a fused qkv Linear whose heads the members are folded into).
+    blocks side by side (a fused qkv Linear whose heads the members are folded into). With ``split_heads`` H as well
+    (each part read as (H, O/(s*H)): heads of a size), it gives (..., s, m*H, O/(s*H)) instead, the heads of every
+    member of a part on one axis, as a view: the weight's outputs are stored in (H, s, O/(s*H)) order, so that each
+    member's matmul writes its block of a (rows, m, O) buffer in place and every part's head axis has one stride
+    (one batched call, which runs one matmul per member: ``per_member`` does not apply).
     """
 
-    def __init__(self, weight: Tensor, bias: Tensor | None, *, per_member: bool = False, output_split: int = 1) -> None:
+    def __init__(
+        self, weight: Tensor, bias: Tensor | None, *, per_member: bool = False, output_split: int = 1,
+        split_heads: int = 0,
+    ) -> None:  # fmt: skip
         super().__init__()
-        members, outputs, _ = weight.shape
+        members, outputs, inputs = weight.shape
+        if split_heads:  # outputs (s, H, D) -> (H, s, D): the parts of each head side by side
+            order = (members, output_split, split_heads, -1)
+            weight = weight.reshape(*order, inputs).transpose(1, 2).reshape(members, outputs, inputs)
+            bias = None if bias is None else bias.reshape(order).transpose(1, 2).reshape(-1)
         self.weight = nn.Parameter(weight.transpose(1, 2).contiguous(), requires_grad=False)  # (m, I, O)
         self.bias = None if bias is None else nn.Parameter(bias.view(members, 1, outputs), requires_grad=False)
-        self.per_member = per_member
+        self.per_member = per_member and not split_heads
         self.member_major_in = False
         self.member_major_out = False
         self.output_split = output_split
+        self.split_heads = split_heads
 
     def forward(self, x: Tensor) -> Tensor:
         stacked, lead = self.blocks(x)
+        if self.split_heads:
+            members, _, outputs = self.weight.shape
+            y = stacked.new_empty(stacked.shape[1], members, outputs)
+            self.batched(stacked, out=y.transpose(0, 1))  # one matmul per member, each writing its block
+            size = outputs // (self.split_heads * self.output_split)
+            return y.view(*lead, members * self.split_heads, self.output_split, size).transpose(-3, -2)
         if self.output_split > 1:
             members, _, outputs = self.weight.shape
             y = self.batched(stacked).view(members, -1, self.output_split, outputs // self.output_split)
@@ -219,6 +237,7 @@ class MemberLinear(nn.Module):
         flags = ("per_member", "member_major_in", "member_major_out")
         layout = "".join(f", {name}=True" for name in flags if getattr(self, name))
         layout += f", output_split={self.output_split}" if self.output_split > 1 else ""
+        layout += f", split_heads={self.split_heads}" if self.split_heads else ""
         return f"members={members}, in_features={inputs}, out_features={outputs}, bias={self.bias is not None}{layout}"
 
 
@@ -227,14 +246,33 @@ class MemberMLP(nn.Module):
     layouts the two layers were given. On CPU they run on tiles of about ``tile_rows`` rows: each tile's hidden
     activations are made, activated in place and read while they are in cache, and the hidden layer is never held
     whole. One tile elsewhere and when compiled or exported (the compiler fuses the activations itself, and tile
-    bounds would put guards on the batch size).
+    bounds would put guards on the batch size). The hidden layer gets ``padding`` zero units that make its width a
+    multiple of ``hidden_multiple``, where the activations keep 0 finite: the first layer writes 0 there (no weight,
+    no bias), the second reads them with zero weights. MKL's matmul on CPU runs several times slower per unit on a
+    width such as 205 or 273 than on 208 or 280.
     """
 
     tile_rows = 2048
+    hidden_multiple = 8
 
     def __init__(self, first: MemberLinear, activation: fx.GraphModule, second: MemberLinear) -> None:
         super().__init__()
         self.first, self.activation, self.second = first, activation, second
+        self.padding = self._pad_hidden()
+
+    def _pad_hidden(self) -> int:
+        """Zero hidden units up to a multiple of ``hidden_multiple``; how many (none where an activation of 0 is not
+        finite: its value there is multiplied by 0)."""
+        weight, bias = self.first.weight, self.first.bias  # (m, I, H), (m, 1, H)
+        extra = -weight.shape[2] % self.hidden_multiple
+        with torch.no_grad():
+            if not extra or not bool(self.activation(weight.new_zeros(1, 1, extra)).isfinite().all()):
+                return 0
+            self.first.weight = nn.Parameter(F.pad(weight, (0, extra)), requires_grad=False)
+            if bias is not None:
+                self.first.bias = nn.Parameter(F.pad(bias, (0, extra)), requires_grad=False)
+            self.second.weight = nn.Parameter(F.pad(self.second.weight, (0, 0, 0, extra)), requires_grad=False)
+        return extra
 
     def forward(self, x: Tensor) -> Tensor:
         stacked, lead = self.first.blocks(x)
@@ -254,7 +292,8 @@ class MemberMLP(nn.Module):
             for node in self.activation.graph.nodes
             if node.op.startswith("call")
         ]
-        return f"tile_rows={self.tile_rows}, activations=[{', '.join(names)}]"
+        padding = f", hidden_padding={self.padding}" if self.padding else ""
+        return f"tile_rows={self.tile_rows}, activations=[{', '.join(names)}]{padding}"
 
 
 def macs(weight_shape: Sequence[int], output_shape: Sequence[int], channel_axis: int) -> int:

@@ -133,3 +133,16 @@ def test_a_vit_whose_fallbacks_keep_samples_apart_runs_in_chunks(name: str, monk
         packed = mt.pack(masked, x[:3], program="packed")
         assert packed.fallbacks and ("in_chunks" in packed.code) is chunked
         assert relative_error(packed(x), mt.predict(masked, x, N)) <= 1e-5
+
+
+def test_a_bert_with_a_padding_mask_from_its_token_ids_runs_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its fallbacks (the word embedding, ``tokens == 0``, ``[:, None, None, :]`` that makes it a (B, 1, 1, L) mask,
+    the scaling, the sum with the positions) each keep samples apart, so it runs in chunks and equals the dense
+    model, its padding mask included."""
+    monkeypatch.setattr(packing, "CHUNK_BYTES", 1)
+    torch.manual_seed(0)
+    masked = mt.insert(zoo.Bert(), N, 2.0, seed=0).eval()
+    packed = mt.pack(masked, zoo.tokens(3), program="packed")
+    assert "in_chunks" in packed.code
+    x = zoo.tokens(7, seed=7)
+    assert relative_error(packed(x), mt.predict(masked, x, N)) <= 1e-5

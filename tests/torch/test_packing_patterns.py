@@ -368,6 +368,35 @@ def test_linear_layers_joined_by_activations_run_as_one_mlp_on_tiles_of_rows(exa
             assert relative_error(exported(x), expected) <= 1e-5
 
 
+class Log(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(x)
+
+
+def test_a_member_mlp_pads_its_hidden_layer_where_the_activations_keep_zero_finite() -> None:
+    """205 hidden units per member run as 208: the first layer writes zeros there and the second reads them with zero
+    weights, the same result. After log, infinite at 0, nothing is padded."""
+    from masksembles_torch._packed_ops import MemberLinear, MemberMLP
+
+    generator = torch.Generator().manual_seed(0)
+    w1, b1 = torch.randn(N, 205, 6, generator=generator), torch.randn(N, 205, generator=generator)
+    w2, b2 = torch.randn(N, 3, 205, generator=generator), torch.randn(N, 3, generator=generator)
+    x = torch.randn(2, 5, N * 6, generator=generator)
+    blocks = x.unflatten(-1, (N, 6))
+    expected = torch.einsum("...kh,koh->...ko", F.gelu(torch.einsum("...ki,khi->...kh", blocks, w1) + b1), w2) + b2
+
+    def mlp(activation: nn.Module) -> MemberMLP:
+        first, second = MemberLinear(w1, b1.flatten()), MemberLinear(w2, b2.flatten())
+        first.member_major_out = second.member_major_in = True
+        return MemberMLP(first, torch.fx.symbolic_trace(activation), second)
+
+    padded = mlp(nn.GELU())
+    assert (padded.padding, padded.first.weight.shape[2], padded.second.weight.shape[1]) == (3, 208, 208)
+    assert "hidden_padding=3" in repr(padded)
+    assert relative_error(padded(x), expected.flatten(-2)) <= 1e-5
+    assert mlp(Log()).padding == 0
+
+
 def test_zero_preservation_is_evaluated_with_the_arguments() -> None:
     """Hardtanh(0.1, 1) maps 0 to 0.1: the masked channels are live after it, so the next layer reads them all;
     Hardtanh(-1, 1) keeps zeros: the next layer reads the member's channels only."""

@@ -43,12 +43,31 @@ def test_inserted_zoo_model_packs_equal_to_predict(name: str, half: bool) -> Non
 
 @pytest.mark.parametrize("name", ["vit", "vit_fused"])
 def test_attention_is_folded_into_the_heads_between_member_blocks(name: str) -> None:
-    """The members' qkv Linear writes each of q, k and v with the members' heads side by side, the attention runs
+    """The members' qkv Linear writes each of q, k and v with the members' heads side by side (as a view of each
+    member's matmul output, read by the region's reshape without a copy), the attention runs
     once on (B, 4*heads, L, d) and the projection reads its members' channels from the result: no move to or from
     the member-stacked batch around the attention, which no longer falls back."""
     masked = mt.insert(zoo.build(name), N, 2.0, seed=0).eval()
     x = zoo.images(5)
     packed = mt.pack(masked, x[:2], program="packed")
     assert "to_batch" not in packed.code and not any("attn" in name for name in packed.fallbacks)
-    assert "output_split=3" in repr(packed) and "reshape([-1, 17, 3, 8, 8])" in packed.code
+    assert "output_split=3, split_heads=2" in repr(packed) and "reshape([-1, 17, 3, 8, 8])" in packed.code
+    written: list[torch.Tensor] = []
+    for module in packed.modules():
+        if getattr(module, "split_heads", 0):
+            module.register_forward_hook(lambda _, args, output: written.append(output))
     assert relative_error(packed(x), mt.predict(masked, x, N)) <= 1e-5
+    # q, k and v are views of the members' matmul outputs: the reshape before the attention copies nothing
+    assert written and all(y.reshape(-1, 17, 3, 8, 8)._base is y._base is not None for y in written)
+
+
+def test_the_folded_qkv_view_exports_with_a_dynamic_batch() -> None:
+    """The fused qkv's (B, L, 3, 4*heads, d) view of each member's matmul output keeps a dynamic batch exportable."""
+    masked = mt.insert(zoo.build("vit_fused"), N, 2.0, seed=0).eval()
+    x = zoo.images(5)
+    packed = mt.pack(masked, x[:2], program="packed")
+    assert "split_heads=2" in repr(packed)
+    batch = torch.export.Dim("batch", min=2)
+    exported = torch.export.export(packed, (x[:2],), dynamic_shapes=({0: batch},)).module()
+    for samples in (3, 5):
+        assert relative_error(exported(x[:samples]), mt.predict(masked, x[:samples], N)) <= 1e-5
