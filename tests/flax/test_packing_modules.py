@@ -14,6 +14,8 @@ import pytest
 from flax import nnx
 
 import masksembles_flax as mf
+from masksembles_core.packing import VERIFICATION
+from masksembles_flax._capture import Capture
 from masksembles_flax.nnx import Masksembles, extract_member, insert, pack
 from tests.flax.test_packing import conv, linear, mlp, numpy_init, random_input, relative_error
 
@@ -211,6 +213,20 @@ def test_modules_pack_equal_to_predict(name: str, batch: int) -> None:
     assert_packs(randomized(factory()), random_input((batch, *shape), batch))
 
 
+def test_an_example_of_batch_one_packs_a_model_that_jax_simplifies_there() -> None:
+    """At batch 1 JAX drops the ViT's broadcast of its class token to the batch, so its program differs from batch
+    2's: the capture traces it from batch 2, and the program, verified at the example's batch of 1, runs any batch."""
+    model = randomized(inserted(ViT)())
+    x = random_input((3, 8, 8, 3), 3)
+    assert Capture(model, x[:1]).program.batch == 2 and Capture(model, x[:2]).program.batch == 2
+    assert Capture(randomized(inserted(CNN)()), x[:1]).program.batch == 1  # one program from batch 1: traced there
+    packed = pack(model, x[:1], program="packed")
+    assert packed.program == "packed" and not any(f.startswith(VERIFICATION) for f in packed.fallbacks)
+    for batch in (1, 3):
+        actual, expected, _ = outputs(model, packed, [], x[:batch])
+        assert actual.shape == expected.shape and relative_error(actual, expected) <= 1e-5
+
+
 DENSE_MODELS = {
     "cnn": MODULES["cnn"],
     "resnet-list-of-blocks": MODULES["resnet-list-of-blocks"],
@@ -241,6 +257,8 @@ def test_auto_reports_the_program_it_chose() -> None:
         packed = pack(model, example)
         assert set(packed.seconds) == {"packed", "dense"} and all(t > 0 for t in packed.seconds.values())
         assert packed.choice.startswith(packed.program)
+        figures = ", ".join(f"{name} {packed.seconds[name] * 1e3:.3g} ms" for name in ("packed", "dense"))
+        assert f"program={packed.program} ({packed.choice}; measured {figures})" in repr(packed)
         actual, expected, _ = outputs(model, packed, [], x)
         assert relative_error(actual, expected) <= 1e-5
     with pytest.raises(ValueError, match=r"program must be one of \('auto', 'packed', 'dense'\); received 'fast'"):
