@@ -185,10 +185,8 @@ class _Plan:
             )
             return f"_Plan(members={members}, program=dense" + (f" ({why}{measured}))" if why else ")")
         shown = ", ".join(self.fallbacks[:8]) + (", ..." if len(self.fallbacks) > 8 else "")
-        chosen = f", program=packed ({self.choice}{measured})" if self.choice else ""
-        return (
-            f"_Plan(members={members}, fallbacks={len(self.fallbacks)}" + (f": {shown}" if shown else "") + chosen + ")"
-        )
+        chosen = f"program=packed ({self.choice}{measured}), " if self.choice else ""
+        return f"_Plan(members={members}, {chosen}fallbacks={len(self.fallbacks)}" + (f": {shown})" if shown else ")")
 
 
 # ------------------------------------------------------------------------------------------------ the module
