@@ -341,6 +341,15 @@ def test_pattern_packs_equal_to_predict(name: str) -> None:
     assert_packs(model, random_input((5, 6, 6, 3), 1))
 
 
+def test_channel_moves_are_one_hot_products_on_feature_maps_and_gathers_on_token_sequences() -> None:
+    """(B, H, W, C) feature maps: a matmul with a one-hot constant; (B, L, C) tokens: a gather XLA fuses."""
+    x = random_input((3, 8, 8, 3), 2)
+    cnn, vit = (pack(randomized(factory()), x, program="packed") for factory in (inserted(CNN), inserted(ViT)))
+    assert any(key.startswith("move_") for key in cnn.constants)  # the masks before conv2
+    assert not any(key.startswith("move_") for key in vit.constants)  # the masks before fc1 and fc2
+    assert " gather[" in str(jax.make_jaxpr(vit)(x))
+
+
 def test_depthwise_convolutions_run_as_sums_of_shifted_slices_on_cpu() -> None:
     model = randomized(Between(PATTERNS["depthwise-strided-dilated"]()))
     x = random_input((5, 6, 6, 3), 1)
