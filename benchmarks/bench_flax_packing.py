@@ -10,11 +10,12 @@ Flax examples' ResNet-18 on 128×128×3 (7×7/2 stem and 3×3/2 max pool, so tha
 3×3 convolution on a 2×2 map at a few hundred MFLOP/s), and channels-last versions of bench_packing.py's
 MobileNetV3-like and ConvNeXt-like on 64×64×3 and ViT-like (``nnx.MultiHeadAttention``) on 32×32×3; all but the first
 two with masks placed by ``masksembles_flax.nnx.insert``'s defaults. For batch sizes 1, 32, 256 (1 and 32 for the
-Flax-examples-style modules; medians of interleaved rounds, every ratio from the same run), each function jitted with
-its variables as arguments:
+Flax-examples-style modules but the ViT-like; medians of interleaved rounds, every ratio from the same run), each
+function jitted with its variables as arguments:
 (a) ``pack(model, program="packed")`` on the batch ÷ one forward of the same network without Masksembles;
 (b) tiled dense ``predict(model, x, 4)`` ÷ the same;
-(c) one ``extract_member`` model ÷ the same (latency and parameters).
+(c) one ``extract_member`` model ÷ the same (latency and parameters);
+and the program ``pack``'s default ``program="auto"`` chose on the batch, with the medians it chose by.
 Next to each, the multiply-accumulate (MAC) ratio of its dot and convolution operations, counted on the jitted
 program (padding included): the floor of the time ratio when both run at the same speed per MAC."""
 
@@ -295,7 +296,7 @@ MODELS: dict[str, tuple[Callable[[bool], nnx.Module], tuple[int, ...], tuple[int
     "Flax examples ResNet-18 (insert)": (inserted(ResNet18), (128, 128, 3), (1, 32)),
     "MobileNetV3-like (insert)": (inserted(MobileNet), (64, 64, 3), (1, 32)),
     "ConvNeXt-like (insert)": (inserted(ConvNeXt), (64, 64, 3), (1, 32)),
-    "ViT-like (insert)": (inserted(ViT), (32, 32, 3), (1, 32)),
+    "ViT-like (insert)": (inserted(ViT), (32, 32, 3), (1, 32, 256)),
 }
 
 
@@ -325,11 +326,13 @@ def main() -> None:
         "`nnx.Sequential` stacks; the CNN module is a user's `nnx.Module` (the Flax tutorial's layout) with masks "
         "placed by `insert`; the last four are Flax-examples-style modules with masks placed by `insert`'s defaults "
         '(widths unchanged). `pack (s)`: the build of `pack(model, x, program="packed")`, verification included. '
+        '`auto`: the program `pack(model, x)` (`program="auto"`) returned, and the medians of the packed and dense '
+        "programs it timed on x in its interleaved rounds. "
         "Targets: packed within 1.3× of its MAC ratio and ≤ 1.5× for the MLP; tiled predict ≈ N×.",
         "",
         "| model | batch | single (ms) | (a) packed ÷ single [MACs] | (b) tiled predict ÷ single [MACs] "
-        "| (c) one member ÷ single [MACs] | member params ÷ full | pack (s) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| (c) one member ÷ single [MACs] | member params ÷ full | pack (s) | auto: program (packed / dense ms) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for name in args.models:
         factory, shape, batches = MODELS[name]
@@ -338,13 +341,14 @@ def main() -> None:
         single.eval()
         for batch in batches:
             x = jax.random.normal(jax.random.key(batch), (batch, *shape))
-            # from at least 2 samples: at batch 1 JAX drops a broadcast to the batch (the ViT's class token), and the
-            # capture refuses an example whose program differs from the next batch size's
-            example = x if batch > 1 else jnp.concatenate([x, x])
-            member = extract_member(masked, 0, example)
+            member = extract_member(masked, 0, x)
             start = time.perf_counter()
-            packed = pack(masked, example, program="packed")
+            packed = pack(masked, x, program="packed")
             build = time.perf_counter() - start
+            auto = pack(masked, x)
+            timed_ms = " / ".join(
+                f"{auto.seconds[key] * 1e3:.3g}" for key in ("packed", "dense") if key in auto.seconds
+            )
             calls: dict[str, tuple[nnx.Module, Callable[[nnx.Module, jax.Array], Any]]] = {
                 "single": (single, forward),
                 "packed": (packed, forward),
@@ -361,7 +365,8 @@ def main() -> None:
                 f"| {ratio['packed']:.2f}× [{mac_ratio['packed']:.2f}×] "
                 f"| {ratio['tiled']:.2f}× [{mac_ratio['tiled']:.2f}×] "
                 f"| {ratio['member']:.2f}× [{mac_ratio['member']:.2f}×] "
-                f"| {parameters(member) / parameters(single):.2f}× | {build:.1f} |"
+                f"| {parameters(member) / parameters(single):.2f}× | {build:.1f} "
+                f"| {auto.program} ({timed_ms or 'not timed'}) |"
             )
             lines.append(row)
             print(row, flush=True)

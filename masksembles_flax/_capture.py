@@ -1,7 +1,9 @@
 """The first half of Flax NNX packing: a model's computation, traced by JAX, as a graph of ``masksembles_core`` kinds.
 
 The model (a copy in eval mode) is traced as a pure function of its state leaves and the input with
-``jax.make_jaxpr``, at the example's batch size B and at B+1 and B+2. Nested calls (``jit``, ``custom_jvp``/
+``jax.make_jaxpr``, at the example's batch size B and at B+1 and B+2 (at 2, 3 and 4 for an example of batch 1 whose
+program differs from batch 2's: JAX simplifies some operations away at batch 1, e.g. a broadcast of a class token to
+the batch; verification then checks the program at the example's batch). Nested calls (``jit``, ``custom_jvp``/
 ``custom_vjp`` functions, ``remat``) are inlined, so the program is a flat list of JAX primitives (loops and branches,
 ``scan``/``while``/``cond``, stay whole); a variable's axes whose size follows the batch are its batch axes, and the
 parameters and literals that follow it (a ``reshape`` to (B*L, C), a mean over the batch, a loop body) are affine in
@@ -202,8 +204,13 @@ class Program:
     batch: int  # the first probe batch size
 
 
+class DifferentPrograms(ValueError):
+    """The model runs different operations at two probe batch sizes."""
+
+
 def trace(model: nnx.Module, example: Any) -> Program:
-    """The flat program of ``model`` in eval mode on inputs shaped like ``example`` (batch on axis 0)."""
+    """The flat program of ``model`` in eval mode on inputs shaped like ``example`` (batch on axis 0), traced from
+    the example's batch size (from 2 where a batch of 1 runs other operations than a batch of 2)."""
     shape, dtype = tuple(example.shape), example.dtype
     if len(shape) < 1 or shape[0] < 1:
         raise ValueError(f"{PREFIX} need an example input with a batch of at least 1 on axis 0; received {shape}")
@@ -218,24 +225,34 @@ def trace(model: nnx.Module, example: Any) -> Program:
     def call(leaves: list[Any], x: jax.Array) -> Any:
         return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))(x)
 
-    flats, out_trees = [], []
-    for extra in range(PROBES):
-        batch = jax.ShapeDtypeStruct((shape[0] + extra, *shape[1:]), dtype)  # type: ignore[no-untyped-call]
-        try:
-            closed, out_shape = jax.make_jaxpr(call, return_shape=True)(leaves, batch)
-        except Exception as error:  # JAX raises many types for Python that cannot be traced
-            raise ValueError(
-                f"{PREFIX} need a model JAX can trace in eval mode (no Python control flow on array values, e.g. "
-                f"`if x.sum() > 0`); tracing {type(model).__name__} failed: {type(error).__name__}: {error}"
-            ) from error
-        flat = _Flat()
-        args = [flat.variable(var.aval) for var in closed.jaxpr.invars]
-        for position, leaf in enumerate(leaves):
-            flat.constants[args[position]] = leaf
-        outputs = flat.inline(closed.jaxpr, closed.consts, args)
-        flats.append((flat, outputs))
-        out_trees.append(jax.tree.structure(out_shape))
-    return _merge(flats, out_trees, len(leaves), shape[0], type(model).__name__)
+    def probed(start: int) -> Program:
+        flats, out_trees = [], []
+        for extra in range(PROBES):
+            batch = jax.ShapeDtypeStruct((start + extra, *shape[1:]), dtype)  # type: ignore[no-untyped-call]
+            try:
+                closed, out_shape = jax.make_jaxpr(call, return_shape=True)(leaves, batch)
+            except Exception as error:  # JAX raises many types for Python that cannot be traced
+                raise ValueError(
+                    f"{PREFIX} need a model JAX can trace in eval mode (no Python control flow on array values, e.g. "
+                    f"`if x.sum() > 0`); tracing {type(model).__name__} failed: {type(error).__name__}: {error}"
+                ) from error
+            flat = _Flat()
+            args = [flat.variable(var.aval) for var in closed.jaxpr.invars]
+            for position, leaf in enumerate(leaves):
+                flat.constants[args[position]] = leaf
+            outputs = flat.inline(closed.jaxpr, closed.consts, args)
+            flats.append((flat, outputs))
+            out_trees.append(jax.tree.structure(out_shape))
+        return _merge(flats, out_trees, len(leaves), start, type(model).__name__)
+
+    try:
+        return probed(shape[0])
+    except DifferentPrograms:
+        if shape[0] != 1:
+            raise
+        # JAX simplifies some operations away at batch 1 (a broadcast of a class token to the batch is then a
+        # no-op): the program is traced from batch 2, and verification checks it at the example's batch of 1
+        return probed(2)
 
 
 def _merge(flats: list[tuple[_Flat, list[Any]]], out_trees: list[Any], leaves: int, batch: int, name: str) -> Program:
@@ -252,7 +269,7 @@ def _merge(flats: list[tuple[_Flat, list[Any]]], out_trees: list[Any], leaves: i
     reference = signature(first, outputs)
     for (flat, outs), tree in zip(flats[1:], out_trees[1:], strict=True):
         if signature(flat, outs) != reference or tree != out_trees[0]:
-            raise ValueError(
+            raise DifferentPrograms(
                 f"{PREFIX}: {name} runs different operations at batch sizes {batch} and {batch + 1}; packing needs "
                 "one program for every batch size"
             )

@@ -19,10 +19,12 @@ compacted weights; their convolutions one per member (XLA:CPU runs the grouped c
 several times slower than the separate ones), a depthwise one on CPU as a sum of shifted slices times per-channel
 weights (``_depthwise``: XLA:CPU's own depthwise convolution is 15-60x slower); elementwise operations, moves and
 reductions run on each member's compacted array with their constant operands laid out like it. A channel move on a
-channels-last feature map is one product with a one-hot matrix (XLA:CPU's gather copies value by value: gathers made
-the packed ResNet of ``benchmarks/`` 10-20% slower, and were no faster on the Flax-examples-style ones there);
-elsewhere a gather. Operations that run at full width bind the model's primitive with the parameters it has at the
-member-stacked batch size.
+channels-last spatial feature map (B, H, W, C) is one product with a one-hot matrix (XLA:CPU's gather copies value by
+value: gathers made the packed ResNet of ``benchmarks/`` 10-20% slower, and were no faster on the Flax-examples-style
+ones there); elsewhere, a token sequence (B, L, C) included, a gather, which XLA fuses into the operation that
+produces it (one-hot products before the MLPs made the packed ViT-like of ``benchmarks/`` 15-20% slower at batch 32).
+Operations that run at full width bind the model's primitive with the parameters it has at the member-stacked batch
+size.
 
 Exactness: results equal the dense model's for finite activations, up to float rounding. Channels that Masksembles
 zeroes are left out instead of multiplied by 0 (a masked inf or NaN gives NaN in the dense model and is absent here),
@@ -173,15 +175,18 @@ class _Plan:
     pick: int = -1  # >= 0: the one member returned from a program of every member (squeezed)
 
     def __repr__(self) -> str:
-        """One line for the module's repr (the steps are not listed)."""
+        """One line for the module's repr (the steps are not listed); after ``auto``, what it measured."""
         members = list(self.members)
+        timed = ", ".join(f"{name} {seconds * 1e3:.3g} ms" for name, seconds in self.seconds)
+        measured = f"; measured {timed}" if timed else ""
         if self.program == "dense":
             why = (
                 f"{self.choice}" if self.choice else "; ".join(f for f in self.fallbacks if f.startswith(VERIFICATION))
             )
-            return f"_Plan(members={members}, program=dense" + (f" ({why}))" if why else ")")
+            return f"_Plan(members={members}, program=dense" + (f" ({why}{measured}))" if why else ")")
         shown = ", ".join(self.fallbacks[:8]) + (", ..." if len(self.fallbacks) > 8 else "")
-        return f"_Plan(members={members}, fallbacks={len(self.fallbacks)}" + (f": {shown})" if shown else ")")
+        chosen = f"program=packed ({self.choice}{measured}), " if self.choice else ""
+        return f"_Plan(members={members}, {chosen}fallbacks={len(self.fallbacks)}" + (f": {shown})" if shown else ")")
 
 
 # ------------------------------------------------------------------------------------------------ the module
@@ -515,7 +520,7 @@ class _Emitter:
         sources = tuple(0 if shared else k for k in range(blocks))
         scales = tuple(None if (s == 1).all() else s.astype(np.float32) for s in scale)
         gathers = source_width != width or any(not np.array_equal(i, np.arange(width)) for i in index)
-        feature_map = seen.rank > 2 and channel_axis == seen.rank - 1 and np.issubdtype(seen.dtype, np.floating)
+        feature_map = seen.rank > 3 and channel_axis == seen.rank - 1 and np.issubdtype(seen.dtype, np.floating)
         matrix = ""
         if feature_map and gathers:
             matrix = f"move_{len(self.moves)}"

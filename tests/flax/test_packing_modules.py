@@ -14,6 +14,8 @@ import pytest
 from flax import nnx
 
 import masksembles_flax as mf
+from masksembles_core.packing import VERIFICATION
+from masksembles_flax._capture import Capture
 from masksembles_flax.nnx import Masksembles, extract_member, insert, pack
 from tests.flax.test_packing import conv, linear, mlp, numpy_init, random_input, relative_error
 
@@ -211,6 +213,20 @@ def test_modules_pack_equal_to_predict(name: str, batch: int) -> None:
     assert_packs(randomized(factory()), random_input((batch, *shape), batch))
 
 
+def test_an_example_of_batch_one_packs_a_model_that_jax_simplifies_there() -> None:
+    """At batch 1 JAX drops the ViT's broadcast of its class token to the batch, so its program differs from batch
+    2's: the capture traces it from batch 2, and the program, verified at the example's batch of 1, runs any batch."""
+    model = randomized(inserted(ViT)())
+    x = random_input((3, 8, 8, 3), 3)
+    assert Capture(model, x[:1]).program.batch == 2 and Capture(model, x[:2]).program.batch == 2
+    assert Capture(randomized(inserted(CNN)()), x[:1]).program.batch == 1  # one program from batch 1: traced there
+    packed = pack(model, x[:1], program="packed")
+    assert packed.program == "packed" and not any(f.startswith(VERIFICATION) for f in packed.fallbacks)
+    for batch in (1, 3):
+        actual, expected, _ = outputs(model, packed, [], x[:batch])
+        assert actual.shape == expected.shape and relative_error(actual, expected) <= 1e-5
+
+
 DENSE_MODELS = {
     "cnn": MODULES["cnn"],
     "resnet-list-of-blocks": MODULES["resnet-list-of-blocks"],
@@ -241,6 +257,8 @@ def test_auto_reports_the_program_it_chose() -> None:
         packed = pack(model, example)
         assert set(packed.seconds) == {"packed", "dense"} and all(t > 0 for t in packed.seconds.values())
         assert packed.choice.startswith(packed.program)
+        figures = ", ".join(f"{name} {packed.seconds[name] * 1e3:.3g} ms" for name in ("packed", "dense"))
+        assert f"program={packed.program} ({packed.choice}; measured {figures})" in repr(packed)
         actual, expected, _ = outputs(model, packed, [], x)
         assert relative_error(actual, expected) <= 1e-5
     with pytest.raises(ValueError, match=r"program must be one of \('auto', 'packed', 'dense'\); received 'fast'"):
@@ -321,6 +339,15 @@ PATTERNS: dict[str, Callable[[], Callable[..., Any]]] = {
 def test_pattern_packs_equal_to_predict(name: str) -> None:
     model = randomized(Between(PATTERNS[name]()))
     assert_packs(model, random_input((5, 6, 6, 3), 1))
+
+
+def test_channel_moves_are_one_hot_products_on_feature_maps_and_gathers_on_token_sequences() -> None:
+    """(B, H, W, C) feature maps: a matmul with a one-hot constant; (B, L, C) tokens: a gather XLA fuses."""
+    x = random_input((3, 8, 8, 3), 2)
+    cnn, vit = (pack(randomized(factory()), x, program="packed") for factory in (inserted(CNN), inserted(ViT)))
+    assert any(key.startswith("move_") for key in cnn.constants)  # the masks before conv2
+    assert not any(key.startswith("move_") for key in vit.constants)  # the masks before fc1 and fc2
+    assert " gather[" in str(jax.make_jaxpr(vit)(x))
 
 
 def test_depthwise_convolutions_run_as_sums_of_shifted_slices_on_cpu() -> None:
