@@ -24,6 +24,7 @@ from masksembles_core.packing import Move, Program, Step, block_indices, channel
 from ._layers import Masksembles
 from ._pack_capture import INPUT, Call, Capture, _Op, spatial_size
 from ._packed_layers import (
+    MEMBER_CONVOLUTIONS,
     ChannelSelect,
     MemberConcat,
     MemberDense,
@@ -31,6 +32,8 @@ from ._packed_layers import (
     MemberFrame,
     MemberMasks,
     MemberOutput,
+    blocked,
+    contiguous_runs,
 )
 from ._surgery import _copy
 
@@ -72,7 +75,7 @@ class Emitter:
     def __init__(self, capture: Capture, axis: dict[str, int], program: Program, squeeze: bool, pick: int) -> None:
         self.capture, self.axis, self.program = capture, axis, program
         self.m = len(program.members)
-        self.macs = {"dense": 0, "packed": 0, "fallback": 0}
+        self.macs = {"dense": 0, "packed": 0, "fallback": 0, "moves": 0}
         self.copies: list[tuple[Any, Any]] = []
         self.results: dict[int, list[Any]] = {}  # a fallback call with several outputs: run once
         example = capture.example
@@ -100,7 +103,7 @@ class Emitter:
         for move in edge.moves:
             key = (*key, move.kind, _bytes(move.index), _bytes(move.scale))
             if key not in self.moved:
-                self.moved[key] = self._move(source, move, shared)(value)
+                self.moved[key] = self._move(source, move, shared, value)(value)
             value = self.moved[key]
             if move.kind in ("to_channels", "tile", "to_batch"):
                 shared = False
@@ -108,12 +111,17 @@ class Emitter:
                 shared = edge.placement.shared
         return value
 
-    def _move(self, source: str, move: Move, shared: bool) -> Any:
+    def _move(self, source: str, move: Move, shared: bool, value: Any) -> Any:
         seen = self.capture.seen[source]
         if move.kind == "select":
             assert move.index is not None and move.scale is not None
             scale = None if (move.scale == 1).all() else move.scale.tolist()
-            return ChannelSelect(move.index.tolist(), scale, self.axis[source])
+            axis = self.axis[source] % len(value.shape)
+            form, blocks = _select_form(move.index.tolist(), scale, self.m, value, axis)
+            if form == "onehot":
+                positions = spatial_size(seen.shape, seen.batch_axis, axis)
+                self.macs["moves"] += positions * int(value.shape[axis]) * len(move.index) // blocks
+            return ChannelSelect(move.index.tolist(), scale, self.axis[source], form, blocks)
         if move.kind == "tile":
             if not seen.batch_axes:
                 return lambda value: value  # the same for every member
@@ -239,7 +247,11 @@ class Emitter:
         self._count(step, op, stacked.size)
         config = {**layer.get_config(), "filters": stacked.shape[0], "groups": groups, **ZEROS}
         del config["name"]
-        packed = type(layer).from_config(config)
+        member_convolution = MEMBER_CONVOLUTIONS.get(type(layer))
+        if groups > 1 and member_convolution is not None:
+            packed = member_convolution.from_config({**config, "members": groups // (step.groups or 1)})
+        else:
+            packed = type(layer).from_config(config)
         result = packed(x)
         packed.kernel.assign(np.moveaxis(stacked, (0, 1), (-1, -2)))
         if layer.use_bias:
@@ -300,6 +312,27 @@ def _laid_out_rows(oriented: np.ndarray, layout: np.ndarray) -> np.ndarray:
     keep = valid.reshape(-1, *([1] * (oriented.ndim - 1)))
     rows: np.ndarray = np.where(keep, oriented[index], np.zeros((), oriented.dtype))
     return rows
+
+
+ONEHOT_WIDTH = 128  # the widest input (per block) a one-hot select reads on TensorFlow
+
+
+def _select_form(
+    index: Sequence[int], scale: Sequence[float] | None, members: int, value: Any, axis: int
+) -> tuple[str, int]:
+    """``ChannelSelect``'s kernel for ``index`` on ``axis`` of ``value``, and its blocks: static slices where the
+    index is at most ``members`` runs of consecutive channels (a tile, a member's block); on TensorFlow one-hot
+    products (one per member where the select is ``blocked``) on the last axis of a float tensor at most
+    ``ONEHOT_WIDTH`` channels wide per block (its gather on the channel axis is 1.5-4x slower than them); else a
+    gather (XLA's on JAX is faster than one-hot products there)."""
+    if len(contiguous_runs(index)) <= members:
+        return "slices", 1
+    width = int(value.shape[axis])
+    blocks = members if blocked(index, scale, width, members) else 1
+    last = axis == len(value.shape) - 1 and "float" in str(value.dtype)
+    if last and width // blocks <= ONEHOT_WIDTH and keras.backend.backend() == "tensorflow":
+        return "onehot", blocks
+    return "gather", 1
 
 
 def _bytes(array: np.ndarray | None) -> bytes | None:

@@ -41,21 +41,90 @@ def _batch_to_front(x: Any, batch_axis: int) -> Any:
     return x if batch_axis == 0 else ops.moveaxis(x, batch_axis, 0)
 
 
+def contiguous_runs(index: Sequence[int]) -> list[tuple[int, int]]:
+    """``index`` as (start, stop) runs of consecutive channels, in order."""
+    runs: list[tuple[int, int]] = []
+    for i in index:
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
+
+
+def _axis_slice(x: Any, axis: int, start: int, stop: int) -> Any:
+    """``x[..., start:stop, ...]`` on ``axis`` (>= 0)."""
+    return x[(slice(None),) * axis + (slice(start, stop),)]
+
+
+SELECT_FORMS = ("gather", "slices", "onehot")
+
+
+def onehot_blocks(index: Sequence[int], scale: Sequence[float] | None, width: int, blocks: int) -> np.ndarray:
+    """(blocks, width / blocks, len(index) / blocks): the select of ``index`` (times ``scale``) from ``width``
+    channels as one-hot matrices, output block ``k`` read from input block ``k`` only (``blocked``)."""
+    rows, cols = width // blocks, len(index) // blocks
+    matrix = np.zeros((blocks, rows, cols), dtype=np.float32)
+    values = np.ones(len(index)) if scale is None else np.asarray(scale)
+    for position, (source, value) in enumerate(zip(index, values, strict=True)):
+        if value != 0:
+            matrix[position // cols, source - (position // cols) * rows, position % cols] = value
+    return matrix
+
+
+def blocked(index: Sequence[int], scale: Sequence[float] | None, width: int, blocks: int) -> bool:
+    """Whether the select of ``index`` from ``width`` channels reads output block ``k`` of ``blocks`` only from
+    input block ``k`` (or writes a known zero: ``scale`` 0)."""
+    if blocks < 2 or width % blocks or len(index) % blocks:
+        return False
+    rows, cols = width // blocks, len(index) // blocks
+    values = np.ones(len(index)) if scale is None else np.asarray(scale)
+    block = np.arange(len(index)) // cols
+    return bool(((np.asarray(index) // rows == block) | (values == 0)).all())
+
+
+SELECT_FORMS = ("gather", "slices", "onehot")
+
+
 @keras.saving.register_keras_serializable(package=SERIALIZATION_PACKAGE)
 class ChannelSelect(keras.layers.Layer):  # type: ignore[misc]  # keras is untyped: Layer is Any to mypy
     """A core ``select`` move: gather ``index`` on ``axis`` (the source's copies side by side), then multiply by
-    ``scale`` (the masks, 0 for a known zero written, 1 elsewhere; None: all ones)."""
+    ``scale`` (the masks, 0 for a known zero written, 1 elsewhere; None: all ones).
 
-    def __init__(self, index: Sequence[int], scale: Sequence[float] | None, axis: int, **kwargs: Any) -> None:
+    ``form`` is the kernel: ``"gather"`` (``ops.take``), ``"slices"`` (static slices of the index's runs of
+    consecutive channels, concatenated) or ``"onehot"``: products with one-hot matrices (``onehot_blocks``, the
+    scale folded in), one per block of ``blocks`` (a ``blocked`` select), on the last axis (a non-finite value
+    spreads NaN to the channels moved at its position).
+    """
+
+    def __init__(
+        self, index: Sequence[int], scale: Sequence[float] | None, axis: int, form: str = "gather", blocks: int = 1,
+        **kwargs: Any,
+    ) -> None:  # fmt: skip
         super().__init__(**kwargs)
         self.index, self.scale, self.axis = [int(i) for i in index], None if scale is None else list(scale), axis
+        self.form, self.blocks = form, blocks
 
     def call(self, x: Any) -> Any:
-        y = ops.take(x, ops.convert_to_tensor(np.asarray(self.index, dtype="int32")), axis=self.axis)
+        axis = self.axis % len(x.shape)
+        if self.form == "onehot":
+            width = int(x.shape[axis])
+            matrices = onehot_blocks(self.index, self.scale, width, self.blocks)
+            rows = width // self.blocks
+            parts = [
+                ops.matmul(x[..., k * rows : (k + 1) * rows] if self.blocks > 1 else x, ops.cast(matrix, x.dtype))
+                for k, matrix in enumerate(matrices)
+            ]
+            return parts[0] if len(parts) == 1 else ops.concatenate(parts, axis=-1)
+        if self.form == "slices":
+            parts = [_axis_slice(x, axis, start, stop) for start, stop in contiguous_runs(self.index)]
+            y = parts[0] if len(parts) == 1 else ops.concatenate(parts, axis=axis)
+        else:
+            y = ops.take(x, ops.convert_to_tensor(np.asarray(self.index, dtype="int32")), axis=axis)
         if self.scale is None:
             return y
         shape = [1] * len(x.shape)
-        shape[self.axis] = len(self.scale)
+        shape[axis] = len(self.scale)
         return y * ops.cast(ops.convert_to_tensor(np.asarray(self.scale).reshape(shape)), y.dtype)
 
     def compute_output_shape(self, input_shape: Sequence[int | None]) -> tuple[int | None, ...]:
@@ -64,7 +133,71 @@ class ChannelSelect(keras.layers.Layer):  # type: ignore[misc]  # keras is untyp
         return tuple(shape)
 
     def get_config(self) -> dict[str, Any]:
-        return {**super().get_config(), "index": self.index, "scale": self.scale, "axis": self.axis}
+        config = {"index": self.index, "scale": self.scale, "axis": self.axis, "form": self.form}
+        return {**super().get_config(), **config, "blocks": self.blocks}
+
+
+def runs_members_apart() -> bool:
+    """Whether this backend runs the members' Dense layers and convolutions one per member, on static slices of
+    their side-by-side channels, concatenated: TensorFlow and JAX (XLA) on CPU run a grouped convolution several
+    times slower than its groups apart, and a batched matmul over the members slower than separate ones; torch
+    runs the one grouped convolution or batched matmul as fast or faster."""
+    return str(keras.backend.backend()) in ("tensorflow", "jax")
+
+
+class _MemberConvolution:
+    """A Keras convolution over ``members`` copies side by side on the channel axis, each with ``groups /
+    members`` groups of its own: one convolution per member where ``runs_members_apart``, else the grouped one."""
+
+    members: int
+    data_format: str
+
+    def convolution_op(self, inputs: Any, kernel: Any) -> Any:
+        run = super().convolution_op  # type: ignore[misc]
+        if self.members == 1 or not runs_members_apart():
+            return run(inputs, kernel)
+        axis = len(inputs.shape) - 1 if self.data_format == "channels_last" else 1
+        width, out = int(inputs.shape[axis]) // self.members, int(kernel.shape[-1]) // self.members
+        parts = [
+            run(_axis_slice(inputs, axis, k * width, (k + 1) * width), kernel[..., k * out : (k + 1) * out])
+            for k in range(self.members)
+        ]
+        return ops.concatenate(parts, axis=axis)
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), "members": self.members}  # type: ignore[misc]
+
+
+@keras.saving.register_keras_serializable(package=SERIALIZATION_PACKAGE)
+class MemberConv1D(_MemberConvolution, keras.layers.Conv1D):  # type: ignore[misc]
+    """``Conv1D`` run member by member (``_MemberConvolution``)."""
+
+    def __init__(self, *args: Any, members: int = 1, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.members = members
+
+
+@keras.saving.register_keras_serializable(package=SERIALIZATION_PACKAGE)
+class MemberConv2D(_MemberConvolution, keras.layers.Conv2D):  # type: ignore[misc]
+    """``Conv2D`` run member by member (``_MemberConvolution``)."""
+
+    def __init__(self, *args: Any, members: int = 1, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.members = members
+
+
+@keras.saving.register_keras_serializable(package=SERIALIZATION_PACKAGE)
+class MemberConv3D(_MemberConvolution, keras.layers.Conv3D):  # type: ignore[misc]
+    """``Conv3D`` run member by member (``_MemberConvolution``)."""
+
+    def __init__(self, *args: Any, members: int = 1, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.members = members
+
+
+MEMBER_CONVOLUTIONS: dict[type, type] = {
+    keras.layers.Conv1D: MemberConv1D, keras.layers.Conv2D: MemberConv2D, keras.layers.Conv3D: MemberConv3D,
+}  # fmt: skip
 
 
 @keras.saving.register_keras_serializable(package=SERIALIZATION_PACKAGE)
@@ -115,8 +248,9 @@ class MemberFrame(keras.layers.Layer):  # type: ignore[misc]
 
 @keras.saving.register_keras_serializable(package=SERIALIZATION_PACKAGE)
 class MemberDense(keras.layers.Layer):  # type: ignore[misc]
-    """The members' Dense layers as one batched matmul: (..., m*P_in) -> (..., m*P_out), member ``k``'s block of the
-    input through its own (P_in, P_out) kernel; then the bias and the Dense layer's activation."""
+    """The members' Dense layers: (..., m*P_in) -> (..., m*P_out), member ``k``'s block of the input through its own
+    (P_in, P_out) kernel (one matmul per member where ``runs_members_apart``, else one batched matmul); then the bias
+    and the Dense layer's activation."""
 
     def __init__(self, members: int, units: int, activation: Any = None, use_bias: bool = True, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -133,8 +267,13 @@ class MemberDense(keras.layers.Layer):  # type: ignore[misc]
         )
 
     def call(self, x: Any) -> Any:
-        y = ops.einsum("...mi,mio->...mo", _split_axis(x, len(x.shape) - 1, self.members), self.kernel)
-        y = ops.reshape(y, (-1, *x.shape[1:-1], self.members * self.units))
+        if runs_members_apart():
+            width = int(x.shape[-1]) // self.members
+            parts = [ops.matmul(x[..., k * width : (k + 1) * width], self.kernel[k]) for k in range(self.members)]
+            y = ops.concatenate(parts, axis=-1)
+        else:
+            y = ops.einsum("...mi,mio->...mo", _split_axis(x, len(x.shape) - 1, self.members), self.kernel)
+            y = ops.reshape(y, (-1, *x.shape[1:-1], self.members * self.units))
         if self.bias is not None:
             y = y + self.bias
         return self.activation(y)
