@@ -82,6 +82,11 @@ class Emitter:
         self.input = keras.Input(shape=example.shape[1:], dtype=str(example.dtype), name="input")
         self.tensors: dict[str, Any] = {}
         self.moved: dict[tuple[Any, ...], Any] = {}
+        self.readers: dict[str, list[tuple[Step, int]]] = {}  # who reads each step, and through which edge
+        for step in program.steps:
+            for position, edge in enumerate(step.edges):
+                self.readers.setdefault(edge.source, []).append((step, position))
+        self.folded: set[str] = set()  # BatchNormalization steps folded into the convolution before them
         for step in program.steps:
             self.tensors[step.name] = self._step(step)
         output = program.step(program.output)
@@ -153,7 +158,7 @@ class Emitter:
         if role == "depthwise":
             return self._depthwise(step, op, edges[0], copies)
         if role == "batchnorm":
-            return self._batchnorm(step, op, edges[0])
+            return edges[0] if step.name in self.folded else self._batchnorm(step, op, edges[0])
         if step.node.kind == "flatten":
             last = self.axis[op.tensors[0]] == self.capture.seen[op.tensors[0]].rank - 1
             return (MemberFlatten(copies) if last and copies > 1 else keras.layers.Flatten())(edges[0])
@@ -245,7 +250,9 @@ class Emitter:
             stacked = np.concatenate(list(self._kernel_blocks(step, oriented)))
             groups = 1 if step.edges[0].placement.shared else copies
         self._count(step, op, stacked.size)
+        fold = self._batchnorm_after(step, layer)
         config = {**layer.get_config(), "filters": stacked.shape[0], "groups": groups, **ZEROS}
+        config["use_bias"] = layer.use_bias or fold is not None
         del config["name"]
         member_convolution = MEMBER_CONVOLUTIONS.get(type(layer))
         if groups > 1 and member_convolution is not None:
@@ -253,9 +260,14 @@ class Emitter:
         else:
             packed = type(layer).from_config(config)
         result = packed(x)
+        bias = _laid_out(_numpy(layer.bias), step.placement.layouts) if layer.use_bias else None
+        if fold is not None:  # (C_out, ...) rows times the BatchNormalization's scale, its shift into the bias
+            scale, shift = fold
+            stacked = stacked * scale.reshape(-1, *([1] * (stacked.ndim - 1))).astype(stacked.dtype)
+            bias = shift if bias is None else bias * scale + shift
         packed.kernel.assign(np.moveaxis(stacked, (0, 1), (-1, -2)))
-        if layer.use_bias:
-            packed.bias.assign(_laid_out(_numpy(layer.bias), step.placement.layouts))
+        if bias is not None:
+            packed.bias.assign(bias.astype(stacked.dtype))
         return result
 
     def _depthwise(self, step: Step, op: _Op, x: Any, copies: int) -> Any:
@@ -268,16 +280,53 @@ class Emitter:
             first = layout.reshape(-1, multiplier)[:, 0]
             valid = (first >= 0).reshape(-1, *([1] * (oriented.ndim - 1)))
             groups.append(np.where(valid, oriented[np.maximum(first, 0) // multiplier], np.zeros((), kernel.dtype)))
-        stacked = np.concatenate(groups)
+        stacked = np.concatenate(groups)  # (C_in, *window, multiplier)
         self._count(step, op, stacked.size)
+        fold = self._batchnorm_after(step, layer)
         config = {**layer.get_config(), "depthwise_initializer": "zeros", "bias_initializer": "zeros"}
+        config["use_bias"] = layer.use_bias or fold is not None
         del config["name"]
         packed = type(layer).from_config(config)
         result = packed(x)
-        packed.kernel.assign(np.moveaxis(stacked, 0, -2))
-        if layer.use_bias:
-            packed.bias.assign(_laid_out(_numpy(layer.bias), step.placement.layouts))
+        bias = _laid_out(_numpy(layer.bias), step.placement.layouts) if layer.use_bias else None
+        if fold is not None:  # output channel c * multiplier + j: the BatchNormalization's scale, its shift
+            scale, shift = fold
+            per_tap = scale.reshape(len(stacked), *([1] * (stacked.ndim - 2)), multiplier)
+            stacked = stacked * per_tap
+            bias = shift if bias is None else bias * scale + shift
+        packed.kernel.assign(np.moveaxis(stacked, 0, -2).astype(kernel.dtype))
+        if bias is not None:
+            packed.bias.assign(bias.astype(kernel.dtype))
         return result
+
+    def _batchnorm_after(self, step: Step, layer: Any) -> tuple[np.ndarray, np.ndarray] | None:
+        """The (scale, shift) per packed output channel of the BatchNormalization that alone reads ``step`` (a
+        convolution without activation, its channels unmoved, float32 or float64 throughout), which is then folded
+        into it: marked in ``folded``, it passes its input on. None where there is none."""
+        readers = self.readers.get(step.name, [])
+        if len(readers) != 1 or step.name == self.program.output:
+            return None
+        reader, position = readers[0]
+        if reader.edges[position].moves or reader.name not in self.capture.ops:
+            return None
+        op = self.capture.ops[reader.name]
+        norm = op.call.operation
+        exact = ("float32", "float64")
+        if op.role != "batchnorm" or reader.placement.dense or step.placement.dense:
+            return None
+        if keras.activations.serialize(layer.activation) != "linear":
+            return None
+        if layer.dtype_policy.name not in exact or norm.dtype_policy.name != layer.dtype_policy.name:
+            return None
+        if op.axis != self.capture.ops[step.name].axis:
+            return None
+        index, _ = channel_indices(step.placement.layouts)  # padding reads channel 0: finite, never read back
+        mean, variance = _numpy(norm.moving_mean).astype(np.float64), _numpy(norm.moving_variance).astype(np.float64)
+        gamma = _numpy(norm.gamma).astype(np.float64) if norm.scale else np.ones_like(mean)
+        beta = _numpy(norm.beta).astype(np.float64) if norm.center else np.zeros_like(mean)
+        scale = gamma / np.sqrt(variance + norm.epsilon)
+        self.folded.add(reader.name)
+        return scale[index], (beta - mean * scale)[index]
 
     def _batchnorm(self, step: Step, op: _Op, x: Any) -> Any:
         layer = op.call.operation

@@ -138,29 +138,44 @@ class ChannelSelect(keras.layers.Layer):  # type: ignore[misc]  # keras is untyp
 
 
 def runs_members_apart() -> bool:
-    """Whether this backend runs the members' Dense layers and convolutions one per member, on static slices of
-    their side-by-side channels, concatenated: TensorFlow and JAX (XLA) on CPU run a grouped convolution several
-    times slower than its groups apart, and a batched matmul over the members slower than separate ones; torch
-    runs the one grouped convolution or batched matmul as fast or faster."""
+    """Whether this backend runs the members' Dense layers one per member, on static slices of their side-by-side
+    channels, concatenated: TensorFlow and JAX (XLA) on CPU run that faster than one batched matmul over the
+    members; torch runs the batched matmul as fast or faster."""
     return str(keras.backend.backend()) in ("tensorflow", "jax")
+
+
+def convolution_pieces(groups: int, members: int, window: int) -> int:
+    """How many convolutions a grouped convolution of ``groups`` groups over ``members`` members runs as on this
+    backend, its input and kernel sliced (``window``: the kernel's positions): TensorFlow one per group (it runs a
+    grouped convolution on CPU as an XLA cluster, 2-10x slower than its groups apart); JAX one per member where the
+    window is wider than a point (XLA:CPU's grouped 3x3 convolution is 2.5-4x slower than its members apart, its
+    grouped 1x1 convolution faster); torch one grouped convolution."""
+    backend = str(keras.backend.backend())
+    if backend == "tensorflow":
+        return groups
+    if backend == "jax" and window > 1:
+        return members
+    return 1
 
 
 class _MemberConvolution:
     """A Keras convolution over ``members`` copies side by side on the channel axis, each with ``groups /
-    members`` groups of its own: one convolution per member where ``runs_members_apart``, else the grouped one."""
+    members`` groups of its own, run as ``convolution_pieces`` convolutions on static slices, concatenated."""
 
     members: int
+    groups: int
     data_format: str
 
     def convolution_op(self, inputs: Any, kernel: Any) -> Any:
         run = super().convolution_op  # type: ignore[misc]
-        if self.members == 1 or not runs_members_apart():
+        pieces = convolution_pieces(self.groups, self.members, int(np.prod(kernel.shape[:-2])))
+        if pieces == 1:
             return run(inputs, kernel)
         axis = len(inputs.shape) - 1 if self.data_format == "channels_last" else 1
-        width, out = int(inputs.shape[axis]) // self.members, int(kernel.shape[-1]) // self.members
+        width, out = int(inputs.shape[axis]) // pieces, int(kernel.shape[-1]) // pieces
         parts = [
             run(_axis_slice(inputs, axis, k * width, (k + 1) * width), kernel[..., k * out : (k + 1) * out])
-            for k in range(self.members)
+            for k in range(pieces)
         ]
         return ops.concatenate(parts, axis=axis)
 
