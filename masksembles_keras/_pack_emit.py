@@ -1,13 +1,14 @@
 """The last step of Keras ``pack``: the core's program written as an ordinary functional Keras model.
 
 Every step of ``masksembles_core.packing.Program`` becomes layers on the previous steps' outputs (placements and the
-layers that move between them: ``_packed_layers``): the members' Dense layers as one Dense (a shared input) or one
-batched matmul (``MemberDense``), their convolutions as one grouped convolution (``groups`` = members x the groups
-each one keeps), depthwise convolutions as one depthwise convolution over the members' kept channels, BatchNormalization
-as a BatchNormalization over the kept channels (its statistics and affine gathered), a Masksembles layer as the
-masking move into it, Flatten and Concatenate member by member, and every other compacted layer or raw operation
-called again on the compacted tensor (an activation, pooling, a sum). Fallbacks call a copy of the model's layer (its
-weights copied) or its raw operation at full width.
+layers that move between them: ``_packed_layers``): the members' Dense layers as one Dense (a shared input) or
+``MemberDense``, their convolutions as one grouped convolution (``groups`` = members x the groups each one keeps:
+``MemberConv1D/2D/3D``, which run it in the pieces each backend runs fastest), depthwise convolutions as one depthwise
+convolution over the members' kept channels, BatchNormalization as a BatchNormalization over the kept channels (its
+statistics and affine gathered) or folded into the convolution before it, a Masksembles layer as the masking move
+into it, Flatten and Concatenate member by member, and every other compacted layer or raw operation called again on
+the compacted tensor (an activation, pooling, a sum). Channel selects take the kernel ``_select_form`` picks for this
+backend. Fallbacks call a copy of the model's layer (its weights copied) or its raw operation at full width.
 """
 
 from __future__ import annotations

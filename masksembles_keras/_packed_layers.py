@@ -210,7 +210,7 @@ class MemberConv3D(_MemberConvolution, keras.layers.Conv3D):  # type: ignore[mis
         self.members = members
 
 
-MEMBER_CONVOLUTIONS: dict[type, type] = {
+MEMBER_CONVOLUTIONS: dict[type, Any] = {
     keras.layers.Conv1D: MemberConv1D, keras.layers.Conv2D: MemberConv2D, keras.layers.Conv3D: MemberConv3D,
 }  # fmt: skip
 
