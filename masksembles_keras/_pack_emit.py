@@ -26,6 +26,7 @@ from ._layers import Masksembles
 from ._pack_capture import INPUT, Call, Capture, _Op, spatial_size
 from ._packed_layers import (
     MEMBER_CONVOLUTIONS,
+    MEMBER_DEPTHWISE,
     ChannelSelect,
     MemberConcat,
     MemberDense,
@@ -287,7 +288,7 @@ class Emitter:
         config = {**layer.get_config(), "depthwise_initializer": "zeros", "bias_initializer": "zeros"}
         config["use_bias"] = layer.use_bias or fold is not None
         del config["name"]
-        packed = type(layer).from_config(config)
+        packed = MEMBER_DEPTHWISE.get(type(layer), type(layer)).from_config(config)
         result = packed(x)
         bias = _laid_out(_numpy(layer.bias), step.placement.layouts) if layer.use_bias else None
         if fold is not None:  # output channel c * multiplier + j: the BatchNormalization's scale, its shift

@@ -256,6 +256,23 @@ def test_batchnorm_after_a_convolution_is_folded_into_it() -> None:
     assert_close(members_first(packed, x), mk.predict(model, x, N))
 
 
+@pytest.mark.parametrize(
+    ("window", "strides", "dilation", "padding", "multiplier"),
+    [((3, 3), 1, 1, "same", 1), ((3, 2), 2, 1, "same", 2), ((3, 3), 1, 2, "valid", 1), ((4,), 3, 1, "same", 2)],
+)
+def test_depthwise_as_sums_is_the_depthwise_convolution(
+    window: tuple[int, ...], strides: int, dilation: int, padding: str, multiplier: int
+) -> None:
+    shape = (2, *([9] * len(window)), 3)
+    layer = (layers.DepthwiseConv2D if len(window) == 2 else layers.DepthwiseConv1D)(
+        window, strides, padding, depth_multiplier=multiplier, dilation_rate=dilation, use_bias=False
+    )
+    x = np.random.default_rng(0).standard_normal(shape).astype("float32")
+    expected = ops.convert_to_numpy(layer(x))
+    actual = ops.convert_to_numpy(_packed_layers.depthwise_as_sums(x, layer.kernel, layer))
+    np.testing.assert_allclose(actual, expected, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("form", ["gather", "slices", "onehot"])
 def test_channel_select_forms_agree(form: str) -> None:
     """Each member's channels from its own block of 3 members x 4 channels (a known zero written at 0 and 5)."""
