@@ -57,9 +57,6 @@ def _axis_slice(x: Any, axis: int, start: int, stop: int) -> Any:
     return x[(slice(None),) * axis + (slice(start, stop),)]
 
 
-SELECT_FORMS = ("gather", "slices", "onehot")
-
-
 def onehot_blocks(index: Sequence[int], scale: Sequence[float] | None, width: int, blocks: int) -> np.ndarray:
     """(blocks, width / blocks, len(index) / blocks): the select of ``index`` (times ``scale``) from ``width``
     channels as one-hot matrices, output block ``k`` read from input block ``k`` only (``blocked``)."""
@@ -81,9 +78,6 @@ def blocked(index: Sequence[int], scale: Sequence[float] | None, width: int, blo
     values = np.ones(len(index)) if scale is None else np.asarray(scale)
     block = np.arange(len(index)) // cols
     return bool(((np.asarray(index) // rows == block) | (values == 0)).all())
-
-
-SELECT_FORMS = ("gather", "slices", "onehot")
 
 
 @keras.saving.register_keras_serializable(package=SERIALIZATION_PACKAGE)
