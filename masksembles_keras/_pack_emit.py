@@ -1,13 +1,14 @@
 """The last step of Keras ``pack``: the core's program written as an ordinary functional Keras model.
 
 Every step of ``masksembles_core.packing.Program`` becomes layers on the previous steps' outputs (placements and the
-layers that move between them: ``_packed_layers``): the members' Dense layers as one Dense (a shared input) or one
-batched matmul (``MemberDense``), their convolutions as one grouped convolution (``groups`` = members x the groups
-each one keeps), depthwise convolutions as one depthwise convolution over the members' kept channels, BatchNormalization
-as a BatchNormalization over the kept channels (its statistics and affine gathered), a Masksembles layer as the
-masking move into it, Flatten and Concatenate member by member, and every other compacted layer or raw operation
-called again on the compacted tensor (an activation, pooling, a sum). Fallbacks call a copy of the model's layer (its
-weights copied) or its raw operation at full width.
+layers that move between them: ``_packed_layers``): the members' Dense layers as one Dense (a shared input) or
+``MemberDense``, their convolutions as one grouped convolution (``groups`` = members x the groups each one keeps:
+``MemberConv1D/2D/3D``, which run it in the pieces each backend runs fastest), depthwise convolutions as one depthwise
+convolution over the members' kept channels, BatchNormalization as a BatchNormalization over the kept channels (its
+statistics and affine gathered) or folded into the convolution before it, a Masksembles layer as the masking move
+into it, Flatten and Concatenate member by member, and every other compacted layer or raw operation called again on
+the compacted tensor (an activation, pooling, a sum). Channel selects take the kernel ``_select_form`` picks for this
+backend. Fallbacks call a copy of the model's layer (its weights copied) or its raw operation at full width.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from masksembles_core.packing import Move, Program, Step, block_indices, channel
 from ._layers import Masksembles
 from ._pack_capture import INPUT, Call, Capture, _Op, spatial_size
 from ._packed_layers import (
+    MEMBER_CONVOLUTIONS,
+    MEMBER_DEPTHWISE,
     ChannelSelect,
     MemberConcat,
     MemberDense,
@@ -31,6 +34,8 @@ from ._packed_layers import (
     MemberFrame,
     MemberMasks,
     MemberOutput,
+    blocked,
+    contiguous_runs,
 )
 from ._surgery import _copy
 
@@ -72,13 +77,18 @@ class Emitter:
     def __init__(self, capture: Capture, axis: dict[str, int], program: Program, squeeze: bool, pick: int) -> None:
         self.capture, self.axis, self.program = capture, axis, program
         self.m = len(program.members)
-        self.macs = {"dense": 0, "packed": 0, "fallback": 0}
+        self.macs = {"dense": 0, "packed": 0, "fallback": 0, "moves": 0}
         self.copies: list[tuple[Any, Any]] = []
         self.results: dict[int, list[Any]] = {}  # a fallback call with several outputs: run once
         example = capture.example
         self.input = keras.Input(shape=example.shape[1:], dtype=str(example.dtype), name="input")
         self.tensors: dict[str, Any] = {}
         self.moved: dict[tuple[Any, ...], Any] = {}
+        self.readers: dict[str, list[tuple[Step, int]]] = {}  # who reads each step, and through which edge
+        for step in program.steps:
+            for position, edge in enumerate(step.edges):
+                self.readers.setdefault(edge.source, []).append((step, position))
+        self.folded: set[str] = set()  # BatchNormalization steps folded into the convolution before them
         for step in program.steps:
             self.tensors[step.name] = self._step(step)
         output = program.step(program.output)
@@ -100,7 +110,7 @@ class Emitter:
         for move in edge.moves:
             key = (*key, move.kind, _bytes(move.index), _bytes(move.scale))
             if key not in self.moved:
-                self.moved[key] = self._move(source, move, shared)(value)
+                self.moved[key] = self._move(source, move, shared, value)(value)
             value = self.moved[key]
             if move.kind in ("to_channels", "tile", "to_batch"):
                 shared = False
@@ -108,12 +118,17 @@ class Emitter:
                 shared = edge.placement.shared
         return value
 
-    def _move(self, source: str, move: Move, shared: bool) -> Any:
+    def _move(self, source: str, move: Move, shared: bool, value: Any) -> Any:
         seen = self.capture.seen[source]
         if move.kind == "select":
             assert move.index is not None and move.scale is not None
             scale = None if (move.scale == 1).all() else move.scale.tolist()
-            return ChannelSelect(move.index.tolist(), scale, self.axis[source])
+            axis = self.axis[source] % len(value.shape)
+            form, blocks = _select_form(move.index.tolist(), scale, self.m, value, axis)
+            if form == "onehot":
+                positions = spatial_size(seen.shape, seen.batch_axis, axis)
+                self.macs["moves"] += positions * int(value.shape[axis]) * len(move.index) // blocks
+            return ChannelSelect(move.index.tolist(), scale, self.axis[source], form, blocks)
         if move.kind == "tile":
             if not seen.batch_axes:
                 return lambda value: value  # the same for every member
@@ -145,7 +160,7 @@ class Emitter:
         if role == "depthwise":
             return self._depthwise(step, op, edges[0], copies)
         if role == "batchnorm":
-            return self._batchnorm(step, op, edges[0])
+            return edges[0] if step.name in self.folded else self._batchnorm(step, op, edges[0])
         if step.node.kind == "flatten":
             last = self.axis[op.tensors[0]] == self.capture.seen[op.tensors[0]].rank - 1
             return (MemberFlatten(copies) if last and copies > 1 else keras.layers.Flatten())(edges[0])
@@ -237,13 +252,24 @@ class Emitter:
             stacked = np.concatenate(list(self._kernel_blocks(step, oriented)))
             groups = 1 if step.edges[0].placement.shared else copies
         self._count(step, op, stacked.size)
+        fold = self._batchnorm_after(step, layer)
         config = {**layer.get_config(), "filters": stacked.shape[0], "groups": groups, **ZEROS}
+        config["use_bias"] = layer.use_bias or fold is not None
         del config["name"]
-        packed = type(layer).from_config(config)
+        member_convolution = MEMBER_CONVOLUTIONS.get(type(layer))
+        if groups > 1 and member_convolution is not None:
+            packed = member_convolution.from_config({**config, "members": groups // (step.groups or 1)})
+        else:
+            packed = type(layer).from_config(config)
         result = packed(x)
+        bias = _laid_out(_numpy(layer.bias), step.placement.layouts) if layer.use_bias else None
+        if fold is not None:  # (C_out, ...) rows times the BatchNormalization's scale, its shift into the bias
+            scale, shift = fold
+            stacked = stacked * scale.reshape(-1, *([1] * (stacked.ndim - 1))).astype(stacked.dtype)
+            bias = shift if bias is None else bias * scale + shift
         packed.kernel.assign(np.moveaxis(stacked, (0, 1), (-1, -2)))
-        if layer.use_bias:
-            packed.bias.assign(_laid_out(_numpy(layer.bias), step.placement.layouts))
+        if bias is not None:
+            packed.bias.assign(bias.astype(stacked.dtype))
         return result
 
     def _depthwise(self, step: Step, op: _Op, x: Any, copies: int) -> Any:
@@ -256,16 +282,53 @@ class Emitter:
             first = layout.reshape(-1, multiplier)[:, 0]
             valid = (first >= 0).reshape(-1, *([1] * (oriented.ndim - 1)))
             groups.append(np.where(valid, oriented[np.maximum(first, 0) // multiplier], np.zeros((), kernel.dtype)))
-        stacked = np.concatenate(groups)
+        stacked = np.concatenate(groups)  # (C_in, *window, multiplier)
         self._count(step, op, stacked.size)
+        fold = self._batchnorm_after(step, layer)
         config = {**layer.get_config(), "depthwise_initializer": "zeros", "bias_initializer": "zeros"}
+        config["use_bias"] = layer.use_bias or fold is not None
         del config["name"]
-        packed = type(layer).from_config(config)
+        packed = MEMBER_DEPTHWISE.get(type(layer), type(layer)).from_config(config)
         result = packed(x)
-        packed.kernel.assign(np.moveaxis(stacked, 0, -2))
-        if layer.use_bias:
-            packed.bias.assign(_laid_out(_numpy(layer.bias), step.placement.layouts))
+        bias = _laid_out(_numpy(layer.bias), step.placement.layouts) if layer.use_bias else None
+        if fold is not None:  # output channel c * multiplier + j: the BatchNormalization's scale, its shift
+            scale, shift = fold
+            per_tap = scale.reshape(len(stacked), *([1] * (stacked.ndim - 2)), multiplier)
+            stacked = stacked * per_tap
+            bias = shift if bias is None else bias * scale + shift
+        packed.kernel.assign(np.moveaxis(stacked, 0, -2).astype(kernel.dtype))
+        if bias is not None:
+            packed.bias.assign(bias.astype(kernel.dtype))
         return result
+
+    def _batchnorm_after(self, step: Step, layer: Any) -> tuple[np.ndarray, np.ndarray] | None:
+        """The (scale, shift) per packed output channel of the BatchNormalization that alone reads ``step`` (a
+        convolution without activation, its channels unmoved, float32 or float64 throughout), which is then folded
+        into it: marked in ``folded``, it passes its input on. None where there is none."""
+        readers = self.readers.get(step.name, [])
+        if len(readers) != 1 or step.name == self.program.output:
+            return None
+        reader, position = readers[0]
+        if reader.edges[position].moves or reader.name not in self.capture.ops:
+            return None
+        op = self.capture.ops[reader.name]
+        norm = op.call.operation
+        exact = ("float32", "float64")
+        if op.role != "batchnorm" or reader.placement.dense or step.placement.dense:
+            return None
+        if keras.activations.serialize(layer.activation) != "linear":
+            return None
+        if layer.dtype_policy.name not in exact or norm.dtype_policy.name != layer.dtype_policy.name:
+            return None
+        if op.axis != self.capture.ops[step.name].axis:
+            return None
+        index, _ = channel_indices(step.placement.layouts)  # padding reads channel 0: finite, never read back
+        mean, variance = _numpy(norm.moving_mean).astype(np.float64), _numpy(norm.moving_variance).astype(np.float64)
+        gamma = _numpy(norm.gamma).astype(np.float64) if norm.scale else np.ones_like(mean)
+        beta = _numpy(norm.beta).astype(np.float64) if norm.center else np.zeros_like(mean)
+        scale = gamma / np.sqrt(variance + norm.epsilon)
+        self.folded.add(reader.name)
+        return scale[index], (beta - mean * scale)[index]
 
     def _batchnorm(self, step: Step, op: _Op, x: Any) -> Any:
         layer = op.call.operation
@@ -300,6 +363,27 @@ def _laid_out_rows(oriented: np.ndarray, layout: np.ndarray) -> np.ndarray:
     keep = valid.reshape(-1, *([1] * (oriented.ndim - 1)))
     rows: np.ndarray = np.where(keep, oriented[index], np.zeros((), oriented.dtype))
     return rows
+
+
+ONEHOT_WIDTH = 128  # the widest input (per block) a one-hot select reads on TensorFlow
+
+
+def _select_form(
+    index: Sequence[int], scale: Sequence[float] | None, members: int, value: Any, axis: int
+) -> tuple[str, int]:
+    """``ChannelSelect``'s kernel for ``index`` on ``axis`` of ``value``, and its blocks: static slices where the
+    index is at most ``members`` runs of consecutive channels (a tile, a member's block); on TensorFlow one-hot
+    products (one per member where the select is ``blocked``) on the last axis of a float tensor at most
+    ``ONEHOT_WIDTH`` channels wide per block (its gather on the channel axis is 1.5-4x slower than them); else a
+    gather (XLA's on JAX is faster than one-hot products there)."""
+    if len(contiguous_runs(index)) <= members:
+        return "slices", 1
+    width = int(value.shape[axis])
+    blocks = members if blocked(index, scale, width, members) else 1
+    last = axis == len(value.shape) - 1 and "float" in str(value.dtype)
+    if last and width // blocks <= ONEHOT_WIDTH and keras.backend.backend() == "tensorflow":
+        return "onehot", blocks
+    return "gather", 1
 
 
 def _bytes(array: np.ndarray | None) -> bytes | None:

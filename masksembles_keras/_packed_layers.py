@@ -41,21 +41,84 @@ def _batch_to_front(x: Any, batch_axis: int) -> Any:
     return x if batch_axis == 0 else ops.moveaxis(x, batch_axis, 0)
 
 
+def contiguous_runs(index: Sequence[int]) -> list[tuple[int, int]]:
+    """``index`` as (start, stop) runs of consecutive channels, in order."""
+    runs: list[tuple[int, int]] = []
+    for i in index:
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
+
+
+def _axis_slice(x: Any, axis: int, start: int, stop: int) -> Any:
+    """``x[..., start:stop, ...]`` on ``axis`` (>= 0)."""
+    return x[(slice(None),) * axis + (slice(start, stop),)]
+
+
+def onehot_blocks(index: Sequence[int], scale: Sequence[float] | None, width: int, blocks: int) -> np.ndarray:
+    """(blocks, width / blocks, len(index) / blocks): the select of ``index`` (times ``scale``) from ``width``
+    channels as one-hot matrices, output block ``k`` read from input block ``k`` only (``blocked``)."""
+    rows, cols = width // blocks, len(index) // blocks
+    matrix = np.zeros((blocks, rows, cols), dtype=np.float32)
+    values = np.ones(len(index)) if scale is None else np.asarray(scale)
+    for position, (source, value) in enumerate(zip(index, values, strict=True)):
+        if value != 0:
+            matrix[position // cols, source - (position // cols) * rows, position % cols] = value
+    return matrix
+
+
+def blocked(index: Sequence[int], scale: Sequence[float] | None, width: int, blocks: int) -> bool:
+    """Whether the select of ``index`` from ``width`` channels reads output block ``k`` of ``blocks`` only from
+    input block ``k`` (or writes a known zero: ``scale`` 0)."""
+    if blocks < 2 or width % blocks or len(index) % blocks:
+        return False
+    rows, cols = width // blocks, len(index) // blocks
+    values = np.ones(len(index)) if scale is None else np.asarray(scale)
+    block = np.arange(len(index)) // cols
+    return bool(((np.asarray(index) // rows == block) | (values == 0)).all())
+
+
 @keras.saving.register_keras_serializable(package=SERIALIZATION_PACKAGE)
 class ChannelSelect(keras.layers.Layer):  # type: ignore[misc]  # keras is untyped: Layer is Any to mypy
     """A core ``select`` move: gather ``index`` on ``axis`` (the source's copies side by side), then multiply by
-    ``scale`` (the masks, 0 for a known zero written, 1 elsewhere; None: all ones)."""
+    ``scale`` (the masks, 0 for a known zero written, 1 elsewhere; None: all ones).
 
-    def __init__(self, index: Sequence[int], scale: Sequence[float] | None, axis: int, **kwargs: Any) -> None:
+    ``form`` is the kernel: ``"gather"`` (``ops.take``), ``"slices"`` (static slices of the index's runs of
+    consecutive channels, concatenated) or ``"onehot"``: products with one-hot matrices (``onehot_blocks``, the
+    scale folded in), one per block of ``blocks`` (a ``blocked`` select), on the last axis (a non-finite value
+    spreads NaN to the channels moved at its position).
+    """
+
+    def __init__(
+        self, index: Sequence[int], scale: Sequence[float] | None, axis: int, form: str = "gather", blocks: int = 1,
+        **kwargs: Any,
+    ) -> None:  # fmt: skip
         super().__init__(**kwargs)
         self.index, self.scale, self.axis = [int(i) for i in index], None if scale is None else list(scale), axis
+        self.form, self.blocks = form, blocks
 
     def call(self, x: Any) -> Any:
-        y = ops.take(x, ops.convert_to_tensor(np.asarray(self.index, dtype="int32")), axis=self.axis)
+        axis = self.axis % len(x.shape)
+        if self.form == "onehot":
+            width = int(x.shape[axis])
+            matrices = onehot_blocks(self.index, self.scale, width, self.blocks)
+            rows = width // self.blocks
+            parts = [
+                ops.matmul(x[..., k * rows : (k + 1) * rows] if self.blocks > 1 else x, ops.cast(matrix, x.dtype))
+                for k, matrix in enumerate(matrices)
+            ]
+            return parts[0] if len(parts) == 1 else ops.concatenate(parts, axis=-1)
+        if self.form == "slices":
+            parts = [_axis_slice(x, axis, start, stop) for start, stop in contiguous_runs(self.index)]
+            y = parts[0] if len(parts) == 1 else ops.concatenate(parts, axis=axis)
+        else:
+            y = ops.take(x, ops.convert_to_tensor(np.asarray(self.index, dtype="int32")), axis=axis)
         if self.scale is None:
             return y
         shape = [1] * len(x.shape)
-        shape[self.axis] = len(self.scale)
+        shape[axis] = len(self.scale)
         return y * ops.cast(ops.convert_to_tensor(np.asarray(self.scale).reshape(shape)), y.dtype)
 
     def compute_output_shape(self, input_shape: Sequence[int | None]) -> tuple[int | None, ...]:
@@ -64,7 +127,152 @@ class ChannelSelect(keras.layers.Layer):  # type: ignore[misc]  # keras is untyp
         return tuple(shape)
 
     def get_config(self) -> dict[str, Any]:
-        return {**super().get_config(), "index": self.index, "scale": self.scale, "axis": self.axis}
+        config = {"index": self.index, "scale": self.scale, "axis": self.axis, "form": self.form}
+        return {**super().get_config(), **config, "blocks": self.blocks}
+
+
+def runs_members_apart() -> bool:
+    """Whether this backend runs the members' Dense layers one per member, on static slices of their side-by-side
+    channels, concatenated: TensorFlow runs that faster than one batched matmul over the members (3.6 against 5.8 ms
+    at batch 256); on JAX it made the packed MLP faster at batch 256 but slower at batch 1, and torch runs the batched
+    matmul as fast."""
+    return str(keras.backend.backend()) == "tensorflow"
+
+
+def convolution_pieces(groups: int, members: int, window: int) -> int:
+    """How many convolutions a grouped convolution of ``groups`` groups over ``members`` members runs as on this
+    backend, its input and kernel sliced (``window``: the kernel's positions): TensorFlow one per group (it runs a
+    grouped convolution on CPU as an XLA cluster, 2-10x slower than its groups apart); JAX one per member where the
+    window is wider than a point (XLA:CPU's grouped 3x3 convolution is 2.5-4x slower than its members apart, its
+    grouped 1x1 convolution faster); torch one grouped convolution."""
+    backend = str(keras.backend.backend())
+    if backend == "tensorflow":
+        return groups
+    if backend == "jax" and window > 1:
+        return members
+    return 1
+
+
+class _MemberConvolution:
+    """A Keras convolution over ``members`` copies side by side on the channel axis, each with ``groups /
+    members`` groups of its own, run as ``convolution_pieces`` convolutions on static slices, concatenated."""
+
+    members: int
+    groups: int
+    data_format: str
+
+    def convolution_op(self, inputs: Any, kernel: Any) -> Any:
+        run = super().convolution_op  # type: ignore[misc]
+        pieces = convolution_pieces(self.groups, self.members, int(np.prod(kernel.shape[:-2])))
+        if pieces == 1:
+            return run(inputs, kernel)
+        axis = len(inputs.shape) - 1 if self.data_format == "channels_last" else 1
+        width, out = int(inputs.shape[axis]) // pieces, int(kernel.shape[-1]) // pieces
+        parts = [
+            run(_axis_slice(inputs, axis, k * width, (k + 1) * width), kernel[..., k * out : (k + 1) * out])
+            for k in range(pieces)
+        ]
+        return ops.concatenate(parts, axis=axis)
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), "members": self.members}  # type: ignore[misc]
+
+
+@keras.saving.register_keras_serializable(package=SERIALIZATION_PACKAGE)
+class MemberConv1D(_MemberConvolution, keras.layers.Conv1D):  # type: ignore[misc]
+    """``Conv1D`` run member by member (``_MemberConvolution``)."""
+
+    def __init__(self, *args: Any, members: int = 1, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.members = members
+
+
+@keras.saving.register_keras_serializable(package=SERIALIZATION_PACKAGE)
+class MemberConv2D(_MemberConvolution, keras.layers.Conv2D):  # type: ignore[misc]
+    """``Conv2D`` run member by member (``_MemberConvolution``)."""
+
+    def __init__(self, *args: Any, members: int = 1, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.members = members
+
+
+@keras.saving.register_keras_serializable(package=SERIALIZATION_PACKAGE)
+class MemberConv3D(_MemberConvolution, keras.layers.Conv3D):  # type: ignore[misc]
+    """``Conv3D`` run member by member (``_MemberConvolution``)."""
+
+    def __init__(self, *args: Any, members: int = 1, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.members = members
+
+
+MEMBER_CONVOLUTIONS: dict[type, Any] = {
+    keras.layers.Conv1D: MemberConv1D, keras.layers.Conv2D: MemberConv2D, keras.layers.Conv3D: MemberConv3D,
+}  # fmt: skip
+
+
+def depthwise_as_sums(x: Any, kernel: Any, layer: Any) -> Any:
+    """A depthwise convolution of ``layer`` (its strides, ``"valid"`` or ``"same"`` padding, dilation and data format;
+    ``kernel``: (*window, C, multiplier)) as a sum over the window of strided slices of the padded input times each
+    channel's weights: XLA fuses it into one loop, where XLA:CPU runs its own depthwise convolution many times slower
+    (the Flax packer's ``_depthwise`` measured 15-60x)."""
+    x, rank = ops.convert_to_tensor(x), len(x.shape)
+    channel_axis = rank - 1 if layer.data_format == "channels_last" else 1
+    spatial = [a for a in range(1, rank) if a != channel_axis]
+    window, multiplier = tuple(int(k) for k in kernel.shape[:-2]), int(kernel.shape[-1])
+    if multiplier > 1:
+        x = ops.repeat(x, multiplier, axis=channel_axis)
+    pads, sizes = [(0, 0)] * rank, []
+    for axis, k, d, s in zip(spatial, window, layer.dilation_rate, layer.strides, strict=True):
+        n, extent = int(x.shape[axis]), (k - 1) * d + 1
+        if layer.padding == "same":
+            size = -(-n // s)
+            total = max((size - 1) * s + extent - n, 0)
+            pads[axis] = (total // 2, total - total // 2)
+        else:
+            size = (n - extent) // s + 1
+        sizes.append(size)
+    padded = ops.pad(x, pads) if any(pads[a] != (0, 0) for a in spatial) else x
+    weights = ops.reshape(kernel, (*window, -1))  # (*window, C * multiplier): output channel c * multiplier + j
+    shape = [1] * rank
+    shape[channel_axis] = -1
+    total_sum = None
+    for tap in np.ndindex(*window):
+        index = [slice(None)] * rank
+        for axis, t, d, s, size in zip(spatial, tap, layer.dilation_rate, layer.strides, sizes, strict=True):
+            index[axis] = slice(t * d, t * d + s * (size - 1) + 1, s)
+        term = padded[tuple(index)] * ops.reshape(weights[tap], shape)
+        total_sum = term if total_sum is None else total_sum + term
+    return total_sum
+
+
+class _SummedDepthwise:
+    """A Keras depthwise convolution that runs as ``depthwise_as_sums`` on JAX, as Keras runs it elsewhere."""
+
+    def call(self, inputs: Any) -> Any:
+        layer: Any = self
+        if str(keras.backend.backend()) != "jax" or layer.padding not in ("valid", "same"):
+            return super().call(inputs)  # type: ignore[misc]
+        outputs = depthwise_as_sums(inputs, layer.kernel, layer)
+        if layer.use_bias:
+            shape = [1] * len(outputs.shape)
+            shape[-1 if layer.data_format == "channels_last" else 1] = -1
+            outputs = outputs + ops.reshape(layer.bias, shape)
+        return outputs if layer.activation is None else layer.activation(outputs)
+
+
+@keras.saving.register_keras_serializable(package=SERIALIZATION_PACKAGE)
+class MemberDepthwiseConv1D(_SummedDepthwise, keras.layers.DepthwiseConv1D):  # type: ignore[misc]
+    """``DepthwiseConv1D`` as sums on JAX (``_SummedDepthwise``)."""
+
+
+@keras.saving.register_keras_serializable(package=SERIALIZATION_PACKAGE)
+class MemberDepthwiseConv2D(_SummedDepthwise, keras.layers.DepthwiseConv2D):  # type: ignore[misc]
+    """``DepthwiseConv2D`` as sums on JAX (``_SummedDepthwise``)."""
+
+
+MEMBER_DEPTHWISE: dict[type, Any] = {
+    keras.layers.DepthwiseConv1D: MemberDepthwiseConv1D, keras.layers.DepthwiseConv2D: MemberDepthwiseConv2D,
+}  # fmt: skip
 
 
 @keras.saving.register_keras_serializable(package=SERIALIZATION_PACKAGE)
@@ -115,8 +323,9 @@ class MemberFrame(keras.layers.Layer):  # type: ignore[misc]
 
 @keras.saving.register_keras_serializable(package=SERIALIZATION_PACKAGE)
 class MemberDense(keras.layers.Layer):  # type: ignore[misc]
-    """The members' Dense layers as one batched matmul: (..., m*P_in) -> (..., m*P_out), member ``k``'s block of the
-    input through its own (P_in, P_out) kernel; then the bias and the Dense layer's activation."""
+    """The members' Dense layers: (..., m*P_in) -> (..., m*P_out), member ``k``'s block of the input through its own
+    (P_in, P_out) kernel (one matmul per member where ``runs_members_apart``, else one batched matmul); then the bias
+    and the Dense layer's activation."""
 
     def __init__(self, members: int, units: int, activation: Any = None, use_bias: bool = True, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -133,8 +342,13 @@ class MemberDense(keras.layers.Layer):  # type: ignore[misc]
         )
 
     def call(self, x: Any) -> Any:
-        y = ops.einsum("...mi,mio->...mo", _split_axis(x, len(x.shape) - 1, self.members), self.kernel)
-        y = ops.reshape(y, (-1, *x.shape[1:-1], self.members * self.units))
+        if runs_members_apart():
+            width = int(x.shape[-1]) // self.members
+            parts = [ops.matmul(x[..., k * width : (k + 1) * width], self.kernel[k]) for k in range(self.members)]
+            y = ops.concatenate(parts, axis=-1)
+        else:
+            y = ops.einsum("...mi,mio->...mo", _split_axis(x, len(x.shape) - 1, self.members), self.kernel)
+            y = ops.reshape(y, (-1, *x.shape[1:-1], self.members * self.units))
         if self.bias is not None:
             y = y + self.bias
         return self.activation(y)

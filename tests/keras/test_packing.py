@@ -14,7 +14,7 @@ import pytest
 from keras import layers, ops
 
 import masksembles_keras as mk
-from masksembles_keras import _pack_capture, _packing
+from masksembles_keras import _pack_capture, _packed_layers, _packing
 from tests.keras import architectures
 from tests.keras.common import JIT_COMPILE
 
@@ -231,6 +231,59 @@ def test_packed_model_is_smaller_where_nothing_falls_back(name: str) -> None:
     assert 0 < packed.macs["packed"] < packed.macs["dense"] and packed.macs["fallback"] == 0
     member = mk.extract_member(model, 0, example(model, 5))
     assert member.count_params() < model.count_params()
+
+
+def batchnorm_after_convolutions() -> keras.Model:
+    """Every BatchNormalization alone after a convolution: grouped, depthwise with multiplier 2, without bias,
+    without scale and center."""
+    inputs = keras.Input((6, 6, 4))
+    x = layers.BatchNormalization()(layers.Conv2D(8, 3, padding="same", groups=2)(inputs))
+    x = masks("m1", 0)(layers.ReLU()(x))
+    x = layers.DepthwiseConv2D(3, padding="same", depth_multiplier=2, use_bias=False)(x)
+    x = layers.ReLU()(layers.BatchNormalization(scale=False, center=False)(x))
+    x = layers.BatchNormalization()(layers.Conv1D(6, 2)(layers.Reshape((36, 16))(x)))
+    return keras.Model(inputs, layers.Dense(3)(layers.GlobalAveragePooling1D()(x)), name="batchnorm_after")
+
+
+def test_batchnorm_after_a_convolution_is_folded_into_it() -> None:
+    keras.utils.set_random_seed(0)
+    model = batchnorm_after_convolutions()
+    randomize_batchnorm(model)
+    x = example(model, 5)
+    packed = mk.pack(model, x, program="packed")
+    assert (packed.program, packed.fallbacks) == ("packed", ())
+    assert not [layer for layer in packed.layers if isinstance(layer, layers.BatchNormalization)]
+    assert_close(members_first(packed, x), mk.predict(model, x, N))
+
+
+@pytest.mark.parametrize(
+    ("window", "strides", "dilation", "padding", "multiplier"),
+    [((3, 3), 1, 1, "same", 1), ((3, 2), 2, 1, "same", 2), ((3, 3), 1, 2, "valid", 1), ((4,), 3, 1, "same", 2)],
+)
+def test_depthwise_as_sums_is_the_depthwise_convolution(
+    window: tuple[int, ...], strides: int, dilation: int, padding: str, multiplier: int
+) -> None:
+    shape = (2, *([9] * len(window)), 3)
+    layer = (layers.DepthwiseConv2D if len(window) == 2 else layers.DepthwiseConv1D)(
+        window, strides, padding, depth_multiplier=multiplier, dilation_rate=dilation, use_bias=False
+    )
+    x = np.random.default_rng(0).standard_normal(shape).astype("float32")
+    expected = ops.convert_to_numpy(layer(x))
+    actual = ops.convert_to_numpy(_packed_layers.depthwise_as_sums(x, layer.kernel, layer))
+    np.testing.assert_allclose(actual, expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("form", ["gather", "slices", "onehot"])
+def test_channel_select_forms_agree(form: str) -> None:
+    """Each member's channels from its own block of 3 members x 4 channels (a known zero written at 0 and 5)."""
+    index = [1, 3, 0, 2, 4, 4, 7, 5, 11, 8, 9, 10]
+    scale = [0.0, 1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+    x = np.random.default_rng(0).standard_normal((2, 5, 12)).astype("float32")
+    expected = x[..., index] * np.asarray(scale, dtype="float32")
+    for blocks in (1, 3) if form == "onehot" else (1,):
+        select = _packed_layers.ChannelSelect(index, scale, 2, form, blocks)
+        np.testing.assert_allclose(ops.convert_to_numpy(select(x)), expected, rtol=0, atol=1e-6)
+    assert _packed_layers.blocked(index, scale, 12, 3) and not _packed_layers.blocked(index[::-1], None, 12, 3)
 
 
 @pytest.mark.parametrize("jit_compile", JIT_COMPILE)
