@@ -23,31 +23,12 @@ from flax import nnx
 
 from masksembles_flax.nnx import Masksembles
 from tests.flax.test_packing import conv, linear
+from tests.generated_shapes import Shape, always, even, image
 
 N = 4
 WIDTHS = (8, 12, 16)
 
 Array = jax.Array
-
-
-@dataclass(frozen=True)
-class Shape:
-    """A per-sample shape: ``layout`` "image" (S, S, C), "tokens" (S, C) or "flat" (C,); channels always last."""
-
-    layout: str
-    channels: int
-    size: int = 1
-
-    @property
-    def features(self) -> int:
-        return self.channels * (self.size**2 if self.layout == "image" else self.size)
-
-    def batched(self, batch: int) -> tuple[int, ...]:
-        if self.layout == "image":
-            return (batch, self.size, self.size, self.channels)
-        if self.layout == "tokens":
-            return (batch, self.size, self.channels)
-        return (batch, self.channels)
 
 
 @jax.custom_vjp
@@ -141,18 +122,6 @@ class Operation:
     build: Build
     keeps_shape: bool = True
     weight: int = 1  # how often it is drawn, relative to the others that apply
-
-
-def _any(_: Shape) -> bool:
-    return True
-
-
-def _image(shape: Shape) -> bool:
-    return shape.layout == "image"
-
-
-def _even(shape: Shape) -> bool:
-    return shape.channels % 2 == 0
 
 
 def _function(function: Callable[[Array], Array]) -> Build:
@@ -251,49 +220,49 @@ def _strided(shape: Shape, _: Context) -> tuple[Callable[[Array], Array], Shape]
 
 OPERATIONS: tuple[Operation, ...] = (
     # activations that keep zeros, and those that do not
-    Operation("relu", _any, _function(nnx.relu)),
-    Operation("gelu", _any, _function(nnx.gelu)),
-    Operation("tanh", _any, _function(jnp.tanh)),
-    Operation("x * 0.5", _any, _function(lambda x: x * 0.5)),
-    Operation("clip(x, 0.1, 1)", _any, _function(lambda x: jnp.clip(x, 0.1, 1.0))),
-    Operation("sigmoid", _any, _function(jax.nn.sigmoid)),
-    Operation("softplus", _any, _function(jax.nn.softplus)),
-    Operation("x + 1", _any, _function(lambda x: x + 1.0)),
-    Operation("maximum(x, 0.1)", _any, _function(lambda x: jnp.maximum(x, 0.1))),
-    Operation("exp", _any, _function(lambda x: jnp.exp(jnp.minimum(x, 4.0)))),
-    Operation("where(x > 0, x, 1)", _any, _function(lambda x: jnp.where(x > 0, x, 1.0))),
-    Operation("custom_vjp", _any, _function(cube)),
-    Operation("layer scale", _any, lambda s, c: (LayerScale(s.channels, c.values), s)),
+    Operation("relu", always, _function(nnx.relu)),
+    Operation("gelu", always, _function(nnx.gelu)),
+    Operation("tanh", always, _function(jnp.tanh)),
+    Operation("x * 0.5", always, _function(lambda x: x * 0.5)),
+    Operation("clip(x, 0.1, 1)", always, _function(lambda x: jnp.clip(x, 0.1, 1.0))),
+    Operation("sigmoid", always, _function(jax.nn.sigmoid)),
+    Operation("softplus", always, _function(jax.nn.softplus)),
+    Operation("x + 1", always, _function(lambda x: x + 1.0)),
+    Operation("maximum(x, 0.1)", always, _function(lambda x: jnp.maximum(x, 0.1))),
+    Operation("exp", always, _function(lambda x: jnp.exp(jnp.minimum(x, 4.0)))),
+    Operation("where(x > 0, x, 1)", always, _function(lambda x: jnp.where(x > 0, x, 1.0))),
+    Operation("custom_vjp", always, _function(cube)),
+    Operation("layer scale", always, lambda s, c: (LayerScale(s.channels, c.values), s)),
     # reorderings of the channels
-    Operation("flip", _any, _function(lambda x: jnp.flip(x, -1))),
-    Operation("roll", _any, _function(lambda x: jnp.roll(x, 1, axis=-1))),
-    Operation("shuffle", _even, _function(_shuffle)),
-    Operation("reversed halves", _even, _function(_reversed_halves)),
-    Operation("strided slice", lambda s: s.channels >= 8 and _even(s), _strided, keeps_shape=False),
+    Operation("flip", always, _function(lambda x: jnp.flip(x, -1))),
+    Operation("roll", always, _function(lambda x: jnp.roll(x, 1, axis=-1))),
+    Operation("shuffle", even, _function(_shuffle)),
+    Operation("reversed halves", even, _function(_reversed_halves)),
+    Operation("strided slice", lambda s: s.channels >= 8 and even(s), _strided, keeps_shape=False),
     # reductions and norms over the channels
-    Operation("x - max", _any, _function(lambda x: x - jnp.max(x, axis=-1, keepdims=True))),
-    Operation("x / (norm + 1)", _any, _function(lambda x: x / (jnp.linalg.norm(x, axis=-1, keepdims=True) + 1))),
-    Operation("softmax", _any, _function(lambda x: jax.nn.softmax(x, axis=-1))),
-    Operation("cumsum", _any, _function(lambda x: jnp.cumsum(x, axis=-1))),
-    Operation("l2 normalize", _any, _function(lambda x: x * jax.lax.rsqrt(jnp.sum(x * x, -1, keepdims=True) + 1e-6))),
-    Operation("LayerNorm", _any, _layer_norm),
-    Operation("GroupNorm", lambda s: _image(s) and _even(s), _group_norm),
-    Operation("BatchNorm", _any, _batch_norm),
+    Operation("x - max", always, _function(lambda x: x - jnp.max(x, axis=-1, keepdims=True))),
+    Operation("x / (norm + 1)", always, _function(lambda x: x / (jnp.linalg.norm(x, axis=-1, keepdims=True) + 1))),
+    Operation("softmax", always, _function(lambda x: jax.nn.softmax(x, axis=-1))),
+    Operation("cumsum", always, _function(lambda x: jnp.cumsum(x, axis=-1))),
+    Operation("l2 normalize", always, _function(lambda x: x * jax.lax.rsqrt(jnp.sum(x * x, -1, keepdims=True) + 1e-6))),
+    Operation("LayerNorm", always, _layer_norm),
+    Operation("GroupNorm", lambda s: image(s) and even(s), _group_norm),
+    Operation("BatchNorm", always, _batch_norm),
     # mixing layers
-    Operation("conv or linear", _any, _mixing("full"), keeps_shape=False, weight=6),
-    Operation("pointwise conv", _image, _mixing("pointwise"), keeps_shape=False, weight=2),
-    Operation("grouped conv", lambda s: _image(s) and _even(s), _mixing("grouped"), keeps_shape=False, weight=2),
-    Operation("depthwise conv", _image, _mixing("depthwise"), weight=2),
+    Operation("conv or linear", always, _mixing("full"), keeps_shape=False, weight=6),
+    Operation("pointwise conv", image, _mixing("pointwise"), keeps_shape=False, weight=2),
+    Operation("grouped conv", lambda s: image(s) and even(s), _mixing("grouped"), keeps_shape=False, weight=2),
+    Operation("depthwise conv", image, _mixing("depthwise"), weight=2),
     Operation("attention", lambda s: s.layout == "tokens", lambda s, c: (Attention(s.channels, c.rngs), s), weight=2),
-    Operation("avg_pool", lambda s: _image(s) and s.size >= 4, _pool, keeps_shape=False),
+    Operation("avg_pool", lambda s: image(s) and s.size >= 4, _pool, keeps_shape=False),
     # layouts and reshapes of the batch
-    Operation("to tokens", _image, _to_tokens, keeps_shape=False),
+    Operation("to tokens", image, _to_tokens, keeps_shape=False),
     Operation("to image", lambda s: s.layout == "tokens" and round(s.size**0.5) ** 2 == s.size, _to_image, False),
     Operation("reshape(B, -1)", lambda s: s.layout != "flat" and s.features <= 256, _flatten, keeps_shape=False),
     Operation("reshape(-1, F)", lambda s: s.layout != "flat" and s.features <= 256, _features_to_batch, False),
     # operations that read the batch
-    Operation("x - batch mean", _any, _function(lambda x: x - x.mean(0, keepdims=True))),
-    Operation("x * (1 + arange(B) / B)", _any, _function(_batch_position)),
+    Operation("x - batch mean", always, _function(lambda x: x - x.mean(0, keepdims=True))),
+    Operation("x * (1 + arange(B) / B)", always, _function(_batch_position)),
 )
 BRANCH_JOINS = ("add", "gate", "cat")
 

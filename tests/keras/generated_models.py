@@ -22,27 +22,12 @@ import numpy as np
 from keras import layers, ops
 
 import masksembles_keras as mk
+from tests.generated_shapes import Shape, always, even, image
 
 N = 4
 WIDTHS = (8, 12, 16)
 MAX_FEATURES = 256  # the widest flattened image the grammar makes
 MIN_MASKED = 6  # the fewest channels a Masksembles layer goes on
-
-
-@dataclass(frozen=True)
-class Shape:
-    """A per-sample shape: ``layout`` "image" (S, S, C) or "flat" (C,)."""
-
-    layout: str
-    channels: int
-    size: int = 1
-
-    @property
-    def features(self) -> int:
-        return self.channels * self.size**2 if self.layout == "image" else self.channels
-
-    def batched(self, batch: int) -> tuple[int, ...]:
-        return (batch, self.size, self.size, self.channels) if self.layout == "image" else (batch, self.channels)
 
 
 Build = Callable[[Any, Shape, random.Random], tuple[Any, Shape]]  # (KerasTensor, its shape, rng) -> the same
@@ -56,18 +41,6 @@ class Operation:
     applies: Callable[[Shape], bool]
     build: Build
     keeps_shape: bool = True
-
-
-def _any(_: Shape) -> bool:
-    return True
-
-
-def _image(shape: Shape) -> bool:
-    return shape.layout == "image"
-
-
-def _even(shape: Shape) -> bool:
-    return shape.channels % 2 == 0
 
 
 def _same(function: Callable[[Any], Any]) -> Build:
@@ -160,51 +133,51 @@ def _flatten(how: str) -> Build:
 
 
 def _small_image(shape: Shape) -> bool:
-    return _image(shape) and shape.features <= MAX_FEATURES
+    return image(shape) and shape.features <= MAX_FEATURES
 
 
 OPERATIONS: tuple[Operation, ...] = (
     # activations that keep zeros
-    Operation("relu", _any, _same(lambda x: layers.ReLU()(x))),
-    Operation("gelu", _any, _same(lambda x: layers.Activation("gelu")(x))),
-    Operation("elu", _any, _same(lambda x: layers.ELU()(x))),
-    Operation("tanh", _any, _same(ops.tanh)),
-    Operation("x * 0.5", _any, _same(lambda x: x * 0.5)),
+    Operation("relu", always, _same(lambda x: layers.ReLU()(x))),
+    Operation("gelu", always, _same(lambda x: layers.Activation("gelu")(x))),
+    Operation("elu", always, _same(lambda x: layers.ELU()(x))),
+    Operation("tanh", always, _same(ops.tanh)),
+    Operation("x * 0.5", always, _same(lambda x: x * 0.5)),
     # and those that do not
-    Operation("sigmoid", _any, _same(lambda x: layers.Activation("sigmoid")(x))),
-    Operation("softplus", _any, _same(ops.softplus)),
-    Operation("hard_sigmoid", _any, _same(lambda x: layers.Activation("hard_sigmoid")(x))),
-    Operation("x + 1.0", _any, _same(lambda x: x + 1.0)),
-    Operation("maximum(x, 0.1)", _any, _same(lambda x: ops.maximum(x, 0.1))),
-    Operation("exp", _any, _same(lambda x: ops.exp(ops.minimum(x, 4.0)))),
-    Operation("where(x > 0, x, 1.0)", _any, _same(lambda x: ops.where(x > 0, x, 1.0))),
+    Operation("sigmoid", always, _same(lambda x: layers.Activation("sigmoid")(x))),
+    Operation("softplus", always, _same(ops.softplus)),
+    Operation("hard_sigmoid", always, _same(lambda x: layers.Activation("hard_sigmoid")(x))),
+    Operation("x + 1.0", always, _same(lambda x: x + 1.0)),
+    Operation("maximum(x, 0.1)", always, _same(lambda x: ops.maximum(x, 0.1))),
+    Operation("exp", always, _same(lambda x: ops.exp(ops.minimum(x, 4.0)))),
+    Operation("where(x > 0, x, 1.0)", always, _same(lambda x: ops.where(x > 0, x, 1.0))),
     # reorderings of the channels
-    Operation("flip", _any, _same(lambda x: ops.flip(x, axis=-1))),
-    Operation("roll", _any, _same(lambda x: ops.roll(x, 1, axis=-1))),
-    Operation("shuffle", _even, _shuffle),
-    Operation("reversed halves", _even, _reversed_halves),
-    Operation("x[..., ::2]", lambda s: s.channels >= 12 and _even(s), _strided, keeps_shape=False),
+    Operation("flip", always, _same(lambda x: ops.flip(x, axis=-1))),
+    Operation("roll", always, _same(lambda x: ops.roll(x, 1, axis=-1))),
+    Operation("shuffle", even, _shuffle),
+    Operation("reversed halves", even, _reversed_halves),
+    Operation("x[..., ::2]", lambda s: s.channels >= 12 and even(s), _strided, keeps_shape=False),
     # reductions and norms over the channels
-    Operation("x - max", _any, _same(lambda x: x - ops.max(x, axis=-1, keepdims=True))),
+    Operation("x - max", always, _same(lambda x: x - ops.max(x, axis=-1, keepdims=True))),
     # axis=(-1,): an int axis of ops.norm in a functional model fails on JAX ("Non-hashable static arguments")
-    Operation("x / (norm + 1)", _any, _same(lambda x: x / (ops.norm(x, axis=(-1,), keepdims=True) + 1.0))),
-    Operation("softmax", _any, _same(lambda x: layers.Softmax()(x))),
-    Operation("cumsum", _any, _same(lambda x: ops.cumsum(x, axis=-1))),
-    Operation("l2-normalize", _any, _same(lambda x: ops.normalize(x, axis=-1))),
-    Operation("LayerNormalization", _any, _layer(_layer_norm)),
-    Operation("BatchNormalization", _any, _layer(_batch_norm)),
+    Operation("x / (norm + 1)", always, _same(lambda x: x / (ops.norm(x, axis=(-1,), keepdims=True) + 1.0))),
+    Operation("softmax", always, _same(lambda x: layers.Softmax()(x))),
+    Operation("cumsum", always, _same(lambda x: ops.cumsum(x, axis=-1))),
+    Operation("l2-normalize", always, _same(lambda x: ops.normalize(x, axis=-1))),
+    Operation("LayerNormalization", always, _layer(_layer_norm)),
+    Operation("BatchNormalization", always, _layer(_batch_norm)),
     # mixing layers
-    Operation("Dense", _any, _mixing("dense"), keeps_shape=False),
-    Operation("Conv2D", _image, _mixing("conv"), keeps_shape=False),
-    Operation("Conv2D 1x1", _image, _mixing("pointwise"), keeps_shape=False),
-    Operation("Conv2D groups=2", lambda s: _image(s) and _even(s), _mixing("grouped"), keeps_shape=False),
-    Operation("DepthwiseConv2D", _image, _mixing("depthwise")),
+    Operation("Dense", always, _mixing("dense"), keeps_shape=False),
+    Operation("Conv2D", image, _mixing("conv"), keeps_shape=False),
+    Operation("Conv2D 1x1", image, _mixing("pointwise"), keeps_shape=False),
+    Operation("Conv2D groups=2", lambda s: image(s) and even(s), _mixing("grouped"), keeps_shape=False),
+    Operation("DepthwiseConv2D", image, _mixing("depthwise")),
     # pooling and reshapes of the batch
-    Operation("MaxPooling2D", lambda s: _image(s) and s.size >= 4, _pool(layers.MaxPooling2D), keeps_shape=False),
+    Operation("MaxPooling2D", lambda s: image(s) and s.size >= 4, _pool(layers.MaxPooling2D), keeps_shape=False),
     Operation(
-        "AveragePooling2D", lambda s: _image(s) and s.size >= 4, _pool(layers.AveragePooling2D), keeps_shape=False
+        "AveragePooling2D", lambda s: image(s) and s.size >= 4, _pool(layers.AveragePooling2D), keeps_shape=False
     ),
-    Operation("GlobalAveragePooling2D", _image, _global_pool, keeps_shape=False),
+    Operation("GlobalAveragePooling2D", image, _global_pool, keeps_shape=False),
     Operation("Flatten", _small_image, _flatten("Flatten"), keeps_shape=False),
     Operation("Reshape((-1,))", _small_image, _flatten("Reshape"), keeps_shape=False),
     Operation("reshape(x, (-1, F))", _small_image, _flatten("ops.reshape"), keeps_shape=False),

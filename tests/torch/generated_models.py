@@ -21,18 +21,17 @@ import torch.nn.functional as F
 from torch import nn
 
 import masksembles_torch as mt
+from tests import generated_shapes
+from tests.generated_shapes import always, even, image
 
 N = 4
 WIDTHS = (8, 12, 16)
 
 
 @dataclass(frozen=True)
-class Shape:
+class Shape(generated_shapes.Shape):
     """A per-sample shape: ``layout`` "image" (C, S, S), "tokens" (S, C) or "flat" (C,)."""
 
-    layout: str
-    channels: int
-    size: int = 1
     contiguous: bool = True  # in the dense model (a view of it works)
 
     @property
@@ -40,16 +39,10 @@ class Shape:
         """The channel axis of the batched tensor."""
         return -1 if self.layout == "tokens" else 1
 
-    @property
-    def features(self) -> int:
-        return self.channels * (self.size**2 if self.layout == "image" else self.size)
-
     def batched(self, batch: int) -> tuple[int, ...]:
         if self.layout == "image":
             return (batch, self.channels, self.size, self.size)
-        if self.layout == "tokens":
-            return (batch, self.size, self.channels)
-        return (batch, self.channels)
+        return super().batched(batch)
 
 
 class Cube(torch.autograd.Function):
@@ -217,14 +210,6 @@ class Operation:
     keeps_shape: bool = True
 
 
-def _any(_: Shape) -> bool:
-    return True
-
-
-def _image(shape: Shape) -> bool:
-    return shape.layout == "image"
-
-
 def _function(name: str, function: Callable[[torch.Tensor, Shape], torch.Tensor]) -> Build:
     return lambda shape, _: (Function(name, function, shape), shape)
 
@@ -350,67 +335,69 @@ def _attention(shape: Shape, _: random.Random) -> tuple[nn.Module, Shape]:
 
 OPERATIONS: tuple[Operation, ...] = (
     # activations that keep zeros, and those that do not
-    Operation("relu", _any, _module(lambda s: nn.ReLU())),
-    Operation("gelu", _any, _module(lambda s: nn.GELU())),
-    Operation("tanh", _any, _function("tanh", lambda x, s: torch.tanh(x))),
-    Operation("scale", _any, _function("x * 0.5", lambda x, s: x * 0.5)),
-    Operation("hardtanh(0.1)", _any, _module(lambda s: nn.Hardtanh(0.1))),
-    Operation("sigmoid", _any, _module(lambda s: nn.Sigmoid())),
-    Operation("softplus", _any, _module(lambda s: nn.Softplus())),
-    Operation("x + 1", _any, _function("x + 1", lambda x, s: x + 1)),
-    Operation("clamp(min=0.1)", _any, _function("clamp(min=0.1)", lambda x, s: x.clamp(min=0.1))),
-    Operation("exp", _any, _function("exp", lambda x, s: torch.exp(x.clamp(max=4.0)))),
-    Operation("where", _any, _function("where(x > 0, x, 1)", lambda x, s: torch.where(x > 0, x, 1.0))),
-    Operation("autograd.Function", _any, _function("Cube.apply", lambda x, s: Cube.apply(x))),
-    Operation("wrapped autograd.Function", _any, _function("shifted_softsign", lambda x, s: shifted_softsign(x))),
-    Operation("layer scale", _any, _module(LayerScale)),
+    Operation("relu", always, _module(lambda s: nn.ReLU())),
+    Operation("gelu", always, _module(lambda s: nn.GELU())),
+    Operation("tanh", always, _function("tanh", lambda x, s: torch.tanh(x))),
+    Operation("scale", always, _function("x * 0.5", lambda x, s: x * 0.5)),
+    Operation("hardtanh(0.1)", always, _module(lambda s: nn.Hardtanh(0.1))),
+    Operation("sigmoid", always, _module(lambda s: nn.Sigmoid())),
+    Operation("softplus", always, _module(lambda s: nn.Softplus())),
+    Operation("x + 1", always, _function("x + 1", lambda x, s: x + 1)),
+    Operation("clamp(min=0.1)", always, _function("clamp(min=0.1)", lambda x, s: x.clamp(min=0.1))),
+    Operation("exp", always, _function("exp", lambda x, s: torch.exp(x.clamp(max=4.0)))),
+    Operation("where", always, _function("where(x > 0, x, 1)", lambda x, s: torch.where(x > 0, x, 1.0))),
+    Operation("autograd.Function", always, _function("Cube.apply", lambda x, s: Cube.apply(x))),
+    Operation("wrapped autograd.Function", always, _function("shifted_softsign", lambda x, s: shifted_softsign(x))),
+    Operation("layer scale", always, _module(LayerScale)),
     # reorderings of the channels
-    Operation("flip", _any, _function("flip", lambda x, s: x.flip(s.axis))),
-    Operation("roll", _any, _function("roll", lambda x, s: torch.roll(x, 1, s.axis))),
-    Operation("shuffle", lambda s: s.channels % 2 == 0, _function("shuffle", _shuffle)),
-    Operation("reversed chunks", lambda s: s.channels % 2 == 0, _function("reversed chunks", _reversed_chunks)),
+    Operation("flip", always, _function("flip", lambda x, s: x.flip(s.axis))),
+    Operation("roll", always, _function("roll", lambda x, s: torch.roll(x, 1, s.axis))),
+    Operation("shuffle", even, _function("shuffle", _shuffle)),
+    Operation("reversed chunks", even, _function("reversed chunks", _reversed_chunks)),
     Operation(
         "strided slice",
-        lambda s: s.channels >= 8 and s.channels % 2 == 0,
+        lambda s: s.channels >= 8 and even(s),
         lambda s, _: (Function("[::2]", _strided, s), replace(s, channels=s.channels // 2, contiguous=False)),
         keeps_shape=False,
     ),
     Operation(
         "pixel_shuffle",
-        lambda s: _image(s) and s.channels % 4 == 0 and s.channels >= 16 and s.size <= 4,
+        lambda s: image(s) and s.channels % 4 == 0 and s.channels >= 16 and s.size <= 4,
         _pixel_shuffle,
         keeps_shape=False,
     ),
     # reductions and norms over the channels
-    Operation("minus max", _any, _function("x - amax", lambda x, s: x - x.amax(s.axis, keepdim=True))),
-    Operation("over norm", _any, _function("x / (norm + 1)", lambda x, s: x / (x.norm(dim=s.axis, keepdim=True) + 1))),
-    Operation("softmax", _any, _function("softmax", lambda x, s: x.softmax(s.axis))),
-    Operation("cumsum", _any, _function("cumsum", lambda x, s: x.cumsum(s.axis))),
-    Operation("F.normalize", _any, _function("F.normalize", lambda x, s: F.normalize(x, dim=s.axis))),
-    Operation("LayerNorm", _any, _module(_layer_norm, _image)),
-    Operation("GroupNorm", lambda s: _image(s) and s.channels % 2 == 0, _module(lambda s: nn.GroupNorm(2, s.channels))),
-    Operation("BatchNorm", _any, _module(_batch_norm, lambda s: s.layout == "tokens")),
+    Operation("minus max", always, _function("x - amax", lambda x, s: x - x.amax(s.axis, keepdim=True))),
+    Operation(
+        "over norm", always, _function("x / (norm + 1)", lambda x, s: x / (x.norm(dim=s.axis, keepdim=True) + 1))
+    ),
+    Operation("softmax", always, _function("softmax", lambda x, s: x.softmax(s.axis))),
+    Operation("cumsum", always, _function("cumsum", lambda x, s: x.cumsum(s.axis))),
+    Operation("F.normalize", always, _function("F.normalize", lambda x, s: F.normalize(x, dim=s.axis))),
+    Operation("LayerNorm", always, _module(_layer_norm, image)),
+    Operation("GroupNorm", lambda s: image(s) and even(s), _module(lambda s: nn.GroupNorm(2, s.channels))),
+    Operation("BatchNorm", always, _module(_batch_norm, lambda s: s.layout == "tokens")),
     # mixing layers
-    Operation("conv or linear", _any, lambda s, rng: _mixing(s, rng, "full"), keeps_shape=False),
-    Operation("pointwise", _image, lambda s, rng: _mixing(s, rng, "pointwise"), keeps_shape=False),
+    Operation("conv or linear", always, lambda s, rng: _mixing(s, rng, "full"), keeps_shape=False),
+    Operation("pointwise", image, lambda s, rng: _mixing(s, rng, "pointwise"), keeps_shape=False),
     Operation(
         "grouped conv",
-        lambda s: _image(s) and s.channels % 2 == 0,
+        lambda s: image(s) and even(s),
         lambda s, rng: _mixing(s, rng, "grouped"),
         keeps_shape=False,
     ),
-    Operation("depthwise conv", _image, lambda s, rng: _mixing(s, rng, "depthwise")),
+    Operation("depthwise conv", image, lambda s, rng: _mixing(s, rng, "depthwise")),
     Operation("attention", lambda s: s.layout == "tokens", _attention),
-    Operation("avg_pool", lambda s: _image(s) and s.size >= 4, _pool, keeps_shape=False),
+    Operation("avg_pool", lambda s: image(s) and s.size >= 4, _pool, keeps_shape=False),
     # layouts and reshapes of the batch
-    Operation("to tokens", lambda s: _image(s) and s.size <= 4, _to_tokens, keeps_shape=False),
+    Operation("to tokens", lambda s: image(s) and s.size <= 4, _to_tokens, keeps_shape=False),
     Operation("to image", lambda s: s.layout == "tokens" and round(s.size**0.5) ** 2 == s.size, _to_image, False),
     Operation("view(x.size(0), -1)", lambda s: s.layout != "flat" and s.features <= 256, _flatten("batch"), False),
     Operation("view(-1, F)", lambda s: s.layout != "flat" and s.features <= 256, _flatten("features"), False),
     Operation("windows", lambda s: s.layout != "flat" and s.size % 2 == 0, _windows),
     # operations that read the batch
-    Operation("minus batch mean", _any, _function("x - x.mean(0)", lambda x, s: x - x.mean(0, keepdim=True))),
-    Operation("batch position", _any, _function("x * (1 + arange(B) / B)", _batch_scale)),
+    Operation("minus batch mean", always, _function("x - x.mean(0)", lambda x, s: x - x.mean(0, keepdim=True))),
+    Operation("batch position", always, _function("x * (1 + arange(B) / B)", _batch_scale)),
 )
 BRANCH_JOINS = ("add", "mul", "cat")
 
