@@ -7,9 +7,8 @@ over every member's heads; a mask that reads where a sample sits in the batch st
 
 from __future__ import annotations
 
-from typing import Any, cast
-
 import re
+from typing import Any, cast
 
 import pytest
 import torch
