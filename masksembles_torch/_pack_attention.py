@@ -49,12 +49,14 @@ class Fold:
 @dataclass
 class Region:
     """One folded region: its operations, the Linear layers it reads (and the ``outer`` each one writes), the fold of
-    each value, and the folded shape (batch axis -1, per member) of each reshape."""
+    each value, the folded shape (batch axis -1, per member) of each reshape, and the equal parts of each split of a
+    fold's axis (GPT-2's fused qkv split into q, k and v)."""
 
     ops: list[fx.Node]
     entries: dict[fx.Node, int]
     folds: dict[fx.Node, Fold | tuple[Fold, ...]] = field(default_factory=dict)
     shapes: dict[fx.Node, tuple[int, ...]] = field(default_factory=dict)
+    chunks: dict[fx.Node, tuple[int, int]] = field(default_factory=dict)  # a split of a fold's axis: (parts, axis)
 
 
 Component = tuple[list[fx.Node], set[fx.Node]]  # a region's operations in graph order, and the Linear layers it reads
@@ -150,6 +152,9 @@ def _split_outers(graph: _Graph, entry: fx.Node, inside: set[fx.Node]) -> list[i
     if any(user not in inside for user in entry.users if user in graph.ops) or len(entry.users) != 1:
         return [1]
     (user,) = entry.users
+    parts = _equal_parts(graph, user)
+    if parts is not None and parts[1] == graph.probed(entry).rank - 1:
+        return [1, parts[0]]
     if _called(user) not in RESHAPES and user.target not in RESHAPE_FUNCTIONS:
         return [1]
     source, out = graph.probed(entry).shape, graph.probed(user).shape
@@ -159,6 +164,21 @@ def _split_outers(graph: _Graph, entry: fx.Node, inside: set[fx.Node]) -> list[i
             product = math.prod(out[:a]) // prefix
             outers.append(product)
     return [o for o in dict.fromkeys(outers) if source[-1] % o == 0 and o < source[-1]]
+
+
+def _equal_parts(graph: _Graph, node: fx.Node) -> tuple[int, int] | None:
+    """A ``split`` into equal parts (as the probe saw them): how many, and along which axis; None otherwise."""
+    if _called(node) != "split" or node.op == "call_module":
+        return None
+    seen, source = graph.capture.seen[node], graph.capture.seen[node.all_input_nodes[0]]
+    dim = graph.capture.argument(node, "dim", 2, 0)
+    if not isinstance(dim, int) or not seen.parts or any(not part.tensor for part in seen.parts):
+        return None
+    dim %= source.rank
+    sizes = {part.shapes[0][dim] for part in seen.parts}
+    if len(sizes) != 1 or sizes.pop() * len(seen.parts) != source.shapes[0][dim]:
+        return None
+    return len(seen.parts), dim
 
 
 def _called(node: fx.Node) -> str:
@@ -209,6 +229,15 @@ def _rule(graph: _Graph, region: Region, node: fx.Node, op: _Op) -> Fold | tuple
     source = graph.probed(ins[0])
     if _is_reshape(node):
         return _reshape(graph, region, node, first, source.shape, probed.shape, source.batch_axis, probed.batch_axis)
+    parts = _equal_parts(graph, node) if len(op.tensors) == 1 else None
+    if parts is not None:
+        count, dim = parts
+        if dim == source.batch_axis or (dim == first.axis and first.outer != count):
+            raise _Rejected(node)
+        if dim == first.axis:  # q, k and v of a Linear that writes (3, m, C): each part in member blocks
+            region.chunks[node] = parts
+            return tuple(Fold(dim) for _ in range(count))
+        return tuple(first for _ in range(count))
     if name in ("unbind",):
         dim = graph.capture.argument(node, "dim", 1, 0)
         if not isinstance(dim, int) or dim % source.rank == first.axis:

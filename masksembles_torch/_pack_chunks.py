@@ -21,20 +21,24 @@ from ._pack_capture import _Capture, _Seen, _target_name
 from ._pack_emit import MATMULS
 from ._pack_graph import _axis_map, _leaves
 
-# a CPU program proven per-sample whose largest tensor exceeds twice this size runs on chunks of the batch where it is
-# about this size: glibc hands blocks over 32 MiB straight back to the system, and every call page-faults on them
+# a CPU program proven per-sample whose largest tensor exceeds this size runs on chunks of the batch where it is at
+# most this size: glibc hands large freed blocks back to the system (over 32 MiB at once, or when the top of its heap
+# grows past twice the largest freed one), and every call then page-faults on them
 CHUNK_BYTES = 16 * 2**20
 
 
 def _samples_per_chunk(capture: _Capture, program: Program, example: Tensor) -> int:
-    """How many samples a CPU program runs at a time, so that no tensor it makes is much over ``CHUNK_BYTES`` (large
-    fresh buffers page-fault on every call); 0 for one call on the whole batch, as when its largest tensor is at most
-    twice that at the example's batch size. Only a program proven to compute each sample's outputs from that sample
-    alone is split: what falls back is an operation known to keep samples apart (``_keeps_samples``), every tensor
-    the input reaches has one axis of exactly the batch size or none, no tensor without one is made from one with one
-    (a reduction over the batch), none with one from none unless it broadcasts a tensor along it (a tensor built from
-    the batch size), and every output has one."""
+    """How many samples a CPU program runs at a time, so that no tensor it makes is over ``CHUNK_BYTES`` (large fresh
+    buffers page-fault on every call); 0 for one call on the whole batch, as when its largest tensor is at most that at
+    the example's batch size. Tensors are sized as the program holds them (``_packed_scales``), not as the single model
+    does: a member tensor holds its kept channels for every member, a folded one every channel of every member (BERT's
+    attention scores, n times the single model's). Only a program proven to compute each sample's outputs from that
+    sample alone is split: what falls back is an operation known to keep samples apart (``_keeps_samples``), every
+    tensor the input reaches has one axis of exactly the batch size or none, no tensor without one is made from one with
+    one (a reduction over the batch), none with one from none unless it broadcasts a tensor along it (a tensor built
+    from the batch size), and every output has one."""
     by_name = {node.name: node for node in capture.gm.graph.nodes}
+    scales = _packed_scales(program)
     fallbacks = [by_name[name] for name in (*program.fallbacks, *program.folded) if name != OUTPUT]
     if example.device.type != "cpu" or not all(_keeps_samples(capture, node) for node in fallbacks):
         return 0
@@ -51,8 +55,6 @@ def _samples_per_chunk(capture: _Capture, program: Program, example: Tensor) -> 
             return False
         if len(axes) != 1 or seen.shapes[0][axes[0]] != batch or seen.shapes[1][axes[0]] != batch + 1:
             return None
-        nonlocal largest
-        largest = max(largest, seen.per_sample * (seen.dtype.itemsize if seen.dtype else 4))
         return True
 
     for node in capture.dynamic:
@@ -65,14 +67,28 @@ def _samples_per_chunk(capture: _Capture, program: Program, example: Tensor) -> 
         kind = follows(seen)
         if kind is None:
             return 0
+        if kind and seen.tensor:  # not planned: as wide as the dense model's on the member-stacked batch
+            scale = scales.get(node.name, len(program.members))
+            largest = max(largest, round(seen.per_sample * (seen.dtype.itemsize if seen.dtype else 4) * scale))
         if node.op != "placeholder" and (seen.tensor or seen.parts):  # sizes and other values: each chunk its own
             inputs = [follows(capture.seen[n]) for n in node.all_input_nodes if n in capture.dynamic]
             if None in inputs or (kind != any(inputs) and not (kind and _broadcast(capture, node))):
                 return 0
-    total = largest * len(program.members) * batch  # at most: every member's tensor as wide as the dense one
-    if total <= 2 * CHUNK_BYTES:
+    total = largest * batch
+    if total <= CHUNK_BYTES:
         return 0
     return -(-batch // -(-total // CHUNK_BYTES))  # the batch in ceil(total / CHUNK_BYTES) chunks of equal size
+
+
+def _packed_scales(program: Program) -> dict[str, float]:
+    """Each planned node's tensor in the program ÷ the single model's: its copies (1 shared, else one per member)
+    times the share of the channels each holds (its kept ones, padded; every one where it runs dense or folded)."""
+    scales = {}
+    for step in program.steps:
+        copies = 1 if step.placement.shared else len(program.members)
+        channels = step.node.channels
+        scales[step.name] = copies * (step.placement.width / channels if channels > 0 else 1.0)
+    return scales
 
 
 def _batch_axis(capture: _Capture, node: fx.Node) -> int | None:

@@ -54,6 +54,7 @@ class _Emitter:
         self.capture, self.axis, self.program, self.samples = capture, axis, program, samples
         self.folds = {node: fold for region in regions for node, fold in region.folds.items()}
         self.fold_shapes = {node: shape for region in regions for node, shape in region.shapes.items()}
+        self.fold_chunks = {node: parts for region in regions for node, parts in region.chunks.items()}
         self.split_outputs = {entry: outer for region in regions for entry, outer in region.entries.items()}
         self.m = len(program.members)
         # the members returned, as positions in the program's (None: all of them, in order)
@@ -229,6 +230,8 @@ class _Emitter:
             fold = cast(Fold, self.folds[node])
             shape = [size * members if a == fold.axis else size for a, size in enumerate(self.fold_shapes[node])]
             return self.graph.call_method("reshape", (inputs[0], shape))
+        if node in self.fold_chunks:  # a split of a folded region's axis: equal parts, whatever its width
+            return self.graph.call_function(torch.chunk, (inputs[0], *self.fold_chunks[node]))
         if step.placement.dense or step.name in self.program.folded:
             return self._as_model(op, inputs)
         return self._compact(step, op, inputs)
@@ -406,6 +409,8 @@ class _Emitter:
         where the reshape that reads it puts the members' heads of a part on one axis with the head's channels after
         it, (..., s, m*H, D); 0 otherwise (no such axis to give as a view)."""
         (reshape,) = entry.users
+        if reshape not in self.fold_shapes:  # a split, not a reshape
+            return 0
         fold, shape = self.folds.get(reshape), self.fold_shapes.get(reshape)
         if not isinstance(fold, Fold) or fold.outer != 1 or shape is None or fold.axis == len(shape) - 1:
             return 0

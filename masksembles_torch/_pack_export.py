@@ -46,7 +46,7 @@ FUNCTIONS: dict[Any, tuple[Callable[..., Any], int | None]] = {
     ATEN.pow.Tensor_Scalar: (torch.pow, None), ATEN.transpose.int: (torch.transpose, None),
     ATEN.permute.default: (torch.permute, None), ATEN.unsqueeze.default: (torch.unsqueeze, None),
     ATEN.squeeze.dim: (torch.squeeze, None), ATEN.flatten.using_ints: (torch.flatten, None),
-    ATEN.cat.default: (torch.cat, None), ATEN.split.Tensor: (torch.split, None),
+    ATEN.cat.default: (torch.cat, None), ATEN.split.Tensor: (torch.split, None), ATEN.unbind.int: (torch.unbind, None),
     ATEN.scaled_dot_product_attention.default: (F.scaled_dot_product_attention, None),
     ATEN.softmax.int: (torch.softmax, None), ATEN.matmul.default: (torch.matmul, None),
     ATEN.bmm.default: (torch.bmm, None), ATEN.add.Tensor: (operator.add, 2), ATEN.sub.Tensor: (operator.sub, 2),
@@ -88,6 +88,7 @@ def exported(model: nn.Module, example: Inputs) -> tuple[fx.GraphModule, _PyTree
     for node in list(gm.graph.nodes):  # before the views it reads become methods
         if node.op == "call_function" and node.target is ATEN.addmm.default:
             _addmm_as_linear(gm, node)
+    _batch_identities(gm)
     _masks_as_broadcast(gm)
     for node in list(gm.graph.nodes):
         _rewrite(node)
@@ -166,6 +167,110 @@ def _layers_as_modules(gm: fx.GraphModule, model: nn.Module) -> None:
         for node in reversed(nodes):
             if not node.users:
                 gm.graph.erase_node(node)
+
+
+# ATen views whose result may be the tensor itself: then the batch size they read changes nothing
+SAME_SHAPE_VIEWS = {ATEN.view.default, ATEN.reshape.default, ATEN._unsafe_view.default, ATEN.expand.default}
+
+
+def _batch_identities(gm: fx.GraphModule) -> None:
+    """Drop the reads of the batch size that change nothing (``transformers``' padding and causal masks read it):
+
+    - a view, reshape or expand whose result has its input's shape (symbolic sizes compared as expressions):
+      ``expand(mask, [B, -1, L, L])`` of a (B, 1, L, L) mask, ``view(attention_mask, [B, -1])``; the tensor itself;
+    - an expand's size that is its input's size there: -1 (``expand(mask, [B, -1, L, L])`` of a (B, 1, 1, L) mask
+      -> ``expand(mask, [-1, -1, L, L])``);
+    - ``index(x, [arange(B) as (B, 1, ..., 1), *rest])`` with ``B`` the size of x's axis 0 (the i-th sample from
+      the i-th: ``padding_mask_function``'s ``batch_arange``): ``index(x, [None, *rest])`` with each of ``rest``
+      (of static shapes, size 1 on the leading axis of the indices' broadcast shape) without that axis.
+
+    Each is an identity, proven from the graph; what they leave reads no batch size, so ``_pack_capture`` can show
+    it keeps the samples apart (a mask from ``attention_mask`` alone is then computed once, on the batch, for every
+    member)."""
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
+            continue
+        source = node.args[0]
+        if node.target in SAME_SHAPE_VIEWS and _same_shape(_shape(source), _shape(node)):
+            node.replace_all_uses_with(source)
+        elif node.target is ATEN.expand.default and _shape(source) is not None and len(node.args) == 2:
+            before, sizes = cast(tuple[Any, ...], _shape(source)), list(cast(list[Any], node.args[1]))
+            new = len(sizes) - len(before)  # leading axes the expand adds
+            node.args = (source, [size if j < new or not _same_size(before[j - new], _size(size)) else -1
+                                  for j, size in enumerate(sizes)])  # fmt: skip
+        elif node.target is ATEN.index.Tensor and not node.kwargs:
+            _batch_index_as_slice(gm, node)
+
+
+def _shape(node: Any) -> tuple[Any, ...] | None:
+    value = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return tuple(value.shape) if isinstance(value, Tensor) else None
+
+
+def _size(size: Any) -> Any:
+    """A size argument's value: an integer, or the symbolic size an fx node gives."""
+    return size.meta.get("val") if isinstance(size, fx.Node) else size
+
+
+def _same_size(a: Any, b: Any) -> bool:
+    """Two sizes of the export graph known equal: the same integer, or the same symbolic expression."""
+    if isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt):
+        return bool(a.node.expr == b.node.expr)
+    return isinstance(a, int) and isinstance(b, int) and a == b
+
+
+def _same_shape(a: tuple[Any, ...] | None, b: tuple[Any, ...] | None) -> bool:
+    return a is not None and b is not None and len(a) == len(b) and all(map(_same_size, a, b))
+
+
+def _batch_index_as_slice(gm: fx.GraphModule, node: fx.Node) -> None:
+    """``index(x, [arange(B) as (B, 1, ..., 1), *rest])`` -> ``index(x, [None, *rest])`` (see ``_batch_identities``)."""
+    source, indices = node.args[0], node.args[1]
+    if not isinstance(indices, (list, tuple)) or len(indices) < 2 or not isinstance(indices[0], fx.Node):
+        return
+    first, rest = indices[0], list(indices[1:])
+    shapes = [_shape(index) for index in indices]
+    if any(shape is None for shape in shapes):
+        return
+    rank = len(cast(tuple[Any, ...], shapes[0]))
+    batch = cast(tuple[Any, ...], _shape(source))[0]
+    if rank == 0 or not _is_batch_arange(first, batch) or any(len(cast(tuple[Any, ...], s)) > rank for s in shapes):
+        return
+    kept = []
+    for index, shape in zip(rest, shapes[1:], strict=True):
+        padded = (1,) * (rank - len(cast(tuple[Any, ...], shape))) + cast(tuple[Any, ...], shape)
+        if not all(isinstance(size, int) for size in padded) or padded[0] != 1:
+            return
+        with gm.graph.inserting_before(node):
+            kept.append(gm.graph.call_function(ATEN.view.default, (index, list(padded[1:]))))
+        kept[-1].meta["val"] = cast(fx.Node, index).meta["val"].view(padded[1:])
+    node.args = (source, [None, *kept])
+
+
+def _whole_slice(node: fx.Node) -> bool:
+    """``slice(x, dim, 0, end)`` that takes the whole axis (step 1, an end past it)."""
+    if node.target is not ATEN.slice.Tensor:
+        return False
+    start, end, step = [*node.args[2:], None, None, None][:3]
+    return start in (0, None) and (end is None or (isinstance(end, int) and end >= sys.maxsize)) and step in (1, None)
+
+
+def _is_batch_arange(node: fx.Node, batch: Any) -> bool:
+    """Whether ``node`` is ``arange(batch)`` (from 0, step 1) with only size-1 axes added after it: (B, 1, ..., 1),
+    its i-th row holding i."""
+    shape = _shape(node)
+    if shape is None or not _same_size(shape[0], batch) or any(size != 1 for size in shape[1:]):
+        return False
+    while node.target in (ATEN.unsqueeze.default, ATEN.view.default, ATEN.reshape.default) or _whole_slice(node):
+        node = cast(fx.Node, node.args[0])
+    if node.target is ATEN.arange.default:
+        end = node.args[0]
+    elif node.target is ATEN.arange.start and node.args[0] == 0:
+        end = node.args[1]
+    else:
+        return False
+    size = end.meta.get("val") if isinstance(end, fx.Node) else end
+    return _same_size(size, batch) and _shape(node) is not None
 
 
 def _masks_as_broadcast(gm: fx.GraphModule) -> None:

@@ -1,5 +1,6 @@
 """On CPU, pack/extract_member run a program proven to compute each sample from that sample alone on chunks of the
-batch (fresh buffers over 32 MiB page-fault on every call); a program that mixes samples is never split."""
+batch (large fresh buffers page-fault on every call), sized from the program's own tensors; a program that mixes
+samples is never split."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from tests.torch.test_packing_patterns import Block, masks, relative_error
 
 N = 4
 packing = importlib.import_module("masksembles_torch._pack_chunks")
+LARGEST = N * 6 * 8 * 8 * 4  # TwoOutputs' largest packed tensor per sample: 4 members x 6 kept channels x 8 x 8 floats
 
 
 class TwoOutputs(nn.Module):
@@ -40,11 +42,11 @@ def tiled(model: nn.Module, x: torch.Tensor) -> dict[str, object]:
 
 
 def test_a_per_sample_program_runs_in_chunks_and_joins_every_output(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The largest tensor, 4 members x 12 x 8 x 8 floats per sample, is 10/3 CHUNK_BYTES at the example's batch of
-    10: 4 chunks of up to 3 samples (3, 3, 2, 2). Equal to the dense model at batches that do and do not divide,
-    dict and tuple outputs joined on their batch axes; one call when exported with a dynamic batch; the extracted
-    member too."""
-    monkeypatch.setattr(packing, "CHUNK_BYTES", 3 * N * 12 * 8 * 8 * 4)
+    """The largest tensor the program makes, 4 members x 6 kept channels x 8 x 8 floats per sample (the single model's
+    has 12 channels), is 10/3 CHUNK_BYTES at the example's batch of 10: 4 chunks of up to 3 samples (3, 3, 2, 2). Equal
+    to the dense model at batches that do and do not divide, dict and tuple outputs joined on their batch axes; one call
+    when exported with a dynamic batch; the extracted member too."""
+    monkeypatch.setattr(packing, "CHUNK_BYTES", 3 * LARGEST)
     model = TwoOutputs().eval()
     packed = mt.pack(model, torch.randn(10, 3, 8, 8), program="packed")
     assert "in chunks of up to 3 samples" in repr(packed) and "in_chunks" in packed.code
@@ -57,7 +59,7 @@ def test_a_per_sample_program_runs_in_chunks_and_joins_every_output(monkeypatch:
         for result in (packed(x), exported(x)) if batch > 1 else (packed(x),):
             assert relative_error(result["logits"], expected["logits"]) <= 1e-5
             assert relative_error(result["more"][0], expected["more"][0]) <= 1e-5
-    monkeypatch.setattr(packing, "CHUNK_BYTES", 12 * 8 * 8 * 4)
+    monkeypatch.setattr(packing, "CHUNK_BYTES", LARGEST // N)  # one member holds a quarter: a sample a chunk
     member = mt.extract_member(model, 2, torch.randn(10, 3, 8, 8))
     assert "in chunks of up to 1 samples" in repr(member)
     x = torch.randn(5, 3, 8, 8)
@@ -65,13 +67,13 @@ def test_a_per_sample_program_runs_in_chunks_and_joins_every_output(monkeypatch:
 
 
 def test_chunks_follow_the_size(monkeypatch: pytest.MonkeyPatch) -> None:
-    """One call when the largest tensor at the example's batch is at most twice CHUNK_BYTES; the default size
-    leaves small models alone."""
+    """One call when the largest tensor at the example's batch is at most CHUNK_BYTES; the default size leaves small
+    models alone."""
     model = TwoOutputs().eval()
     assert "in_chunks" not in mt.pack(model, torch.randn(10, 3, 8, 8), program="packed").code
-    monkeypatch.setattr(packing, "CHUNK_BYTES", 5 * N * 12 * 8 * 8 * 4)
+    monkeypatch.setattr(packing, "CHUNK_BYTES", 10 * LARGEST)
     assert "in_chunks" not in mt.pack(model, torch.randn(10, 3, 8, 8), program="packed").code
-    monkeypatch.setattr(packing, "CHUNK_BYTES", 4 * N * 12 * 8 * 8 * 4)
+    monkeypatch.setattr(packing, "CHUNK_BYTES", 4 * LARGEST)
     assert "in chunks of up to 4 samples" in repr(mt.pack(model, torch.randn(10, 3, 8, 8), program="packed"))
 
 
@@ -108,7 +110,7 @@ def test_a_program_that_mixes_samples_is_not_split(name: str, monkeypatch: pytes
 def test_auto_also_times_the_packed_program_in_one_call(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the packed program would run in chunks, ``program="auto"`` times it in chunks, in one call and tiled,
     and returns its choice, which equals the dense model."""
-    monkeypatch.setattr(packing, "CHUNK_BYTES", 3 * N * 12 * 8 * 8 * 4)
+    monkeypatch.setattr(packing, "CHUNK_BYTES", 3 * LARGEST)
     model = TwoOutputs().eval()
     x = torch.randn(10, 3, 8, 8)
     packed = mt.pack(model, x)
