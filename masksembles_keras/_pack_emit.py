@@ -8,7 +8,9 @@ convolution over the members' kept channels, BatchNormalization as a BatchNormal
 statistics and affine gathered) or folded into the convolution before it, a Masksembles layer as the masking move
 into it, Flatten and Concatenate member by member, and every other compacted layer or raw operation called again on
 the compacted tensor (an activation, pooling, a sum). Channel selects take the kernel ``_select_form`` picks for this
-backend. Fallbacks call a copy of the model's layer (its weights copied) or its raw operation at full width.
+backend. Fallbacks call a copy of the model's layer (its weights copied) or its raw operation at full width. On
+torch, where Keras runs a model layer by layer in Python, each run of layers that read only each other then becomes
+one ``Chain`` layer (``chained``).
 """
 
 from __future__ import annotations
