@@ -81,6 +81,10 @@ def blocked(index: Sequence[int], scale: Sequence[float] | None, width: int, blo
     return bool(((np.asarray(index) // rows == block) | (values == 0)).all())
 
 
+def on_torch() -> bool:
+    return str(keras.backend.backend()) == "torch"
+
+
 def _torch_gather_last(x: Any, index: Sequence[int], scale: Sequence[float] | None) -> Any:
     """``x[..., index] * scale`` on torch as one ``torch.gather`` over the rows of x, then scaled in place: torch's
     ``index_select`` on the last axis of a channels-last tensor (``ops.take``) is 5-8x slower (32 -> 68 channels of
@@ -126,8 +130,6 @@ class ChannelSelect(keras.layers.Layer):  # type: ignore[misc]  # keras is untyp
                 for k, matrix in enumerate(matrices)
             ]
             return parts[0] if len(parts) == 1 else ops.concatenate(parts, axis=-1)
-        shape = [1] * len(x.shape)
-        shape[axis] = len(self.index)
         if self.form == "slices":
             parts = [_axis_slice(x, axis, start, stop) for start, stop in contiguous_runs(self.index)]
             y = parts[0] if len(parts) == 1 else ops.concatenate(parts, axis=axis)
@@ -137,6 +139,8 @@ class ChannelSelect(keras.layers.Layer):  # type: ignore[misc]  # keras is untyp
             y = ops.take(x, ops.convert_to_tensor(np.asarray(self.index, dtype="int32")), axis=axis)
         if self.scale is None:
             return y
+        shape = [1] * len(x.shape)
+        shape[axis] = len(self.scale)
         return y * ops.cast(ops.convert_to_tensor(np.asarray(self.scale).reshape(shape)), y.dtype)
 
     def compute_output_shape(self, input_shape: Sequence[int | None]) -> tuple[int | None, ...]:
@@ -169,10 +173,6 @@ def convolution_pieces(groups: int, members: int, window: int) -> int:
     if backend == "jax" and window > 1:
         return members
     return 1
-
-
-def on_torch() -> bool:
-    return str(keras.backend.backend()) == "torch"
 
 
 def _same_padding(size: int, window: int, stride: int, dilation: int) -> tuple[int, int]:
