@@ -8,7 +8,9 @@ convolution over the members' kept channels, BatchNormalization as a BatchNormal
 statistics and affine gathered) or folded into the convolution before it, a Masksembles layer as the masking move
 into it, Flatten and Concatenate member by member, and every other compacted layer or raw operation called again on
 the compacted tensor (an activation, pooling, a sum). Channel selects take the kernel ``_select_form`` picks for this
-backend. Fallbacks call a copy of the model's layer (its weights copied) or its raw operation at full width.
+backend. Fallbacks call a copy of the model's layer (its weights copied) or its raw operation at full width. On
+torch, where Keras runs a model layer by layer in Python, each run of layers that read only each other then becomes
+one ``Chain`` layer (``chained``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from ._pack_capture import INPUT, Call, Capture, _Op, spatial_size
 from ._packed_layers import (
     MEMBER_CONVOLUTIONS,
     MEMBER_DEPTHWISE,
+    Chain,
     ChannelSelect,
     MemberConcat,
     MemberDense,
@@ -36,6 +39,7 @@ from ._packed_layers import (
     MemberOutput,
     blocked,
     contiguous_runs,
+    on_torch,
 )
 from ._surgery import _copy
 
@@ -95,6 +99,8 @@ class Emitter:
         self.output = self._output(output, squeeze, pick)
         for original, copy in self.copies:
             copy.set_weights(original.get_weights())
+        if on_torch():
+            self.output = chained(self.output)
         self.fallbacks = tuple(
             dict.fromkeys(capture.ops[name].call.describe() for name in program.fallbacks if name in capture.ops)
         )
@@ -257,7 +263,7 @@ class Emitter:
         config["use_bias"] = layer.use_bias or fold is not None
         del config["name"]
         member_convolution = MEMBER_CONVOLUTIONS.get(type(layer))
-        if groups > 1 and member_convolution is not None:
+        if member_convolution is not None:
             packed = member_convolution.from_config({**config, "members": groups // (step.groups or 1)})
         else:
             packed = type(layer).from_config(config)
@@ -384,6 +390,88 @@ def _select_form(
     if last and width // blocks <= ONEHOT_WIDTH and keras.backend.backend() == "tensorflow":
         return "onehot", blocks
     return "gather", 1
+
+
+def _nodes(output: Any) -> list[Any]:
+    """The Keras graph's nodes that ``output`` is computed from, each after those it reads."""
+    order: list[Any] = []
+    seen: set[int] = set()
+    stack = [(output._keras_history.operation._inbound_nodes[output._keras_history.node_index], False)]
+    while stack:
+        node, expanded = stack.pop()
+        if expanded:
+            order.append(node)
+        elif id(node) not in seen:
+            seen.add(id(node))
+            stack.append((node, True))
+            stack.extend((parent, False) for parent in node.parent_nodes if id(parent) not in seen)
+    return order
+
+
+def _chainable(node: Any) -> bool:
+    """Whether ``Chain`` can run ``node``'s layer: a Keras or packed layer called on one tensor without a mask (and
+    at most ``training=False``), writing one tensor and no mask, its dtype policy not mixed."""
+    layer = node.operation
+    arguments = node.arguments
+    if not isinstance(layer, keras.layers.Layer) or isinstance(layer, keras.Model | keras.layers.InputLayer):
+        return False
+    if not type(layer).__module__.startswith(("keras.", "masksembles_keras.")):
+        return False
+    if arguments.kwargs not in ({}, {"training": False}):
+        return False
+    if len(arguments.args) != 1 or len(node.input_tensors) != 1 or len(node.outputs) != 1:
+        return False
+    if arguments.args[0] is not node.input_tensors[0] or getattr(arguments.args[0], "_keras_mask", None) is not None:
+        return False
+    policy = layer.dtype_policy
+    return bool(
+        type(layer).compute_mask is keras.layers.Layer.compute_mask and policy.compute_dtype == policy.variable_dtype
+    )
+
+
+def chained(output: Any) -> Any:
+    """``output`` computed again with every run of two or more layers that ``Chain`` can run (``_chainable``, one
+    dtype policy), each reading only the one before it and read only by the one after it, as one ``Chain`` layer:
+    torch's eager Keras pays each layer call (about 0.1 ms), the compiled backends do not."""
+    nodes = _nodes(output)
+    reads: dict[int, int] = {id(output): 1}
+    for node in nodes:
+        for tensor in node.input_tensors:
+            reads[id(tensor)] = reads.get(id(tensor), 0) + 1
+    chain_of: dict[int, list[Any]] = {}  # id(node) -> its chain (shared list), nodes in order
+    producer = {id(tensor): node for node in nodes for tensor in node.outputs}
+    for node in nodes:
+        if not _chainable(node):
+            continue
+        before = producer.get(id(node.input_tensors[0]))
+        if (
+            before is not None and id(before) in chain_of and reads[id(node.input_tensors[0])] == 1
+            and before.operation.dtype_policy.name == node.operation.dtype_policy.name
+        ):  # fmt: skip
+            chain_of[id(node)] = chain_of[id(before)]
+            chain_of[id(node)].append(node)
+        else:
+            chain_of[id(node)] = [node]
+    new: dict[int, Any] = {}
+
+    def moved(value: Any) -> Any:
+        return new.get(id(value), value) if isinstance(value, keras.KerasTensor) else value
+
+    for node in nodes:
+        if node.is_input:
+            continue
+        chain = chain_of.get(id(node))
+        if chain is not None and len(chain) > 1:
+            if node is chain[-1]:
+                head = chain[0].input_tensors[0]
+                steps = [step.operation for step in chain]
+                new[id(node.outputs[0])] = Chain(steps, dtype=steps[0].dtype_policy)(moved(head))
+            continue
+        args = keras.tree.map_structure(moved, list(node.arguments.args))
+        kwargs = keras.tree.map_structure(moved, dict(node.arguments.kwargs))
+        results = keras.tree.flatten(node.operation(*args, **kwargs))
+        new.update((id(old), result) for old, result in zip(node.outputs, results, strict=True))
+    return new[id(output)]
 
 
 def _bytes(array: np.ndarray | None) -> bytes | None:

@@ -252,7 +252,8 @@ def test_batchnorm_after_a_convolution_is_folded_into_it() -> None:
     x = example(model, 5)
     packed = mk.pack(model, x, program="packed")
     assert (packed.program, packed.fallbacks) == ("packed", ())
-    assert not [layer for layer in packed.layers if isinstance(layer, layers.BatchNormalization)]
+    steps = [step for layer in packed.layers for step in getattr(layer, "steps", [layer])]  # a Chain's too
+    assert not [layer for layer in steps if isinstance(layer, layers.BatchNormalization)]
     assert_close(members_first(packed, x), mk.predict(model, x, N))
 
 
@@ -284,6 +285,69 @@ def test_channel_select_forms_agree(form: str) -> None:
         select = _packed_layers.ChannelSelect(index, scale, 2, form, blocks)
         np.testing.assert_allclose(ops.convert_to_numpy(select(x)), expected, rtol=0, atol=1e-6)
     assert _packed_layers.blocked(index, scale, 12, 3) and not _packed_layers.blocked(index[::-1], None, 12, 3)
+
+
+CONVOLUTIONS = [
+    (layers.Conv2D, {"filters": 6, "kernel_size": 3, "strides": 2, "padding": "same", "groups": 2}, (2, 8, 8, 4)),
+    (layers.Conv2D, {"filters": 4, "kernel_size": (3, 2), "dilation_rate": 2, "padding": "same"}, (2, 9, 7, 3)),
+    (layers.Conv2D, {"filters": 4, "kernel_size": 3, "data_format": "channels_first", "padding": "same"}, (2, 3, 6, 6)),
+    (layers.Conv1D, {"filters": 4, "kernel_size": 3, "strides": 2, "padding": "valid"}, (2, 9, 4)),
+    (layers.Conv1D, {"filters": 4, "kernel_size": 3, "padding": "causal", "groups": 2}, (2, 9, 4)),
+    (layers.Conv3D, {"filters": 4, "kernel_size": 2, "strides": 2, "padding": "same", "groups": 2}, (1, 5, 5, 5, 4)),
+    (layers.DepthwiseConv2D, {"kernel_size": 3, "strides": 2, "padding": "same", "depth_multiplier": 2}, (2, 8, 8, 3)),
+    (layers.DepthwiseConv1D, {"kernel_size": 4, "padding": "valid", "activation": "relu"}, (2, 9, 3)),
+]
+
+
+@pytest.mark.parametrize(("layer_type", "options", "shape"), CONVOLUTIONS)
+def test_member_convolutions_are_the_keras_convolution(
+    layer_type: type, options: dict[str, Any], shape: tuple[int, ...]
+) -> None:
+    """The packed convolutions in each backend's form (on torch without Keras' copies, the bias in the convolution)
+    compute the Keras layer they replace: strides with Keras' uneven "same" padding, dilation, groups, depthwise
+    multipliers, channels-first and causal padding."""
+    keras.utils.set_random_seed(0)
+    layer = layer_type(**options, bias_initializer="random_normal")
+    x = np.random.default_rng(0).standard_normal(shape).astype("float32")
+    expected = ops.convert_to_numpy(layer(x))
+    member_type = (_packed_layers.MEMBER_CONVOLUTIONS | _packed_layers.MEMBER_DEPTHWISE)[layer_type]
+    extra = {"members": options.get("groups", 1)} if layer_type in _packed_layers.MEMBER_CONVOLUTIONS else {}
+    packed = member_type.from_config({**layer.get_config(), **extra})
+    packed.build(shape)
+    packed.set_weights(layer.get_weights())
+    np.testing.assert_allclose(ops.convert_to_numpy(packed(x)), expected, rtol=0, atol=1e-5)
+
+
+def test_member_dense_is_each_members_matmul() -> None:
+    """(B, m*P_in) -> (B, m*P_out) in each backend's form (on torch one baddbmm), then the bias and activation."""
+    rng = np.random.default_rng(0)
+    kernel, bias = rng.standard_normal((3, 5, 4)).astype("float32"), rng.standard_normal(12).astype("float32")
+    x = rng.standard_normal((7, 15)).astype("float32")
+    dense = _packed_layers.MemberDense(3, 4, activation="relu")
+    dense.build(x.shape)
+    dense.set_weights([kernel, bias])
+    expected = np.concatenate([x[:, 5 * k : 5 * (k + 1)] @ kernel[k] for k in range(3)], axis=1) + bias
+    np.testing.assert_allclose(ops.convert_to_numpy(dense(x)), np.maximum(expected, 0), rtol=0, atol=1e-5)
+
+
+def test_chain_runs_its_layers_in_inference_and_saves(tmp_path: Path) -> None:
+    """A Chain is its layers one after the other (a layer whose call defaults to training=True runs in inference);
+    on torch, pack runs each run of layers that read only each other as one Chain: the packed MLP is one layer."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4, 6, 2))
+    steps = [layers.RandomFlip("horizontal"), layers.Conv2D(3, 2), layers.ReLU(), layers.Flatten(), layers.Dense(2)]
+    x = np.random.default_rng(0).standard_normal((5, 4, 6, 2)).astype("float32")
+    expected = x
+    for step in steps:
+        expected = step(expected, training=False)
+    model = keras.Model(inputs, _packed_layers.Chain(steps)(inputs))
+    np.testing.assert_allclose(model.predict_on_batch(x), ops.convert_to_numpy(expected), rtol=0, atol=1e-6)
+    model.save(tmp_path / "chain.keras")
+    loaded = keras.models.load_model(tmp_path / "chain.keras")
+    np.testing.assert_allclose(loaded.predict_on_batch(x), ops.convert_to_numpy(expected), rtol=0, atol=1e-6)
+    packed = mk.pack(build("mlp"), example(build("mlp"), 5), program="packed")
+    chained = [type(layer).__name__ for layer in packed.layers] == ["InputLayer", "Chain"]
+    assert chained == (keras.backend.backend() == "torch")
 
 
 @pytest.mark.parametrize("jit_compile", JIT_COMPILE)
