@@ -24,7 +24,10 @@ value: gathers made the packed ResNet of ``benchmarks/`` 10-20% slower, and were
 ones there); elsewhere, a token sequence (B, L, C) included, a gather, which XLA fuses into the operation that
 produces it (one-hot products before the MLPs made the packed ViT-like of ``benchmarks/`` 15-20% slower at batch 32).
 Operations that run at full width bind the model's primitive with the parameters it has at the member-stacked batch
-size.
+size. On CPU a program proven to compute each sample from that sample alone (``Capture.per_sample``) runs on chunks of
+the batch (``in_chunks``: ``jax.lax.map``), its largest tensor about ``CHUNK_BYTES`` per chunk: XLA:CPU ran the
+attention of the ViT-like of ``benchmarks/`` on a member-stacked batch of 4 x 32 samples (4x the work) in 4.5-7x the
+time of one batch of 32, and in 3.3x on chunks of 8 samples.
 
 Exactness: results equal the dense model's for finite activations, up to float rounding. Channels that Masksembles
 zeroes are left out instead of multiplied by 0 (a masked inf or NaN gives NaN in the dense model and is absent here),
