@@ -56,7 +56,8 @@ model holds it, or (B, C, ...) when shared; a folded fallback holds every channe
 
 Around the plan, what every adapter's ``pack`` does the same way: ``per_member_fallbacks`` (the shared fallbacks that
 must run per member), ``program_macs`` (multiply-adds of a program and of the members' dense models),
-``chosen_members``, ``output_mismatch`` and ``verified`` (a built program checked against ``predict`` before it is
+``chosen_members``, ``samples_per_chunk`` (the chunks of the batch a program proven per-sample runs on, on CPU),
+``output_mismatch`` and ``verified`` (a built program checked against ``predict`` before it is
 returned, and what replaces it when it differs) and
 ``timed_choice`` (which program ``program="auto"`` keeps, from interleaved timings). ``masksembles_core.captured``
 turns an adapter's captured operations into the graph ``plan_program`` reads.
@@ -753,6 +754,16 @@ VERIFICATION = "verification"  # how the fallback entry starts that adapters wri
 AUTO_ROUNDS = 7  # interleaved timing rounds of pack(program="auto"), at most
 AUTO_MARGIN = 0.9  # ``auto`` leaves the preferred program only for one at most this fraction of its median time...
 AUTO_WINS = 0.75  # ...that was faster in at least this fraction of the interleaved rounds
+
+
+def samples_per_chunk(batch: int, bytes_per_sample: int, chunk_bytes: int) -> int:
+    """How many samples a program proven per-sample runs at a time so that its largest tensor, ``bytes_per_sample``
+    per sample, is about ``chunk_bytes`` in each call: the batch in ceil(total / ``chunk_bytes``) chunks of equal
+    size; 0 (the whole batch in one call) where the total is at most ``chunk_bytes``."""
+    total = bytes_per_sample * batch
+    if total <= chunk_bytes:
+        return 0
+    return -(-batch // -(-total // chunk_bytes))
 
 
 def chosen_members(members: Sequence[int] | None, n: int) -> list[int]:

@@ -524,6 +524,26 @@ class Capture:
             return _dot_batch_axis(eqn, dict(zip(op.tensors, batch, strict=True)), ranks) != out.batch_axis
         return True
 
+    def per_sample(self) -> bool:
+        """Whether every output sample is computed from that sample alone, whatever else the batch holds: every
+        run-time value has one axis of exactly the batch size or none; no value without one is made from one with one
+        (a reduction over the batch), none with one from none (an ``iota`` over the batch); every operation but a
+        Masksembles layer (which masks each sample by its member) keeps samples apart (``batch_dependent``); and every
+        output leaf has the batch on axis 0."""
+        if any(self.values[var].batch_axes and self.values[var].batch_axis < 0 for var in self.runtime):
+            return False
+        for op in self.ops.values():
+            if is_masking(op.eqn.name, op.eqn.params[0]):
+                continue
+            reads = [self.values[t].batch_axis >= 0 for t in op.tensors]
+            if self.values[op.var].batch_axis < 0:
+                if any(reads):
+                    return False
+            elif not any(reads) or self.batch_dependent(op):
+                return False
+        outputs = self.program.outputs
+        return all(isinstance(a, int) and a in self.runtime and self.values[a].batch_axis == 0 for a in outputs)
+
     def _classify(self, eqn: Eqn, var: int) -> Op:
         tensors = self.tensors(eqn)
         name, params = eqn.name, eqn.params[0]

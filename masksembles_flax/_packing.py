@@ -24,7 +24,10 @@ value: gathers made the packed ResNet of ``benchmarks/`` 10-20% slower, and were
 ones there); elsewhere, a token sequence (B, L, C) included, a gather, which XLA fuses into the operation that
 produces it (one-hot products before the MLPs made the packed ViT-like of ``benchmarks/`` 15-20% slower at batch 32).
 Operations that run at full width bind the model's primitive with the parameters it has at the member-stacked batch
-size.
+size. On CPU a program proven to compute each sample from that sample alone (``Capture.per_sample``) runs on chunks of
+the batch (``in_chunks``: ``jax.lax.map``), its largest tensor about ``CHUNK_BYTES`` per chunk: XLA:CPU ran the
+attention of the ViT-like of ``benchmarks/`` on a member-stacked batch of 4 x 32 samples (4x the work) in 4.5-7x the
+time of one batch of 32, and in 3.3x on chunks of 8 samples.
 
 Exactness: results equal the dense model's for finite activations, up to float rounding. Channels that Masksembles
 zeroes are left out instead of multiplied by 0 (a masked inf or NaN gives NaN in the dense model and is absent here),
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -59,6 +63,7 @@ from masksembles_core.packing import (
     chosen_members,
     output_mismatch,
     plan_program,
+    samples_per_chunk,
     timed_choice,
     verified,
 )
@@ -66,6 +71,11 @@ from masksembles_core.packing import (
 from . import _capture as capture_module
 from ._capture import PREFIX, SHAPE_PARAMS, Capture, Eqn, Literal, NotAffine, Op, node_name
 from ._ops import apply_masks, predict, untile
+
+# on CPU a program proven per-sample runs on chunks of the batch where its largest tensor is about this size (the
+# members' together): XLA:CPU runs attention and convolutions slower per multiply-add on larger tensors (the packed
+# ViT-like and ResNet of benchmarks/, at batch 32 and 256, ran 1.3-2x faster on chunks of 1 MiB than in one call)
+CHUNK_BYTES = 2**20
 
 
 class Constant(nnx.Variable[jax.Array]):
@@ -173,6 +183,7 @@ class _Plan:
     seconds: tuple[tuple[str, float], ...] = ()
     choice: str = ""
     pick: int = -1  # >= 0: the one member returned from a program of every member (squeezed)
+    sample_bytes: int = 0  # > 0: proven per-sample, its largest tensor's bytes per sample (runs on chunks on CPU)
 
     def __repr__(self) -> str:
         """One line for the module's repr (the steps are not listed); after ``auto``, what it measured."""
@@ -183,10 +194,14 @@ class _Plan:
             why = (
                 f"{self.choice}" if self.choice else "; ".join(f for f in self.fallbacks if f.startswith(VERIFICATION))
             )
-            return f"_Plan(members={members}, program=dense" + (f" ({why}{measured}))" if why else ")")
+            chunks = ", per-sample: in chunks of the batch" if self.sample_bytes else ""
+            return f"_Plan(members={members}, program=dense" + (f" ({why}{measured})" if why else "") + f"{chunks})"
         shown = ", ".join(self.fallbacks[:8]) + (", ..." if len(self.fallbacks) > 8 else "")
         chosen = f"program=packed ({self.choice}{measured}), " if self.choice else ""
-        return f"_Plan(members={members}, {chosen}fallbacks={len(self.fallbacks)}" + (f": {shown})" if shown else ")")
+        chunks = "per-sample: in chunks of the batch, " if self.sample_bytes else ""
+        return f"_Plan(members={members}, {chosen}{chunks}fallbacks={len(self.fallbacks)}" + (
+            f": {shown})" if shown else ")"
+        )
 
 
 # ------------------------------------------------------------------------------------------------ the module
@@ -233,12 +248,43 @@ class PackedMasksembles(nnx.Module):
         """Why ``pack(program="auto")`` returned this program, from its interleaved timings; empty otherwise."""
         return self.plan.choice
 
+    def chunk(self, batch: int) -> int:
+        """The samples it runs at a time on a batch of ``batch`` (``jax.lax.map`` over chunks of the batch); 0: the
+        whole batch in one call. On CPU a program proven to compute each sample from that sample alone runs on
+        chunks whose largest tensor (the members' together) is about ``CHUNK_BYTES``."""
+        return samples_per_chunk(batch, self.plan.sample_bytes, CHUNK_BYTES) if self.plan.sample_bytes else 0
+
     def __call__(self, x: jax.Array) -> Any:
         """(B, ...) -> every output leaf as (m, B, ...), or (B, ...) for an extracted member."""
+        axis = 0 if self.plan.squeeze or self.plan.pick >= 0 else 1
+        return in_chunks(self._whole, x, self.chunk(x.shape[0]), axis)
+
+    def _whole(self, x: jax.Array) -> Any:
+        """The program on the whole of ``x`` in one call."""
         run = _Run(self, x.shape[0])
         for step in self.plan.steps:
             run.values[step.name] = run.step(step, x)
         return run.result()
+
+
+def in_chunks(function: Callable[[jax.Array], Any], x: jax.Array, chunk: int, axis: int) -> Any:
+    """``function(x)`` computed ``chunk`` samples at a time (``jax.lax.map`` over the batch's whole chunks, then one
+    call on what is left), each output leaf joined on its batch axis ``axis``; in one call when ``chunk`` is 0 or
+    not smaller than the batch. Only for a ``function`` that computes each sample from that sample alone."""
+    count = x.shape[0] // chunk if chunk > 0 else 0
+    if count == 0 or x.shape[0] <= chunk:
+        return function(x)
+    mapped = jax.lax.map(function, x[: count * chunk].reshape((count, chunk, *x.shape[1:])))
+
+    def joined(y: jax.Array) -> jax.Array:  # (count, ..., chunk, ...) -> (..., count * chunk, ...)
+        y = jnp.moveaxis(y, 0, axis)
+        return y.reshape((*y.shape[:axis], count * chunk, *y.shape[axis + 2 :]))
+
+    result = jax.tree.map(joined, mapped)
+    if count * chunk == x.shape[0]:
+        return result
+    rest = function(x[count * chunk :])
+    return jax.tree.map(lambda a, b: jnp.concatenate([a, b], axis=axis), result, rest)
 
 
 def _is_depthwise(params: dict[str, Any], kernel: tuple[int, ...]) -> bool:
@@ -711,8 +757,23 @@ def _build(capture: Capture, chosen: Sequence[int], squeeze: bool, *, dense: boo
     program = plan_program(nodes, OUTPUT, chosen)
     emitter = _Emitter(capture, axis, program, squeeze, dense)
     packed = PackedMasksembles(emitter.plan, emitter.weights, emitter.constants)
-    packed.plan = dataclasses.replace(packed.plan, pick=pick)
+    sample_bytes = _sample_bytes(capture, len(program.members))
+    packed.plan = dataclasses.replace(packed.plan, pick=pick, sample_bytes=sample_bytes)
     return packed
+
+
+def _sample_bytes(capture: Capture, members: int) -> int:
+    """On CPU, for a program proven to compute each sample from that sample alone (``Capture.per_sample``): the bytes
+    per sample of its largest tensor, every member's as wide as the model's (at most); else 0 (never on chunks)."""
+    if jax.default_backend() != "cpu" or not capture.per_sample():
+        return 0
+    batch = capture.program.batch
+    largest = max(
+        math.prod(value.shape) // batch * value.dtype.itemsize
+        for value in (capture.values[var] for var in capture.runtime)
+        if value.batch_axis >= 0
+    )
+    return largest * members
 
 
 def _reads_the_batch(capture: Capture) -> bool:

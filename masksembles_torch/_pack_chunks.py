@@ -11,10 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
-from masksembles_core.packing import (
-    OUTPUT,
-    Program,
-)
+from masksembles_core.packing import OUTPUT, Program, samples_per_chunk
 
 from . import _packed_ops as ops
 from ._pack_capture import _Capture, _Seen, _target_name
@@ -74,10 +71,7 @@ def _samples_per_chunk(capture: _Capture, program: Program, example: Tensor) -> 
             inputs = [follows(capture.seen[n]) for n in node.all_input_nodes if n in capture.dynamic]
             if None in inputs or (kind != any(inputs) and not (kind and _broadcast(capture, node))):
                 return 0
-    total = largest * batch
-    if total <= CHUNK_BYTES:
-        return 0
-    return -(-batch // -(-total // CHUNK_BYTES))  # the batch in ceil(total / CHUNK_BYTES) chunks of equal size
+    return samples_per_chunk(batch, largest, CHUNK_BYTES)
 
 
 def _packed_scales(program: Program) -> dict[str, float]:

@@ -18,6 +18,7 @@ from masksembles_core.packing import (
     per_member_fallbacks,
     plan_program,
     program_macs,
+    samples_per_chunk,
     timed_choice,
     timed_rounds,
     verified,
@@ -181,3 +182,13 @@ def test_verified_keeps_an_agreeing_program_and_otherwise_the_first_replacement_
         None,
         "verification: the dense program differed from predict on the example input (bad is off by 1)",
     )
+
+
+@pytest.mark.parametrize(
+    "batch,per_sample,chunk",
+    [(32, 32, 0), (32, 33, 16), (32, 65, 11), (32, 100, 8), (256, 64, 16), (256, 1 << 20, 1), (7, 400, 3)],
+)
+def test_chunks_hold_about_the_chunk_size_and_split_the_batch_evenly(batch: int, per_sample: int, chunk: int) -> None:
+    """A batch whose largest tensor is at most the chunk size runs in one call (0); a larger one in
+    ceil(total / chunk size) chunks of equal size, at least one sample each."""
+    assert samples_per_chunk(batch, per_sample, 1024) == chunk

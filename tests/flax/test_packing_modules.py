@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 
 import masksembles_flax as mf
+import masksembles_flax._packing as packing_module
 from masksembles_core.packing import VERIFICATION
 from masksembles_flax._capture import Capture
 from masksembles_flax.nnx import Masksembles, extract_member, insert, pack
@@ -243,7 +244,7 @@ def test_dense_program_is_the_tiled_model(name: str, batch: int) -> None:
     x = random_input((batch, *shape), batch)
     dense = pack(model, x[:3], program="dense")
     assert dense.program == "dense" and dense.seconds == {} and len(dense.weights) == 0
-    assert "program=dense)" in repr(dense)
+    assert "program=dense" in repr(dense) and "program=dense (" not in repr(dense), "no reason given"
     actual, expected, _ = outputs(model, dense, [], x)
     assert actual.shape == expected.shape and relative_error(actual, expected) <= 1e-5
 
@@ -476,6 +477,36 @@ def test_operations_that_read_the_batch_run_on_the_member_stacked_batch() -> Non
             member = extract_member(model, k, x)
             assert member.program == "packed" and member.members == (k,)
             assert relative_error(member(x), expected[k]) <= 1e-5
+
+
+def test_per_sample_programs_run_on_chunks_of_the_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CPU a program proven to compute each sample from that sample alone runs on chunks of the batch
+    (``jax.lax.map``, then the rest in one call): packed, dense and extracted ones equal predict at any batch."""
+    monkeypatch.setattr(packing_module, "samples_per_chunk", lambda batch, size, limit: 2)  # the size: in the core
+    factory, shape = MODULES["cnn"]
+    model = randomized(factory())
+    x = random_input((5, *shape), 5)
+    packed, dense = pack(model, x[:3], program="packed"), pack(model, x[:3], program="dense")
+    member = extract_member(model, 1, x[:3])
+    assert packed.chunk(5) == dense.chunk(5) == member.chunk(5) == 2
+    assert "per-sample: in chunks of the batch" in repr(packed) and "in chunks of the batch)" in repr(dense)
+    for batch in (4, 5):  # two chunks; two chunks and a rest
+        actual, expected, singles = outputs(model, packed, [dense, member], x[:batch])
+        assert actual.shape == expected.shape and relative_error(actual, expected) <= 1e-5
+        assert relative_error(singles[0], expected) <= 1e-5 and relative_error(singles[1], expected[1]) <= 1e-5
+    scan = [e for e in jax.make_jaxpr(packed)(x).jaxpr.eqns if e.primitive.name == "scan"]
+    assert [e.params["length"] for e in scan] == [2], "two chunks of 2 in one loop, the fifth sample after it"
+
+
+def test_programs_that_read_the_batch_run_in_one_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Attention (``nnx.MultiHeadAttention``) keeps samples apart (the ViTs' class token broadcast to
+    the batch included); a sum over the batch, an index over it do not: their program never runs on chunks."""
+    monkeypatch.setattr(packing_module, "samples_per_chunk", lambda batch, size, limit: 2)
+    x = random_input((3, 8, 8, 3), 0)
+    assert Capture(randomized(inserted(ViT)()), x).per_sample()
+    mixing = random_input((5, 4), 5)
+    assert not Capture(BatchMixing(), mixing).per_sample()
+    assert pack(BatchMixing(), mixing, program="packed").chunk(5) == 0
 
 
 class Layer(nnx.Module):
