@@ -10,7 +10,7 @@ serialization, so a packed model saves to ``.keras`` and loads once ``masksemble
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import keras
@@ -80,6 +80,30 @@ def blocked(index: Sequence[int], scale: Sequence[float] | None, width: int, blo
     return bool(((np.asarray(index) // rows == block) | (values == 0)).all())
 
 
+# on JAX, a packed program proven to keep samples apart whose largest tensor at the batch it is called on exceeds twice
+# this size runs on chunks of the batch where it is about this size (fresh large buffers and tensors far over the CPU's
+# cache made a packed ResNet-like 2.5x slower per sample at batch 256 than at batch 32)
+CHUNK_BYTES = 16 * 2**20
+
+
+def chunk_samples(sample_bytes: int) -> int:
+    """The most samples a chunk holds whose largest tensor takes ``sample_bytes`` per sample (at least 1)."""
+    return max(1, CHUNK_BYTES // max(1, sample_bytes))
+
+
+def in_chunks(run: Callable[[Any], Any], x: Any, samples: int) -> Any:
+    """``run(x)`` on equal chunks of at most ``samples`` samples of ``x`` (batch on axis 0, of static size), in one
+    loop (``keras.ops.map``), the batch padded with zeros to a whole number of chunks and the padding's outputs
+    dropped: equal to ``run(x)`` for a ``run`` that computes each sample from that sample alone."""
+    batch = int(x.shape[0])
+    chunks = -(-batch // samples)
+    size = -(-batch // chunks)
+    if chunks * size > batch:
+        x = ops.pad(x, [(0, chunks * size - batch)] + [(0, 0)] * (len(x.shape) - 1))
+    y = ops.map(run, ops.reshape(x, (chunks, size, *x.shape[1:])))
+    return keras.tree.map_structure(lambda part: ops.reshape(part, (chunks * size, *part.shape[2:]))[:batch], y)
+
+
 @keras.saving.register_keras_serializable(package=SERIALIZATION_PACKAGE)
 class ChannelSelect(keras.layers.Layer):  # type: ignore[misc]  # keras is untyped: Layer is Any to mypy
     """A core ``select`` move: gather ``index`` on ``axis`` (the source's copies side by side), then multiply by
@@ -131,12 +155,16 @@ class ChannelSelect(keras.layers.Layer):  # type: ignore[misc]  # keras is untyp
         return {**super().get_config(), **config, "blocks": self.blocks}
 
 
-def runs_members_apart() -> bool:
-    """Whether this backend runs the members' Dense layers one per member, on static slices of their side-by-side
-    channels, concatenated: TensorFlow runs that faster than one batched matmul over the members (3.6 against 5.8 ms
-    at batch 256); on JAX it made the packed MLP faster at batch 256 but slower at batch 1, and torch runs the batched
-    matmul as fast."""
-    return str(keras.backend.backend()) == "tensorflow"
+APART_ROWS = 128  # on JAX, the fewest rows (samples times positions) the members' Dense layers run one per member
+
+
+def runs_members_apart(rows: int | None) -> bool:
+    """Whether this backend runs the members' Dense layers one per member on ``rows`` rows (None: not known), on
+    static slices of their side-by-side channels, concatenated: TensorFlow runs that faster than one batched matmul
+    over the members (3.6 against 5.8 ms at batch 256); JAX too from ``APART_ROWS`` rows on (the shapes are static
+    under ``jit``; at batch 1 and 32 the batched matmul is faster), and torch runs the batched matmul as fast."""
+    backend = str(keras.backend.backend())
+    return backend == "tensorflow" or (backend == "jax" and rows is not None and rows >= APART_ROWS)
 
 
 def convolution_pieces(groups: int, members: int, window: int) -> int:
@@ -153,9 +181,14 @@ def convolution_pieces(groups: int, members: int, window: int) -> int:
     return 1
 
 
+CHANNEL_ALIGNMENT = 4  # on JAX, each piece's input channels padded with zeros to a multiple of this
+
+
 class _MemberConvolution:
     """A Keras convolution over ``members`` copies side by side on the channel axis, each with ``groups /
-    members`` groups of its own, run as ``convolution_pieces`` convolutions on static slices, concatenated."""
+    members`` groups of its own, run as ``convolution_pieces`` convolutions on static slices, concatenated. On JAX
+    each piece's input channels (and its kernel's) are padded with zeros to a multiple of ``CHANNEL_ALIGNMENT``:
+    XLA:CPU's 3x3 convolution from 17 channels took 2.2x as long as from 20 (and longer than from 32)."""
 
     members: int
     groups: int
@@ -168,10 +201,19 @@ class _MemberConvolution:
             return run(inputs, kernel)
         axis = len(inputs.shape) - 1 if self.data_format == "channels_last" else 1
         width, out = int(inputs.shape[axis]) // pieces, int(kernel.shape[-1]) // pieces
-        parts = [
-            run(_axis_slice(inputs, axis, k * width, (k + 1) * width), kernel[..., k * out : (k + 1) * out])
-            for k in range(pieces)
-        ]
+        pad = -width % CHANNEL_ALIGNMENT if str(keras.backend.backend()) == "jax" else 0
+        parts = []
+        for k in range(pieces):
+            piece, piece_kernel = (
+                _axis_slice(inputs, axis, k * width, (k + 1) * width),
+                kernel[..., k * out : (k + 1) * out],
+            )
+            if pad:
+                widths = [(0, 0)] * len(inputs.shape)
+                widths[axis] = (0, pad)
+                piece = ops.pad(piece, widths)
+                piece_kernel = ops.pad(piece_kernel, [(0, 0)] * (len(kernel.shape) - 2) + [(0, pad), (0, 0)])
+            parts.append(run(piece, piece_kernel))
         return ops.concatenate(parts, axis=axis)
 
     def get_config(self) -> dict[str, Any]:
@@ -342,7 +384,8 @@ class MemberDense(keras.layers.Layer):  # type: ignore[misc]
         )
 
     def call(self, x: Any) -> Any:
-        if runs_members_apart():
+        rows = None if None in x.shape[:-1] else int(np.prod(x.shape[:-1]))
+        if runs_members_apart(rows):
             width = int(x.shape[-1]) // self.members
             parts = [ops.matmul(x[..., k * width : (k + 1) * width], self.kernel[k]) for k in range(self.members)]
             y = ops.concatenate(parts, axis=-1)

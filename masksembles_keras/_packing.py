@@ -45,7 +45,7 @@ from ._inference import _no_autograd
 from ._layers import SERIALIZATION_PACKAGE, Masksembles
 from ._pack_capture import Capture, compiled
 from ._pack_emit import Emitter
-from ._packed_layers import SelectMembers, TileBatch
+from ._packed_layers import SelectMembers, TileBatch, chunk_samples, in_chunks
 
 REPORT = ("members", "program", "fallbacks", "macs", "seconds", "choice")
 
@@ -64,6 +64,18 @@ class PackedMasksembles(keras.Model):  # type: ignore[misc]  # keras is untyped:
         report = dict(kwargs.pop("masksembles", None) or {})
         super().__init__(*args, **kwargs)
         object.__setattr__(self, "_report", report)  # not tracked by Keras: plain values for the config
+
+    def call(self, inputs: Any, training: Any = None, mask: Any = None, **kwargs: Any) -> Any:
+        """The functional model's call; on JAX, a program proven to keep samples apart runs on chunks of the batch
+        where its largest tensor exceeds twice ``_packed_layers.CHUNK_BYTES`` (its report's ``chunk``: the most
+        samples a chunk holds)."""
+        samples = int(self._report.get("chunk", 0))
+        leaves = keras.tree.flatten(inputs)
+        batch = leaves[0].shape[0] if len(leaves) == 1 else None
+        if samples and keras.backend.backend() == "jax" and isinstance(batch, int) and batch > 2 * samples:
+            run = super().call
+            return in_chunks(lambda chunk: run(chunk, training=training, mask=mask, **kwargs), leaves[0], samples)
+        return super().call(inputs, training=training, mask=mask, **kwargs)
 
     def get_config(self) -> dict[str, Any]:
         return {**super().get_config(), "masksembles": dict(self._report)}
@@ -128,6 +140,8 @@ def _build(capture: Capture, chosen: Sequence[int], squeeze: bool, *, dense: boo
     program = plan_program(nodes, output, members)
     emitter = Emitter(capture, axis, program, squeeze, pick)
     report = _report(chosen, "dense" if dense else "packed", emitter.fallbacks, emitter.macs)
+    if keras.backend.backend() == "jax" and _keeps_samples_apart(capture):
+        report["chunk"] = chunk_samples(emitter.sample_bytes)
     return PackedMasksembles(emitter.input, emitter.output, name=f"{capture.model.name}_packed", masksembles=report)
 
 
@@ -138,6 +152,15 @@ def _reads_the_batch(capture: Capture) -> bool:
     return any(
         op.kind == "fallback" and op.batch_dependent and not isinstance(op.call.operation, Masksembles)
         for op in capture.ops.values()
+    )
+
+
+def _keeps_samples_apart(capture: Capture) -> bool:
+    """Whether no call of the model mixes samples (a Masksembles layer's masks go by member in the program), so that
+    the program may run on chunks of the batch (verification then checks it on chunks of one sample)."""
+    return not any(
+        not isinstance(call.operation, Masksembles) and capture.mixes_samples(call, key)
+        for key, (call, _) in capture.by_key.items()
     )
 
 
@@ -161,10 +184,10 @@ class _Verifier:
         self.expected = members[0] if squeeze else members
         self.squeeze = squeeze
 
-    def mismatch(self, packed: keras.Model) -> str | None:
-        """Why ``packed`` differs from ``predict`` on the sample, or None."""
+    def mismatch(self, packed: keras.Model, chunked: bool = False) -> str | None:
+        """Why ``packed`` differs from ``predict`` on the sample (``chunked``: run on chunks of one sample), or None."""
         try:
-            actual = np.asarray(keras.ops.convert_to_numpy(_run(packed, self.x)))
+            actual = np.asarray(keras.ops.convert_to_numpy(_run(packed, self.x, chunked)))
         except Exception as error:  # a program that fails where the model runs differs from it
             return f"it raised {type(error).__name__}: {error}"
         if not self.squeeze:
@@ -176,10 +199,14 @@ def _eps(dtype: np.dtype) -> float:
     return float(np.finfo(dtype).eps) if np.issubdtype(dtype, np.inexact) else 0.0
 
 
-def _run(model: keras.Model, x: np.ndarray) -> Any:
-    """One inference call of ``model`` on ``x`` (one compiled program on JAX)."""
+def _run(model: keras.Model, x: np.ndarray, chunked: bool = False) -> Any:
+    """One inference call of ``model`` on ``x`` (one compiled program on JAX; ``chunked``: on chunks of one sample)."""
+
+    def run(value: Any) -> Any:
+        return model(value, training=False)
+
     with _no_autograd():
-        return compiled(lambda value: model(value, training=False))(x)
+        return compiled(lambda value: in_chunks(run, value, 1) if chunked else run(value))(x)
 
 
 def _verified(
@@ -197,6 +224,8 @@ def _verified(
         return whole(f"{reason}: the whole model runs tiled")
     if reason:
         result._report["fallbacks"] = [reason, *result.fallbacks]
+    if result._report.get("chunk") and verifier.mismatch(result, chunked=True) is not None:
+        del result._report["chunk"]
     return result
 
 
