@@ -184,10 +184,17 @@ class _Verifier:
         self.expected = members[0] if squeeze else members
         self.squeeze = squeeze
 
-    def mismatch(self, packed: keras.Model, chunked: bool = False) -> str | None:
-        """Why ``packed`` differs from ``predict`` on the sample (``chunked``: run on chunks of one sample), or None."""
+    def mismatch(self, packed: keras.Model) -> str | None:
+        """Why ``packed`` differs from ``predict`` on the sample, or None."""
+        return self._differs(lambda: _run(packed, self.x))
+
+    def chunked_mismatch(self, packed: keras.Model) -> str | None:
+        """Why ``packed`` run on chunks of one sample differs from ``predict`` on the sample, or None."""
+        return self._differs(lambda: _run(packed, self.x, chunked=True))
+
+    def _differs(self, run: Callable[[], Any]) -> str | None:
         try:
-            actual = np.asarray(keras.ops.convert_to_numpy(_run(packed, self.x, chunked)))
+            actual = np.asarray(keras.ops.convert_to_numpy(run()))
         except Exception as error:  # a program that fails where the model runs differs from it
             return f"it raised {type(error).__name__}: {error}"
         if not self.squeeze:
@@ -224,7 +231,7 @@ def _verified(
         return whole(f"{reason}: the whole model runs tiled")
     if reason:
         result._report["fallbacks"] = [reason, *result.fallbacks]
-    if result._report.get("chunk") and verifier.mismatch(result, chunked=True) is not None:
+    if result._report.get("chunk") and verifier.chunked_mismatch(result) is not None:
         del result._report["chunk"]
     return result
 
