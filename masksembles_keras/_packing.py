@@ -221,9 +221,15 @@ def _verified(
     whole: Callable[[str], PackedMasksembles],
 ) -> PackedMasksembles:  # fmt: skip
     """``packed`` if it equals ``predict``; otherwise every call at full width, or the whole model tiled when that
-    differs too, with the reason first in ``fallbacks`` (``masksembles_core.packing.verified``)."""
+    differs too, with the reason first in ``fallbacks`` (``masksembles_core.packing.verified``). A program that
+    runs on batch chunks is checked on chunks of one sample (which also shows that it reads no batch size), and
+    runs unchunked, checked as such, where that differs."""
     if verifier is None:
         return packed
+    if packed._report.get("chunk"):
+        if verifier.chunked_mismatch(packed) is None:
+            return packed
+        del packed._report["chunk"]
     replacements = [("every call at full width", full_width)] if packed.program == "packed" else []
     checked = verified(packed, packed.program, verifier.mismatch, replacements)
     result, reason = checked
@@ -231,8 +237,8 @@ def _verified(
         return whole(f"{reason}: the whole model runs tiled")
     if reason:
         result._report["fallbacks"] = [reason, *result.fallbacks]
-    if result._report.get("chunk") and verifier.chunked_mismatch(result) is not None:
-        del result._report["chunk"]
+    if result is not packed:
+        result._report.pop("chunk", None)
     return result
 
 
