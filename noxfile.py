@@ -54,8 +54,15 @@ ADAPTER_TESTS = (
 DEVICE_CHECK_SMOKE = "tests/test_device_check_smoke.py"
 
 
+# pytest-xdist: one worker per core (at most 4, each framework's process holds its own compiled programs); most of the
+# adapters' test time is single-threaded tracing and compiling, so two workers on two cores nearly halve it
+PARALLEL = ("--numprocesses=auto", "--maxprocesses=4")
+
+
 def run_pytest(session: nox.Session, backends: str, *paths: str) -> None:
-    session.run("pytest", "--durations=15", *paths, *session.posargs, env={"MASKSEMBLES_TEST_BACKENDS": backends})
+    session.run(
+        "pytest", *PARALLEL, "--durations=15", *paths, *session.posargs, env={"MASKSEMBLES_TEST_BACKENDS": backends}
+    )
 
 
 @nox.session
