@@ -302,17 +302,21 @@ def test_member_dense_agrees_one_matmul_per_member_or_batched(monkeypatch: pytes
         np.testing.assert_allclose(ops.convert_to_numpy(layer(x)), expected, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("strides", [1, 2])
-def test_member_convolution_equals_each_members_convolution(strides: int) -> None:
-    """3 members of 5 -> 4 channels, 3x3 (on JAX one convolution per member, its 5 channels padded to 8)."""
+@pytest.mark.parametrize(("strides", "groups"), [(1, 1), (2, 1), (1, 2)])
+def test_member_convolution_equals_each_groups_convolution(strides: int, groups: int) -> None:
+    """3 members of 5 * groups -> 4 * groups channels, 3x3, in ``groups`` groups each (on JAX one convolution per
+    member, a member of one group with its 5 channels padded to 8)."""
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((2, 7, 7, 15)).astype("float32")
-    kernel = rng.standard_normal((3, 3, 5, 12)).astype("float32")
-    layer = _packed_layers.MemberConv2D(12, 3, strides, padding="same", groups=3, members=3, use_bias=False)
+    x = rng.standard_normal((2, 7, 7, 15 * groups)).astype("float32")
+    kernel = rng.standard_normal((3, 3, 5, 12 * groups)).astype("float32")
+    layer = _packed_layers.MemberConv2D(
+        12 * groups, 3, strides, padding="same", groups=3 * groups, members=3, use_bias=False
+    )
     layer.build(x.shape)
     layer.kernel.assign(kernel)
     parts = [
-        ops.conv(x[..., 5 * k : 5 * k + 5], kernel[..., 4 * k : 4 * k + 4], strides, padding="same") for k in range(3)
+        ops.conv(x[..., 5 * k : 5 * k + 5], kernel[..., 4 * k : 4 * k + 4], strides, padding="same")
+        for k in range(3 * groups)
     ]
     expected = ops.convert_to_numpy(ops.concatenate(parts, axis=-1))
     np.testing.assert_allclose(ops.convert_to_numpy(layer(x)), expected, rtol=0, atol=1e-5)
