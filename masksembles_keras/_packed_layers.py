@@ -80,9 +80,9 @@ def blocked(index: Sequence[int], scale: Sequence[float] | None, width: int, blo
     return bool(((np.asarray(index) // rows == block) | (values == 0)).all())
 
 
-# on JAX, a packed program proven to keep samples apart whose largest tensor at the batch it is called on exceeds twice
-# this size runs on chunks of the batch where it is about this size (fresh large buffers and tensors far over the CPU's
-# cache made a packed ResNet-like 2.5x slower per sample at batch 256 than at batch 32)
+# on JAX and TensorFlow, a packed program proven to keep samples apart whose largest tensor at the batch it is called on
+# exceeds twice this size runs on chunks of the batch where it is about this size (fresh large buffers and tensors far
+# over the CPU's cache made a packed ResNet-like 2.5x slower per sample at batch 256 than at batch 32 on JAX)
 CHUNK_BYTES = 16 * 2**20
 
 

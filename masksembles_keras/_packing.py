@@ -48,6 +48,7 @@ from ._pack_emit import Emitter
 from ._packed_layers import SelectMembers, TileBatch, chunk_samples, in_chunks
 
 REPORT = ("members", "program", "fallbacks", "macs", "seconds", "choice")
+CHUNKED = ("jax", "tensorflow")  # the backends a program runs on batch chunks on
 
 
 @keras.saving.register_keras_serializable(package=SERIALIZATION_PACKAGE)
@@ -66,13 +67,13 @@ class PackedMasksembles(keras.Model):  # type: ignore[misc]  # keras is untyped:
         object.__setattr__(self, "_report", report)  # not tracked by Keras: plain values for the config
 
     def call(self, inputs: Any, training: Any = None, mask: Any = None, **kwargs: Any) -> Any:
-        """The functional model's call; on JAX, a program proven to keep samples apart runs on chunks of the batch
-        where its largest tensor exceeds twice ``_packed_layers.CHUNK_BYTES`` (its report's ``chunk``: the most
-        samples a chunk holds)."""
+        """The functional model's call; on JAX and TensorFlow, a program proven to keep samples apart runs on chunks
+        of the batch where the batch is known when it is traced and its largest tensor exceeds twice
+        ``_packed_layers.CHUNK_BYTES`` (its report's ``chunk``: the most samples a chunk holds)."""
         samples = int(self._report.get("chunk", 0))
         leaves = keras.tree.flatten(inputs)
         batch = leaves[0].shape[0] if len(leaves) == 1 else None
-        if samples and keras.backend.backend() == "jax" and isinstance(batch, int) and batch > 2 * samples:
+        if samples and isinstance(batch, int) and batch > 2 * samples and keras.backend.backend() in CHUNKED:
             run = super().call
             return in_chunks(lambda chunk: run(chunk, training=training, mask=mask, **kwargs), leaves[0], samples)
         return super().call(inputs, training=training, mask=mask, **kwargs)
@@ -140,7 +141,7 @@ def _build(capture: Capture, chosen: Sequence[int], squeeze: bool, *, dense: boo
     program = plan_program(nodes, output, members)
     emitter = Emitter(capture, axis, program, squeeze, pick)
     report = _report(chosen, "dense" if dense else "packed", emitter.fallbacks, emitter.macs)
-    if keras.backend.backend() == "jax" and _keeps_samples_apart(capture):
+    if keras.backend.backend() in CHUNKED and _keeps_samples_apart(capture):
         report["chunk"] = chunk_samples(emitter.sample_bytes)
     return PackedMasksembles(emitter.input, emitter.output, name=f"{capture.model.name}_packed", masksembles=report)
 

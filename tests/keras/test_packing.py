@@ -331,13 +331,13 @@ def test_in_chunks_pads_the_batch_to_equal_chunks() -> None:
 def test_a_program_that_keeps_samples_apart_runs_on_chunks_of_the_batch(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """On JAX (the only backend that chunks), with chunks of one sample: equal to predict, kept by a .keras file; a
-    model that reads the batch (a mean over it) gets no chunks."""
+    """On JAX and TensorFlow (torch runs no chunks), with chunks of one sample: equal to predict, kept by a .keras
+    file; a model that reads the batch (a mean over it) gets no chunks."""
     monkeypatch.setattr(_packed_layers, "CHUNK_BYTES", 1)
     model, reader = build("cnn"), build("batch_reader")
     packed = mk.pack(model, example(model, 5), program="packed")
     chunk = packed.get_config()["masksembles"].get("chunk")
-    assert chunk == (1 if keras.backend.backend() == "jax" else None)
+    assert chunk == (1 if keras.backend.backend() in ("jax", "tensorflow") else None)
     assert "chunk" not in mk.pack(reader, example(reader, 5), program="packed").get_config()["masksembles"]
     x = example(model, 7, seed=1)
     packed.save(tmp_path / "packed.keras")
