@@ -399,12 +399,19 @@ class Capture:
         if key not in self.dependent:
             self.dependent[key] = (
                 bool(_masks_layers(call.operation))
-                or not call.inputs
-                or any(self.seen[k].batch_axis != 0 for k in (*call.inputs, key))
+                or self.mixes_samples(call, key)
                 or not _close(self.values[0][key], self.values[1][key][: self.batch])
-                or not _close(self.answers[_Question(key, "redrawn")][1:], self.values[1][key][1:])
             )
         return self.dependent[key]
+
+    def mixes_samples(self, call: Call, key: str) -> bool:
+        """Whether a call may compute a sample's result from other samples: a call without inputs, a value without
+        its batch on axis 0, or a result that changes for other samples when one sample of its inputs is redrawn."""
+        return (
+            not call.inputs
+            or any(self.seen[k].batch_axis != 0 for k in (*call.inputs, key))
+            or not _close(self.answers[_Question(key, "redrawn")][1:], self.values[1][key][1:])
+        )
 
     # ---- classification
 

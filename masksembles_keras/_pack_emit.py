@@ -93,8 +93,10 @@ class Emitter:
             for position, edge in enumerate(step.edges):
                 self.readers.setdefault(edge.source, []).append((step, position))
         self.folded: set[str] = set()  # BatchNormalization steps folded into the convolution before them
+        self.sample_bytes = 0  # the largest tensor between steps, in bytes per sample of the input
         for step in program.steps:
             self.tensors[step.name] = self._step(step)
+            self._measure(self.tensors[step.name], step.placement.dense and not step.placement.shared)
         output = program.step(program.output)
         self.output = self._output(output, squeeze, pick)
         for original, copy in self.copies:
@@ -112,17 +114,27 @@ class Emitter:
         source = edge.source
         produced = self.program.step(source).placement
         value, key = self.tensors[source], cast(tuple[Any, ...], (source,))
-        shared = produced.shared
+        shared, stacked = produced.shared, produced.dense and not produced.shared
         for move in edge.moves:
             key = (*key, move.kind, _bytes(move.index), _bytes(move.scale))
+            stacked = move.kind in ("tile", "to_batch") or (stacked and move.kind != "to_channels")
             if key not in self.moved:
                 self.moved[key] = self._move(source, move, shared, value)(value)
+                self._measure(self.moved[key], stacked)
             value = self.moved[key]
             if move.kind in ("to_channels", "tile", "to_batch"):
                 shared = False
             elif move.kind == "select":
                 shared = edge.placement.shared
         return value
+
+    def _measure(self, value: Any, stacked: bool) -> None:
+        """Count ``value`` (a symbolic tensor or a structure of them; ``stacked``: on the member-stacked batch, m
+        copies per sample) in ``sample_bytes``."""
+        for tensor in keras.tree.flatten(value):
+            if isinstance(tensor, keras.KerasTensor):
+                size = math.prod(int(d or 1) for d in tensor.shape[1:]) * np.dtype(tensor.dtype).itemsize
+                self.sample_bytes = max(self.sample_bytes, size * (self.m if stacked else 1))
 
     def _move(self, source: str, move: Move, shared: bool, value: Any) -> Any:
         seen = self.capture.seen[source]

@@ -11,7 +11,7 @@ serialization, so a packed model saves to ``.keras`` and loads once ``masksemble
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import keras
@@ -100,6 +100,26 @@ def _torch_gather_last(x: Any, index: Sequence[int], scale: Sequence[float] | No
     return y * factor if torch.compiler.is_compiling() else y.mul_(factor)  # in place where torch.compile allows
 
 
+# on JAX and TensorFlow, a packed program proven to keep samples apart whose largest tensor at the batch it is called on
+# exceeds this size runs on chunks of the batch where it is about this size (``masksembles_core.packing.
+# samples_per_chunk``; fresh large buffers and tensors far over the CPU's cache made a packed ResNet-like 2.5x slower
+# per sample at batch 256 than at batch 32 on JAX)
+CHUNK_BYTES = 16 * 2**20
+
+
+def in_chunks(run: Callable[[Any], Any], x: Any, samples: int) -> Any:
+    """``run(x)`` on equal chunks of at most ``samples`` samples of ``x`` (batch on axis 0, of static size), in one
+    loop (``keras.ops.map``), the batch padded with zeros to a whole number of chunks and the padding's outputs
+    dropped: equal to ``run(x)`` for a ``run`` that computes each sample from that sample alone."""
+    batch = int(x.shape[0])
+    chunks = -(-batch // samples)
+    size = -(-batch // chunks)
+    if chunks * size > batch:
+        x = ops.pad(x, [(0, chunks * size - batch)] + [(0, 0)] * (len(x.shape) - 1))
+    y = ops.map(run, ops.reshape(x, (chunks, size, *x.shape[1:])))
+    return keras.tree.map_structure(lambda part: ops.reshape(part, (chunks * size, *part.shape[2:]))[:batch], y)
+
+
 @keras.saving.register_keras_serializable(package=SERIALIZATION_PACKAGE)
 class ChannelSelect(keras.layers.Layer):  # type: ignore[misc]  # keras is untyped: Layer is Any to mypy
     """A core ``select`` move: gather ``index`` on ``axis`` (the source's copies side by side), then multiply by
@@ -153,12 +173,16 @@ class ChannelSelect(keras.layers.Layer):  # type: ignore[misc]  # keras is untyp
         return {**super().get_config(), **config, "blocks": self.blocks}
 
 
-def runs_members_apart() -> bool:
-    """Whether this backend runs the members' Dense layers one per member, on static slices of their side-by-side
-    channels, concatenated: TensorFlow runs that faster than one batched matmul over the members (3.6 against 5.8 ms
-    at batch 256); on JAX it made the packed MLP faster at batch 256 but slower at batch 1, and torch runs the batched
-    matmul as fast."""
-    return str(keras.backend.backend()) == "tensorflow"
+APART_ROWS = 128  # on JAX, the fewest rows (samples times positions) the members' Dense layers run one per member
+
+
+def runs_members_apart(rows: int | None) -> bool:
+    """Whether this backend runs the members' Dense layers one per member on ``rows`` rows (None: not known), on
+    static slices of their side-by-side channels, concatenated: TensorFlow runs that faster than one batched matmul
+    over the members (3.6 against 5.8 ms at batch 256); JAX too from ``APART_ROWS`` rows on (the shapes are static
+    under ``jit``; at batch 1 and 32 the batched matmul is faster), and torch runs the batched matmul as fast."""
+    backend = str(keras.backend.backend())
+    return backend == "tensorflow" or (backend == "jax" and rows is not None and rows >= APART_ROWS)
 
 
 def convolution_pieces(groups: int, members: int, window: int) -> int:
@@ -225,10 +249,15 @@ def _torch_call(layer: Any, inputs: Any, depthwise: bool) -> Any:
     return outputs if layer.activation is None else layer.activation(outputs)
 
 
+CHANNEL_ALIGNMENT = 4  # on JAX, each piece's input channels padded with zeros to a multiple of this
+
+
 class _MemberConvolution:
     """A Keras convolution over ``members`` copies side by side on the channel axis, each with ``groups /
     members`` groups of its own, run as ``convolution_pieces`` convolutions on static slices, concatenated (on
-    torch as one ``torch_convolution``)."""
+    torch as one ``torch_convolution``). On JAX each piece of one group has its input channels (and its kernel's)
+    padded with zeros to a multiple of ``CHANNEL_ALIGNMENT``: XLA:CPU's 3x3 convolution from 17 channels took 2.2x as
+    long as from 20 (and longer than from 32)."""
 
     members: int
     groups: int
@@ -247,10 +276,20 @@ class _MemberConvolution:
             return run(inputs, kernel)
         axis = len(inputs.shape) - 1 if self.data_format == "channels_last" else 1
         width, out = int(inputs.shape[axis]) // pieces, int(kernel.shape[-1]) // pieces
-        parts = [
-            run(_axis_slice(inputs, axis, k * width, (k + 1) * width), kernel[..., k * out : (k + 1) * out])
-            for k in range(pieces)
-        ]
+        one_group = int(kernel.shape[-2]) == width  # a piece of several groups keeps its width: they split it
+        pad = -width % CHANNEL_ALIGNMENT if str(keras.backend.backend()) == "jax" and one_group else 0
+        parts = []
+        for k in range(pieces):
+            piece, piece_kernel = (
+                _axis_slice(inputs, axis, k * width, (k + 1) * width),
+                kernel[..., k * out : (k + 1) * out],
+            )
+            if pad:
+                widths = [(0, 0)] * len(inputs.shape)
+                widths[axis] = (0, pad)
+                piece = ops.pad(piece, widths)
+                piece_kernel = ops.pad(piece_kernel, [(0, 0)] * (len(kernel.shape) - 2) + [(0, pad), (0, 0)])
+            parts.append(run(piece, piece_kernel))
         return ops.concatenate(parts, axis=axis)
 
     def get_config(self) -> dict[str, Any]:
@@ -444,7 +483,8 @@ class MemberDense(keras.layers.Layer):  # type: ignore[misc]
     def call(self, x: Any) -> Any:
         if on_torch():
             return self.activation(_torch_member_matmul(ops.convert_to_tensor(x), self.kernel, self.bias))
-        if runs_members_apart():
+        rows = None if None in x.shape[:-1] else int(np.prod(x.shape[:-1]))
+        if runs_members_apart(rows):
             width = int(x.shape[-1]) // self.members
             parts = [ops.matmul(x[..., k * width : (k + 1) * width], self.kernel[k]) for k in range(self.members)]
             y = ops.concatenate(parts, axis=-1)

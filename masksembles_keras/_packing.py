@@ -37,17 +37,20 @@ from masksembles_core.packing import (
     chosen_members,
     output_mismatch,
     plan_program,
+    samples_per_chunk,
     timed_choice,
     verified,
 )
 
+from . import _packed_layers
 from ._inference import _no_autograd
 from ._layers import SERIALIZATION_PACKAGE, Masksembles
 from ._pack_capture import Capture, compiled
 from ._pack_emit import Emitter
-from ._packed_layers import SelectMembers, TileBatch
+from ._packed_layers import SelectMembers, TileBatch, in_chunks
 
 REPORT = ("members", "program", "fallbacks", "macs", "seconds", "choice")
+CHUNKED = ("jax", "tensorflow")  # the backends a program runs on batch chunks on
 
 
 @keras.saving.register_keras_serializable(package=SERIALIZATION_PACKAGE)
@@ -64,6 +67,21 @@ class PackedMasksembles(keras.Model):  # type: ignore[misc]  # keras is untyped:
         report = dict(kwargs.pop("masksembles", None) or {})
         super().__init__(*args, **kwargs)
         object.__setattr__(self, "_report", report)  # not tracked by Keras: plain values for the config
+
+    def call(self, inputs: Any, training: Any = None, mask: Any = None, **kwargs: Any) -> Any:
+        """The functional model's call; on JAX and TensorFlow, a program proven to keep samples apart runs on chunks
+        of the batch where the batch is known when it is traced and its largest tensor (its report's
+        ``sample_bytes`` per sample) exceeds ``_packed_layers.CHUNK_BYTES`` (``masksembles_core.packing.
+        samples_per_chunk``)."""
+        sample_bytes = int(self._report.get("sample_bytes", 0))
+        leaves = keras.tree.flatten(inputs)
+        batch = leaves[0].shape[0] if len(leaves) == 1 else None
+        if sample_bytes and isinstance(batch, int) and keras.backend.backend() in CHUNKED:
+            samples = samples_per_chunk(batch, sample_bytes, _packed_layers.CHUNK_BYTES)
+            if samples:
+                run = super().call
+                return in_chunks(lambda chunk: run(chunk, training=training, mask=mask, **kwargs), leaves[0], samples)
+        return super().call(inputs, training=training, mask=mask, **kwargs)
 
     def get_config(self) -> dict[str, Any]:
         return {**super().get_config(), "masksembles": dict(self._report)}
@@ -128,6 +146,8 @@ def _build(capture: Capture, chosen: Sequence[int], squeeze: bool, *, dense: boo
     program = plan_program(nodes, output, members)
     emitter = Emitter(capture, axis, program, squeeze, pick)
     report = _report(chosen, "dense" if dense else "packed", emitter.fallbacks, emitter.macs)
+    if keras.backend.backend() in CHUNKED and _keeps_samples_apart(capture):
+        report["sample_bytes"] = emitter.sample_bytes
     return PackedMasksembles(emitter.input, emitter.output, name=f"{capture.model.name}_packed", masksembles=report)
 
 
@@ -138,6 +158,15 @@ def _reads_the_batch(capture: Capture) -> bool:
     return any(
         op.kind == "fallback" and op.batch_dependent and not isinstance(op.call.operation, Masksembles)
         for op in capture.ops.values()
+    )
+
+
+def _keeps_samples_apart(capture: Capture) -> bool:
+    """Whether no call of the model mixes samples (a Masksembles layer's masks go by member in the program), so that
+    the program may run on chunks of the batch (verification then checks it on chunks of one sample)."""
+    return not any(
+        not isinstance(call.operation, Masksembles) and capture.mixes_samples(call, key)
+        for key, (call, _) in capture.by_key.items()
     )
 
 
@@ -163,8 +192,15 @@ class _Verifier:
 
     def mismatch(self, packed: keras.Model) -> str | None:
         """Why ``packed`` differs from ``predict`` on the sample, or None."""
+        return self._differs(lambda: _run(packed, self.x))
+
+    def chunked_mismatch(self, packed: keras.Model) -> str | None:
+        """Why ``packed`` run on chunks of one sample differs from ``predict`` on the sample, or None."""
+        return self._differs(lambda: _run(packed, self.x, chunked=True))
+
+    def _differs(self, run: Callable[[], Any]) -> str | None:
         try:
-            actual = np.asarray(keras.ops.convert_to_numpy(_run(packed, self.x)))
+            actual = np.asarray(keras.ops.convert_to_numpy(run()))
         except Exception as error:  # a program that fails where the model runs differs from it
             return f"it raised {type(error).__name__}: {error}"
         if not self.squeeze:
@@ -176,10 +212,14 @@ def _eps(dtype: np.dtype) -> float:
     return float(np.finfo(dtype).eps) if np.issubdtype(dtype, np.inexact) else 0.0
 
 
-def _run(model: keras.Model, x: np.ndarray) -> Any:
-    """One inference call of ``model`` on ``x`` (one compiled program on JAX)."""
+def _run(model: keras.Model, x: np.ndarray, chunked: bool = False) -> Any:
+    """One inference call of ``model`` on ``x`` (one compiled program on JAX; ``chunked``: on chunks of one sample)."""
+
+    def run(value: Any) -> Any:
+        return model(value, training=False)
+
     with _no_autograd():
-        return compiled(lambda value: model(value, training=False))(x)
+        return compiled(lambda value: in_chunks(run, value, 1) if chunked else run(value))(x)
 
 
 def _verified(
@@ -187,9 +227,15 @@ def _verified(
     whole: Callable[[str], PackedMasksembles],
 ) -> PackedMasksembles:  # fmt: skip
     """``packed`` if it equals ``predict``; otherwise every call at full width, or the whole model tiled when that
-    differs too, with the reason first in ``fallbacks`` (``masksembles_core.packing.verified``)."""
+    differs too, with the reason first in ``fallbacks`` (``masksembles_core.packing.verified``). A program that
+    runs on batch chunks is checked on chunks of one sample (which also shows that it reads no batch size), and
+    runs unchunked, checked as such, where that differs."""
     if verifier is None:
         return packed
+    if packed._report.get("sample_bytes"):
+        if verifier.chunked_mismatch(packed) is None:
+            return packed
+        del packed._report["sample_bytes"]
     replacements = [("every call at full width", full_width)] if packed.program == "packed" else []
     checked = verified(packed, packed.program, verifier.mismatch, replacements)
     result, reason = checked
@@ -197,6 +243,8 @@ def _verified(
         return whole(f"{reason}: the whole model runs tiled")
     if reason:
         result._report["fallbacks"] = [reason, *result.fallbacks]
+    if result is not packed:
+        result._report.pop("sample_bytes", None)
     return result
 
 

@@ -350,6 +350,66 @@ def test_chain_runs_its_layers_in_inference_and_saves(tmp_path: Path) -> None:
     assert chained == (keras.backend.backend() == "torch")
 
 
+def test_member_dense_agrees_one_matmul_per_member_or_batched(monkeypatch: pytest.MonkeyPatch) -> None:
+    """3 members of 4 -> 5 channels on 12 rows, run with the members apart from 1 row on (JAX; TensorFlow always) and
+    from more rows than there are (JAX, torch): each member's block through its own kernel."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 3, 12)).astype("float32")
+    kernel, bias = rng.standard_normal((3, 4, 5)).astype("float32"), rng.standard_normal(15).astype("float32")
+    expected = np.concatenate([x[..., 4 * k : 4 * k + 4] @ kernel[k] for k in range(3)], axis=-1) + bias
+    for rows in (1, 13):
+        monkeypatch.setattr(_packed_layers, "APART_ROWS", rows)
+        layer = _packed_layers.MemberDense(3, 5)
+        layer.build(x.shape)
+        layer.kernel.assign(kernel)
+        layer.bias.assign(bias)
+        np.testing.assert_allclose(ops.convert_to_numpy(layer(x)), expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(("strides", "groups"), [(1, 1), (2, 1), (1, 2)])
+def test_member_convolution_equals_each_groups_convolution(strides: int, groups: int) -> None:
+    """3 members of 5 * groups -> 4 * groups channels, 3x3, in ``groups`` groups each (on JAX one convolution per
+    member, a member of one group with its 5 channels padded to 8)."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 7, 7, 15 * groups)).astype("float32")
+    kernel = rng.standard_normal((3, 3, 5, 12 * groups)).astype("float32")
+    layer = _packed_layers.MemberConv2D(
+        12 * groups, 3, strides, padding="same", groups=3 * groups, members=3, use_bias=False
+    )
+    layer.build(x.shape)
+    layer.kernel.assign(kernel)
+    parts = [
+        ops.conv(x[..., 5 * k : 5 * k + 5], kernel[..., 4 * k : 4 * k + 4], strides, padding="same")
+        for k in range(3 * groups)
+    ]
+    expected = ops.convert_to_numpy(ops.concatenate(parts, axis=-1))
+    np.testing.assert_allclose(ops.convert_to_numpy(layer(x)), expected, rtol=0, atol=1e-5)
+
+
+def test_in_chunks_pads_the_batch_to_equal_chunks() -> None:
+    x = np.arange(5 * 3, dtype="float32").reshape(5, 3)
+    y = _packed_layers.in_chunks(lambda chunk: ops.exp(-chunk) * 2.0, ops.convert_to_tensor(x), 2)
+    np.testing.assert_allclose(ops.convert_to_numpy(y), np.exp(-x) * 2.0, rtol=1e-6)
+
+
+def test_a_program_that_keeps_samples_apart_runs_on_chunks_of_the_batch(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """On JAX and TensorFlow (torch runs no chunks), with chunks of one sample: equal to predict, kept by a .keras
+    file; a model that reads the batch (a mean over it) gets no chunks."""
+    monkeypatch.setattr(_packed_layers, "CHUNK_BYTES", 1)
+    model, reader = build("cnn"), build("batch_reader")
+    packed = mk.pack(model, example(model, 5), program="packed")
+    sample_bytes = packed.get_config()["masksembles"].get("sample_bytes")
+    assert (sample_bytes is not None and sample_bytes > 0) == (keras.backend.backend() in ("jax", "tensorflow"))
+    assert "sample_bytes" not in mk.pack(reader, example(reader, 5), program="packed").get_config()["masksembles"]
+    x = example(model, 7, seed=1)
+    packed.save(tmp_path / "packed.keras")
+    loaded = keras.models.load_model(tmp_path / "packed.keras")
+    for built in (packed, loaded):
+        assert_close(np.moveaxis(built.predict_on_batch(x), 1, 0), mk.predict(model, x, N))
+
+
 @pytest.mark.parametrize("jit_compile", JIT_COMPILE)
 @pytest.mark.parametrize("name", ["cnn", "mobilenet", "raw_ops"])
 def test_compiled_predict_and_evaluate(name: str, jit_compile: bool) -> None:
