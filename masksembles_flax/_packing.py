@@ -73,9 +73,10 @@ from ._capture import PREFIX, SHAPE_PARAMS, Capture, Eqn, Literal, NotAffine, Op
 from ._ops import apply_masks, predict, untile
 
 # on CPU a program proven per-sample runs on chunks of the batch where its largest tensor is about this size (the
-# members' together): XLA:CPU runs attention and convolutions slower per multiply-add on larger tensors (the packed
-# ViT-like and ResNet of benchmarks/, at batch 32 and 256, ran 1.3-2x faster on chunks of 1 MiB than in one call)
-CHUNK_BYTES = 2**20
+# members' together), as torch and Keras do: XLA:CPU runs convolutions slower per multiply-add on tensors far over the
+# CPU's cache. Chunks of 1 MiB (one sample of the benchmark's ResNet and CNN) made the quiet-machine benchmark 1.3-2.6x
+# slower than one call at batch 32: a loop of one-sample convolutions runs far below XLA's speed on a batch.
+CHUNK_BYTES = 16 * 2**20
 
 
 class Constant(nnx.Variable[jax.Array]):
