@@ -73,10 +73,12 @@ from ._capture import PREFIX, SHAPE_PARAMS, Capture, Eqn, Literal, NotAffine, Op
 from ._ops import apply_masks, predict, untile
 
 # on CPU a program proven per-sample runs on chunks of the batch where its largest tensor is about this size (the
-# members' together), as torch and Keras do: XLA:CPU runs convolutions slower per multiply-add on tensors far over the
-# CPU's cache. Chunks of 1 MiB (one sample of the benchmark's ResNet and CNN) made the quiet-machine benchmark 1.3-2.6x
-# slower than one call at batch 32: a loop of one-sample convolutions runs far below XLA's speed on a batch.
-CHUNK_BYTES = 16 * 2**20
+# members' together): XLA:CPU runs convolutions slower per multiply-add on tensors far over the CPU's cache, and far
+# below its speed on a batch in loops of a few samples. On the quiet machine, chunks of 1 MiB (one sample of the
+# benchmark's ResNet and CNN) made it 1.3-2.6x slower than one call at batch 32, and chunks of 16 MiB (4 samples of the
+# Flax-examples ResNet-18) 2.34x the single model at batch 32 against 1.93x with 64 MiB (16 samples) and 2.02x in one
+# call; the small ResNet at batch 256 read 2.03x (16 MiB), 2.27x (64 MiB) and 2.50x (one call).
+CHUNK_BYTES = 64 * 2**20
 
 
 class Constant(nnx.Variable[jax.Array]):
