@@ -366,10 +366,18 @@ def test_member_dense_agrees_one_matmul_per_member_or_batched(monkeypatch: pytes
         np.testing.assert_allclose(ops.convert_to_numpy(layer(x)), expected, rtol=0, atol=1e-5)
 
 
+def no_pieces(groups: int, members: int, window: int) -> int:
+    raise AssertionError("a grouped 2D channels-last convolution on TensorFlow runs as one tf.nn.convolution")
+
+
 @pytest.mark.parametrize(("strides", "groups"), [(1, 1), (2, 1), (1, 2)])
-def test_member_convolution_equals_each_groups_convolution(strides: int, groups: int) -> None:
+def test_member_convolution_equals_each_groups_convolution(
+    strides: int, groups: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """3 members of 5 * groups -> 4 * groups channels, 3x3, in ``groups`` groups each (on JAX one convolution per
-    member, a member of one group with its 5 channels padded to 8)."""
+    member, a member of one group with its 5 channels padded to 8; on TensorFlow one grouped convolution)."""
+    if keras.backend.backend() == "tensorflow":
+        monkeypatch.setattr(_packed_layers, "convolution_pieces", no_pieces)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((2, 7, 7, 15 * groups)).astype("float32")
     kernel = rng.standard_normal((3, 3, 5, 12 * groups)).astype("float32")
