@@ -16,7 +16,7 @@ one ``Chain`` layer (``chained``).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import keras
@@ -40,6 +40,7 @@ from ._packed_layers import (
     blocked,
     contiguous_runs,
     on_torch,
+    runs_member_dense_members_major,
 )
 from ._surgery import _copy
 
@@ -103,6 +104,8 @@ class Emitter:
             copy.set_weights(original.get_weights())
         if on_torch():
             self.output = chained(self.output)
+        elif runs_member_dense_members_major():
+            self.output = chained(self.output, lambda layer: isinstance(layer, MemberDense))
         self.fallbacks = tuple(
             dict.fromkeys(capture.ops[name].call.describe() for name in program.fallbacks if name in capture.ops)
         )
@@ -441,10 +444,12 @@ def _chainable(node: Any) -> bool:
     )
 
 
-def chained(output: Any) -> Any:
+def chained(output: Any, select: Callable[[Any], bool] = lambda layer: True) -> Any:
     """``output`` computed again with every run of two or more layers that ``Chain`` can run (``_chainable``, one
-    dtype policy), each reading only the one before it and read only by the one after it, as one ``Chain`` layer:
-    torch's eager Keras pays each layer call (about 0.1 ms), the compiled backends do not."""
+    dtype policy) and ``select`` takes, each reading only the one before it and read only by the one after it, as
+    one ``Chain`` layer: torch's eager Keras pays each layer call (about 0.1 ms), the compiled backends do not; on
+    TensorFlow a ``Chain`` runs the members' Dense layers laid out members first (``runs_member_dense_members_major``).
+    """
     nodes = _nodes(output)
     reads: dict[int, int] = {id(output): 1}
     for node in nodes:
@@ -453,7 +458,7 @@ def chained(output: Any) -> Any:
     chain_of: dict[int, list[Any]] = {}  # id(node) -> its chain (shared list), nodes in order
     producer = {id(tensor): node for node in nodes for tensor in node.outputs}
     for node in nodes:
-        if not _chainable(node):
+        if not _chainable(node) or not select(node.operation):
             continue
         before = producer.get(id(node.input_tensors[0]))
         if (

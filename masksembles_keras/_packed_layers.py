@@ -516,6 +516,13 @@ class MemberDense(keras.layers.Layer):  # type: ignore[misc]
             y = y + self.bias
         return self.activation(y)
 
+    def members_major(self, x: Any) -> Any:
+        """The layer on its input laid out members first, (m, rows, P_in) -> (m, rows, P_out): one batched matmul."""
+        y = ops.matmul(x, self.kernel)
+        if self.bias is not None:
+            y = y + ops.reshape(self.bias, (self.members, 1, self.units))
+        return self.activation(y)
+
     def compute_output_shape(self, input_shape: Sequence[int | None]) -> tuple[int | None, ...]:
         return (*input_shape[:-1], self.members * self.units)
 
@@ -663,6 +670,34 @@ class SelectMembers(keras.layers.Layer):  # type: ignore[misc]
         return {**super().get_config(), "n": self.n, "members": self.members, "squeeze": self.squeeze}
 
 
+def runs_member_dense_members_major() -> bool:
+    """Whether this backend runs a run of the members' Dense layers laid out members first (``_members_major``):
+    TensorFlow, where three of the packed MLP's (4 members of 273 channels) took 0.97 ms at batch 32 and 4.8 ms at
+    batch 256 that way, 1.25 and 6.6 ms one matmul per member on slices joined again."""
+    return str(keras.backend.backend()) == "tensorflow"
+
+
+def _member_dense_run(steps: Sequence[Any], start: int, x: Any) -> int:
+    """Where the run of ``MemberDense`` layers of one member count from ``steps[start]`` ends (``start``: none)
+    on a backend that runs it members first, for an input whose axes but the batch are known."""
+    if not runs_member_dense_members_major() or None in tuple(x.shape[1:]):
+        return start
+    stop = start
+    while stop < len(steps) and isinstance(steps[stop], MemberDense) and steps[stop].members == steps[start].members:
+        stop += 1
+    return stop
+
+
+def _members_major(steps: Sequence[MemberDense], x: Any) -> Any:
+    """Consecutive ``MemberDense`` layers on (B, ..., m*P): the input laid out as (m, rows, P) once, each layer one
+    batched matmul (``MemberDense.members_major``), the output laid out back once."""
+    members, inner = steps[0].members, tuple(int(size) for size in x.shape[1:-1])
+    y = ops.transpose(ops.reshape(x, (-1, members, int(x.shape[-1]) // members)), (1, 0, 2))
+    for step in steps:
+        y = step.members_major(y)
+    return ops.reshape(ops.transpose(y, (1, 0, 2)), (-1, *inner, members * steps[-1].units))
+
+
 @keras.saving.register_keras_serializable(package=SERIALIZATION_PACKAGE)
 class Chain(keras.layers.Layer):  # type: ignore[misc]
     """Layers that each read only the one before (``steps``, built), run in one Keras call: ``call`` runs each
@@ -682,8 +717,15 @@ class Chain(keras.layers.Layer):  # type: ignore[misc]
             x = step(x)
 
     def call(self, x: Any) -> Any:
-        for step, training in zip(self.steps, self.inference, strict=True):
-            x = step.call(x, training=False) if training else step.call(x)
+        start = 0
+        while start < len(self.steps):
+            stop = _member_dense_run(self.steps, start, x)
+            if stop - start > 1:
+                x = _members_major(self.steps[start:stop], x)
+            else:
+                step, training = self.steps[start], self.inference[start]
+                x = step.call(x, training=False) if training else step.call(x)
+            start = max(stop, start + 1)
         return x
 
     def compute_output_spec(self, x: Any) -> Any:

@@ -350,6 +350,34 @@ def test_chain_runs_its_layers_in_inference_and_saves(tmp_path: Path) -> None:
     assert chained == (keras.backend.backend() == "torch")
 
 
+def test_a_chain_of_member_dense_layers_is_each_layer_in_turn() -> None:
+    """Three members' Dense layers (3 members, bias, relu) on tokens (B, L, 3*4) as one Chain equal the layers one
+    after the other; on TensorFlow the Chain runs them laid out members first, and pack makes the packed MLP's run
+    of them one Chain."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((5, 2, 12)).astype("float32")
+    steps = []
+    for units in (6, 6, 2):
+        layer = _packed_layers.MemberDense(3, units, activation="relu")
+        layer.build((5, 2, 3 * (4 if not steps else 6)))
+        layer.set_weights([w + rng.standard_normal(w.shape).astype("float32") for w in layer.get_weights()])
+        steps.append(layer)
+    expected = x
+    for layer in steps:
+        expected = ops.convert_to_numpy(layer(expected))
+    major = _packed_layers.runs_member_dense_members_major()
+    assert major == (keras.backend.backend() == "tensorflow")
+    assert _packed_layers._member_dense_run(steps, 0, x) == (3 if major else 0)
+    np.testing.assert_allclose(ops.convert_to_numpy(_packed_layers.Chain(steps)(x)), expected, rtol=0, atol=1e-5)
+    keras.utils.set_random_seed(0)
+    stack = [layers.Dense(16, activation="relu"), masks("m1", 0), layers.Dense(16, activation="relu"), masks("m2", 1)]
+    model = keras.Sequential([keras.Input((6,)), *stack, layers.Dense(3)])
+    packed = mk.pack(model, example(model, 5), program="packed")
+    chains = [layer for layer in packed.layers if isinstance(layer, _packed_layers.Chain)]
+    if major:
+        assert len(chains) == 1 and all(isinstance(step, _packed_layers.MemberDense) for step in chains[0].steps)
+
+
 def test_member_dense_agrees_one_matmul_per_member_or_batched(monkeypatch: pytest.MonkeyPatch) -> None:
     """3 members of 4 -> 5 channels on 12 rows, run with the members apart from 1 row on (JAX; TensorFlow always) and
     from more rows than there are (JAX, torch): each member's block through its own kernel."""
