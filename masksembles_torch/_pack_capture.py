@@ -533,10 +533,64 @@ class _Capture:
         )
 
     def fallback(self, node: fx.Node) -> _Op:
-        """``node`` as the dense model runs it; per member when it uses the batch size, mixes the samples or is a
-        Masksembles layer."""
-        per_member = self.is_masksembles(node) or self.batch_args(node) or self.mixes_samples(node)
+        """``node`` as the dense model runs it; per member when it uses the batch size (unless it only broadcasts to
+        it: ``batch_broadcast``), mixes the samples or is a Masksembles layer."""
+        reads_batch = self.batch_args(node) and self.batch_broadcast(node) is None
+        per_member = self.is_masksembles(node) or reads_batch or self.mixes_samples(node)
         return _Op(node, "fallback", self.inputs(node), rule="none", batch_dependent=per_member)
+
+    def batch_broadcast(self, node: fx.Node) -> fx.Node | None:
+        """The batch size read by ``node`` when it only repeats a tensor that does not follow the batch along the
+        batch axis (``cls.expand(x.shape[0], -1, -1)`` of a (1, 1, D) parameter): an expand whose source has no batch
+        axis and size 1 (or no axis) there, to a size read from a model value's exact batch axis, the other sizes
+        fixed. Every sample's rows are then the same: computed once on the batch, it is the dense model's result
+        repeated for every member. None for any other node."""
+        method = node.op == "call_method" and node.target == "expand"
+        if not (method or (node.op == "call_function" and node.target is Tensor.expand)) or node.kwargs:
+            return None
+        source, *sizes = node.args
+        if len(sizes) == 1 and isinstance(sizes[0], (tuple, list)):
+            sizes = list(sizes[0])
+        if not isinstance(source, fx.Node) or source not in self.seen:
+            return None
+        seen, before = self.seen[node], self.seen[source]
+        if not seen.tensor or not before.tensor or before.batch_axes or len(sizes) != seen.rank:
+            return None
+        axis, added = seen.batch_axis, seen.rank - before.rank
+        if axis < 0 or (axis >= added and before.shapes[0][axis - added] != 1):
+            return None
+        fixed = all(
+            not (isinstance(size, fx.Node) and size in self.dynamic and self.seen[size].batch_dependent)
+            for j, size in enumerate(sizes)
+            if j != axis
+        )
+        read = sizes[axis]
+        return read if fixed and isinstance(read, fx.Node) and self._batch_read(read) else None
+
+    def _batch_read(self, node: fx.Node) -> bool:
+        """Whether ``node`` is ``t.shape[a]``, ``t.size()[a]`` or ``t.size(a)`` of a model value ``t`` whose axis ``a``
+        is exactly the batch (the input's batch size at the probe's two batches)."""
+        if node.op == "call_function" and node.target is operator.getitem and len(node.args) == 2:
+            query, axis = node.args
+            if not isinstance(query, fx.Node) or not self.is_query(query) or query.kwargs:
+                return False
+            shape = query.args[1:] == ("shape",) if query.target is getattr else query.args[1:] == ()
+            if not shape or query.target not in (getattr, "size"):
+                return False
+            tensor = query.args[0]
+        elif node.op == "call_method" and node.target == "size" and len(node.args) == 2 and not node.kwargs:
+            tensor, axis = node.args
+        else:
+            return False
+        if not isinstance(tensor, fx.Node) or tensor not in self.values or not isinstance(axis, int):
+            return False
+        seen, batch = self.seen[tensor], self.seen[self.input].shapes[0][0]
+        return (
+            seen.tensor
+            and -seen.rank <= axis < seen.rank
+            and seen.batch_axis == axis % seen.rank
+            and (seen.shapes[0][axis] == batch)
+        )
 
     def is_masksembles(self, node: fx.Node) -> bool:
         """Whether ``node`` calls a Masksembles layer."""
@@ -601,6 +655,11 @@ class _Capture:
         name = str(target) if method else getattr(target, "__name__", "")
         if method and name.endswith("_") and not name.endswith("__"):
             name = name[:-1]  # in place: emitted out of place
+        if target in (torch.cat, torch.concat):
+            dim = self.argument(node, "dim", 1, 0)
+            if not isinstance(dim, int):
+                return None
+            return _Op(node, "concat", tensors, rule="concat", concat_dim=dim % self.seen[node].rank)
         if len(tensors) == 2:
             rule = (
                 COMBINE_METHODS.get(name)
@@ -608,11 +667,6 @@ class _Capture:
                 else COMBINE_FUNCTIONS.get(IN_PLACE_OPERATORS.get(cast(Any, target), target))
             )
             return None if rule is None else _Op(node, "combine", tensors, zero_rule=rule)
-        if target in (torch.cat, torch.concat):
-            dim = self.argument(node, "dim", 1, 0)
-            if not isinstance(dim, int):
-                return None
-            return _Op(node, "concat", tensors, rule="concat", concat_dim=dim % self.seen[node].rank)
         if len(tensors) != 1:
             return None
         if target is F.linear:

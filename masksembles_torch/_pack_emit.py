@@ -8,7 +8,7 @@ from __future__ import annotations
 import copy
 import math
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -232,6 +232,10 @@ class _Emitter:
             return self.graph.call_method("reshape", (inputs[0], shape))
         if node in self.fold_chunks:  # a split of a folded region's axis: equal parts, whatever its width
             return self.graph.call_function(torch.chunk, (inputs[0], *self.fold_chunks[node]))
+        read = self.capture.batch_broadcast(node) if step.placement.shared else None
+        if read is not None:  # computed once on the batch: the batch size is the input's, not the dense model's
+            batch = self.graph.call_method("size", (self.values[self.capture.input.name], 0))
+            return self._as_model(op, inputs, sizes={read: batch})
         if step.placement.dense or step.name in self.program.folded:
             return self._as_model(op, inputs)
         return self._compact(step, op, inputs)
@@ -264,10 +268,14 @@ class _Emitter:
             return result
         return None
 
-    def _as_model(self, op: _Op, inputs: list[fx.Node], constants: Callable[[Tensor], Any] | None = None) -> fx.Node:
-        """The model's own operation on the given values of its model inputs (dense, or compacted elementwise)."""
+    def _as_model(
+        self, op: _Op, inputs: list[fx.Node], constants: Callable[[Tensor], Any] | None = None,
+        sizes: Mapping[fx.Node, fx.Node] | None = None,
+    ) -> fx.Node:  # fmt: skip
+        """The model's own operation on the given values of its model inputs (dense, or compacted elementwise), with
+        ``sizes`` read instead of the dense model's where given."""
         node = op.node
-        given = dict(zip(op.tensors, inputs, strict=True))
+        given = {**(sizes or {}), **dict(zip(op.tensors, inputs, strict=True))}
         if _in_place(node, self.capture.gm) and node.args and node.args[0] in given:
             mutated = cast(fx.Node, node.args[0])
             given[mutated] = self.graph.call_method("clone", (given[mutated],))
