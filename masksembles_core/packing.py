@@ -725,8 +725,9 @@ class Cost:
 
 def program_macs(program: Program, costs: Mapping[str, Cost]) -> dict[str, int]:
     """Multiply-adds per sample of the nodes ``costs`` names: ``"dense"`` in the members' dense models (one each),
-    ``"packed"`` in the program, ``"fallback"`` in its fallbacks (counted as the dense models run them; a folded
-    fallback costs as much, in ``"dense"`` and ``"packed"`` only: it runs on the members' channel blocks)."""
+    ``"packed"`` in the program, ``"fallback"`` in its fallbacks (counted as the dense models run them, once for a
+    shared one, which runs once on the batch for every member; a folded fallback costs as much, in ``"dense"`` and
+    ``"packed"`` only: it runs on the members' channel blocks)."""
     channels = {step.name: step.node.channels for step in program.steps}
     members = len(program.members)
     macs = {"dense": 0, "packed": 0, "fallback": 0}
@@ -736,8 +737,10 @@ def program_macs(program: Program, costs: Mapping[str, Cost]) -> dict[str, int]:
             continue
         kind = step.node.kind
         if kind == "fallback":
-            for key in ("dense", "packed") if Program._folded(step) else macs:
-                macs[key] += cost.fallback * members
+            macs["dense"] += cost.fallback * members
+            copies = members if Program._folded(step) or not step.placement.shared else 1
+            for key in ("packed",) if Program._folded(step) else ("packed", "fallback"):
+                macs[key] += cost.fallback * copies
         elif kind in ("mixing", "grouped"):
             source = channels[step.edges[0].source]
             grouped = source // step.node.groups if kind == "grouped" else 0

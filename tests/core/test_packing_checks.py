@@ -135,24 +135,27 @@ def test_a_shared_fallback_without_an_exact_batch_axis_runs_per_member_where_a_m
 
 
 def test_program_macs_count_what_each_member_reads_and_fallbacks_as_the_dense_models_run_them() -> None:
+    """A fallback on the members' values runs per member, one before the masks (shared) once for every member."""
     masks = np.array([[1, 1, 0, 0, 1, 0], [0, 1, 1, 0, 0, 1]], dtype=bool)  # 3 live channels of 6 each
     nodes = [
         GraphNode("x", "input", (), 6),
-        GraphNode("m", "masks", ("x",), 6, masks=masks),
+        GraphNode("pre", "fallback", ("x",), 6),
+        GraphNode("m", "masks", ("pre",), 6, masks=masks),
         GraphNode("conv", "mixing", ("m",), 4),  # a 3x3 convolution over 5x5 positions
         GraphNode("dw", "grouped", ("conv",), 4, groups=4, zero_preserving=False),  # depthwise 3x3
         GraphNode("attn", "fallback", ("dw",), 4),
         GraphNode("fc", "mixing", ("attn",), 2),
     ]
     program = plan_program(nodes, "fc", [0, 1])
-    costs = {"conv": Cost(25, 9), "dw": Cost(25, 9), "attn": Cost(fallback=1000), "fc": Cost(1)}
-    macs = program_macs(program, costs)
-    dense = 25 * 4 * 6 * 9 + 25 * 4 * 1 * 9 + 1000 + 1 * 2 * 4
+    costs = {"pre": Cost(fallback=50), "conv": Cost(25, 9), "dw": Cost(25, 9), "attn": Cost(fallback=1000)}
+    macs = program_macs(program, {**costs, "fc": Cost(1)})
+    assert program.step("pre").placement.shared and not program.step("attn").placement.shared
+    dense = 50 + 25 * 4 * 6 * 9 + 25 * 4 * 1 * 9 + 1000 + 1 * 2 * 4
     assert macs["dense"] == 2 * dense
-    assert macs["fallback"] == 2 * 1000
+    assert macs["fallback"] == 50 + 2 * 1000
     conv_inputs = program.step("conv").edges[0].placement.width
     assert conv_inputs == 3  # each member reads only its 3 live channels
-    assert macs["packed"] == 2 * (25 * 4 * 3 * 9 + 25 * 4 * 1 * 9 + 1000 + 2 * 4)
+    assert macs["packed"] == 50 + 2 * (25 * 4 * 3 * 9 + 25 * 4 * 1 * 9 + 1000 + 2 * 4)
     assert program_macs(program, {}) == {"dense": 0, "packed": 0, "fallback": 0}
 
 
