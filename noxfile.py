@@ -55,9 +55,8 @@ DEVICE_CHECK_SMOKE = "tests/test_device_check_smoke.py"
 
 
 # pytest-xdist: one worker per core (at most 4, each framework's process holds its own compiled programs); most of the
-# adapters' test time is single-threaded tracing and compiling, so two workers on two cores nearly halve it. Tests
-# of one ``xdist_group`` run on one worker, so an expensive module-scoped fixture (the demo's smoke run) runs once
-PARALLEL = ("--numprocesses=auto", "--maxprocesses=4", "--dist=loadgroup")
+# adapters' test time is single-threaded tracing and compiling, so two workers on two cores nearly halve it
+PARALLEL = ("--numprocesses=auto", "--maxprocesses=4")
 
 
 def run_pytest(session: nox.Session, backends: str, *paths: str) -> None:

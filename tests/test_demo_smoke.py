@@ -14,9 +14,6 @@ import pytest
 
 from tests.backends import requested_backends
 
-# one worker runs every test of this module, so its module-scoped run happens once (nox: --dist=loadgroup)
-pytestmark = pytest.mark.xdist_group("demo")
-
 DEMO = Path(__file__).resolve().parents[1] / "examples" / "demo.py"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 PLOTS = (

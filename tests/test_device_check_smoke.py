@@ -14,9 +14,6 @@ import pytest
 
 from tests.backends import requested_backends
 
-# one worker runs every test of this module, so its module-scoped run happens once (nox: --dist=loadgroup)
-pytestmark = pytest.mark.xdist_group("device_check")
-
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "device_check.py"
 SECTIONS = (

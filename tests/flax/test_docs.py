@@ -23,9 +23,6 @@ from masksembles_flax import predict
 from masksembles_flax.nnx import Masks
 from tests.flax.common import LinenMLP
 
-# one worker runs every test of this module, so its module-scoped run happens once (nox: --dist=loadgroup)
-pytestmark = pytest.mark.xdist_group("flax_docs")
-
 GUIDE = Path(__file__).resolve().parents[2] / "docs" / "flax.md"
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```\n", re.MULTILINE | re.DOTALL)
 
