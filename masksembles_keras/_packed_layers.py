@@ -701,7 +701,8 @@ def _members_major(steps: Sequence[MemberDense], x: Any) -> Any:
 @keras.saving.register_keras_serializable(package=SERIALIZATION_PACKAGE)
 class Chain(keras.layers.Layer):  # type: ignore[misc]
     """Layers that each read only the one before (``steps``, built), run in one Keras call: ``call`` runs each
-    step's own ``call``. On torch Keras runs a model layer by layer in Python, and each layer call costs about 0.1 ms
+    step's own ``call``, and on TensorFlow each run of two or more ``MemberDense`` steps laid out members first
+    (``_members_major``). On torch Keras runs a model layer by layer in Python, and each layer call costs about 0.1 ms
     besides its arithmetic, more than a small model's matmuls at batch 1."""
 
     def __init__(self, steps: Sequence[Any], **kwargs: Any) -> None:
