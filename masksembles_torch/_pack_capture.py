@@ -402,6 +402,7 @@ class _Op(CapturedOp[fx.Node]):
     weight: Tensor | None = None
     bias: Tensor | None = None
     conv: dict[str, Any] = field(default_factory=dict)
+    batch_size_read: fx.Node | None = None  # the batch size a fallback only broadcasts to (``batch_broadcast``)
 
     def __post_init__(self) -> None:
         if self.rule == "fixed" and self.fixed_in == 1:
@@ -535,9 +536,12 @@ class _Capture:
     def fallback(self, node: fx.Node) -> _Op:
         """``node`` as the dense model runs it; per member when it uses the batch size (unless it only broadcasts to
         it: ``batch_broadcast``), mixes the samples or is a Masksembles layer."""
-        reads_batch = self.batch_args(node) and self.batch_broadcast(node) is None
-        per_member = self.is_masksembles(node) or reads_batch or self.mixes_samples(node)
-        return _Op(node, "fallback", self.inputs(node), rule="none", batch_dependent=per_member)
+        reads_batch = self.batch_args(node)
+        broadcast = self.batch_broadcast(node) if reads_batch else None
+        per_member = self.is_masksembles(node) or (reads_batch and broadcast is None) or self.mixes_samples(node)
+        return _Op(
+            node, "fallback", self.inputs(node), rule="none", batch_dependent=per_member, batch_size_read=broadcast
+        )
 
     def batch_broadcast(self, node: fx.Node) -> fx.Node | None:
         """The batch size read by ``node`` when it only repeats a tensor that does not follow the batch along the

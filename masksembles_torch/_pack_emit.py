@@ -232,7 +232,7 @@ class _Emitter:
             return self.graph.call_method("reshape", (inputs[0], shape))
         if node in self.fold_chunks:  # a split of a folded region's axis: equal parts, whatever its width
             return self.graph.call_function(torch.chunk, (inputs[0], *self.fold_chunks[node]))
-        read = self.capture.batch_broadcast(node) if step.placement.shared else None
+        read = op.batch_size_read if step.placement.shared else None
         if read is not None:  # computed once on the batch: the batch size is the input's, not the dense model's
             batch = self.graph.call_method("size", (self.values[self.capture.input.name], 0))
             return self._as_model(op, inputs, sizes={read: batch})
