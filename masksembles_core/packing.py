@@ -737,10 +737,12 @@ def program_macs(program: Program, costs: Mapping[str, Cost]) -> dict[str, int]:
             continue
         kind = step.node.kind
         if kind == "fallback":
+            folded = Program._folded(step)
+            copies = 1 if step.placement.shared and not folded else members
             macs["dense"] += cost.fallback * members
-            copies = members if Program._folded(step) or not step.placement.shared else 1
-            for key in ("packed",) if Program._folded(step) else ("packed", "fallback"):
-                macs[key] += cost.fallback * copies
+            macs["packed"] += cost.fallback * copies
+            if not folded:
+                macs["fallback"] += cost.fallback * copies
         elif kind in ("mixing", "grouped"):
             source = channels[step.edges[0].source]
             grouped = source // step.node.groups if kind == "grouped" else 0
