@@ -677,15 +677,22 @@ def runs_member_dense_members_major() -> bool:
     return str(keras.backend.backend()) == "tensorflow"
 
 
-def _member_dense_run(steps: Sequence[Any], start: int, x: Any) -> int:
-    """Where the run of ``MemberDense`` layers of one member count from ``steps[start]`` ends (``start``: none)
-    on a backend that runs it members first, for an input whose axes but the batch are known."""
-    if not runs_member_dense_members_major() or None in tuple(x.shape[1:]):
-        return start
-    stop = start
-    while stop < len(steps) and isinstance(steps[stop], MemberDense) and steps[stop].members == steps[start].members:
-        stop += 1
-    return stop
+def member_dense_spans(steps: Sequence[Any]) -> list[tuple[int, int]]:
+    """``steps`` cut into (start, stop) spans run together: on a backend that runs the members' Dense layers members
+    first, each run of two or more ``MemberDense`` of one member count is one span; every other step its own."""
+    spans: list[tuple[int, int]] = []
+    start = 0
+    while start < len(steps):
+        stop = start + 1
+        if runs_member_dense_members_major() and isinstance(steps[start], MemberDense):
+            while (
+                stop < len(steps) and isinstance(steps[stop], MemberDense)
+                and steps[stop].members == steps[start].members
+            ):  # fmt: skip
+                stop += 1
+        spans.append((start, stop))
+        start = stop
+    return spans
 
 
 def _members_major(steps: Sequence[MemberDense], x: Any) -> Any:
@@ -711,6 +718,7 @@ class Chain(keras.layers.Layer):  # type: ignore[misc]
         self.inference = tuple(  # the keyword arguments of each step's call: inference (``training=False``)
             "training" in inspect.signature(step.call).parameters for step in self.steps
         )
+        self.spans = member_dense_spans(self.steps)
 
     def build(self, input_shape: Sequence[int | None]) -> None:
         x = keras.KerasTensor(tuple(input_shape), dtype=self.compute_dtype)
@@ -718,15 +726,12 @@ class Chain(keras.layers.Layer):  # type: ignore[misc]
             x = step(x)
 
     def call(self, x: Any) -> Any:
-        start = 0
-        while start < len(self.steps):
-            stop = _member_dense_run(self.steps, start, x)
-            if stop - start > 1:
+        for start, stop in self.spans:
+            if stop - start > 1 and None not in tuple(x.shape[1:]):  # members first needs the axes but the batch
                 x = _members_major(self.steps[start:stop], x)
-            else:
-                step, training = self.steps[start], self.inference[start]
+                continue
+            for step, training in zip(self.steps[start:stop], self.inference[start:stop], strict=True):
                 x = step.call(x, training=False) if training else step.call(x)
-            start = max(stop, start + 1)
         return x
 
     def compute_output_spec(self, x: Any) -> Any:

@@ -367,7 +367,7 @@ def test_a_chain_of_member_dense_layers_is_each_layer_in_turn() -> None:
         expected = ops.convert_to_numpy(layer(expected))
     major = _packed_layers.runs_member_dense_members_major()
     assert major == (keras.backend.backend() == "tensorflow")
-    assert _packed_layers._member_dense_run(steps, 0, x) == (3 if major else 0)
+    assert _packed_layers.member_dense_spans(steps) == ([(0, 3)] if major else [(0, 1), (1, 2), (2, 3)])
     np.testing.assert_allclose(ops.convert_to_numpy(_packed_layers.Chain(steps)(x)), expected, rtol=0, atol=1e-5)
     keras.utils.set_random_seed(0)
     stack = [layers.Dense(16, activation="relu"), masks("m1", 0), layers.Dense(16, activation="relu"), masks("m2", 1)]
