@@ -32,6 +32,7 @@ from masksembles_core.packing import (
 
 from ._layers import Masksembles
 from ._pack_export import exported, flat_inputs
+from ._pack_multihead import write_out_multihead_attention
 from ._structures import Inputs, batch_size, batched_tensors, map_batched
 
 PREFIX = "pack/extract_member"
@@ -450,6 +451,8 @@ class _Capture:
                 f"{PREFIX} support models called with one input tensor (other arguments of forward need defaults); "
                 f"this one requires {len(placeholders)}: {names}"
             )
+        if self.entry is None:
+            write_out_multihead_attention(self.gm, cast(Tensor, example))
         given = dict(zip(placeholders, self.flat(example), strict=True))
         # the batch-first tensors among the inputs: the first is the input the core starts from, the others run as
         # the model runs them (fallbacks without inputs) wherever they are read
@@ -612,6 +615,8 @@ class _Capture:
         if node.op == "call_module" and isinstance(self.gm.get_submodule(str(node.target)), PER_SAMPLE_MODULES):
             return False
         seen, tensors = self.seen[node], self.inputs(node)
+        if node.target is operator.getitem and self.seen[tensors[0]].parts and isinstance(node.args[1], int):
+            return False  # an element of a tuple (``q, k, v = qkv.unbind(0)``, a module's (output, weights))
         batch = self.seen[self.input].shapes[1][0]
         if not seen.tensor or len(seen.batch_axes) != 1 or not tensors:
             return False  # no batch axis to compare along (a reduction over it makes one per member: batch_args)

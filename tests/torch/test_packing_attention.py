@@ -76,9 +76,82 @@ def test_talking_heads_mix_heads_and_do_not_fold() -> None:
     check_equal_to_predict(model, packed)
 
 
-def test_multihead_attention_module_still_falls_back_exactly() -> None:
+def sequences(batch: int, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, zoo.SEQUENCE, 6, generator=generator)
+
+
+def multihead(call: str, batch_first: bool = True, bias: bool = True) -> nn.Module:
+    torch.manual_seed(0)
+    return mt.insert(zoo.Multihead(call, batch_first, bias), N, 2.0, seed=0).eval()
+
+
+@pytest.mark.parametrize(
+    ("call", "batch_first", "bias"),
+    [("self", True, True), ("self", False, True), ("self", True, False), ("cross", True, True),
+     ("cross", False, True), ("kdim", True, True)],
+    ids=["self", "sequence_first", "no_bias", "cross", "cross_sequence_first", "kdim_vdim"],
+)  # fmt: skip
+def test_multihead_attention_module_folds_into_heads(call: str, batch_first: bool, bias: bool) -> None:
+    """``nn.MultiheadAttention`` called without masks is written out as its projections, heads and scaled
+    dot-product attention, which fold: nothing of it runs on the member-stacked batch, and it equals predict."""
+    model = multihead(call, batch_first, bias)
+    packed = mt.pack(model, sequences(4), program="packed")
+    assert packed.fallbacks == () and packed.macs["fallback"] == 0 < packed.macs["packed"] < packed.macs["dense"]
+    assert "to_batch" not in packed.code
+    for batch in (5, 8):
+        x = sequences(batch, seed=batch)
+        assert relative_error(packed(x), mt.predict(model, x, N)) <= 1e-5
+    member = mt.extract_member(model, 2, sequences(4))
+    x = sequences(5, seed=1)
+    assert relative_error(member(x), mt.predict(model, x, N)[2]) <= 1e-5
+
+
+@pytest.mark.parametrize("call", ["key_padding_mask", "attn_mask", "weights", "bias_kv"])
+def test_multihead_attention_module_with_masks_or_weights_falls_back_exactly(call: str) -> None:
+    """A call that masks, reads the attention weights or adds key/value biases is kept as one call: a fallback on
+    the member-stacked batch, equal to predict."""
+    model = multihead(call)
+    packed = mt.pack(model, sequences(4), program="packed")
+    assert "attention (MultiheadAttention)" in packed.fallbacks
+    for batch in (5, 8):
+        x = sequences(batch, seed=batch)
+        assert relative_error(packed(x), mt.predict(model, x, N)) <= 1e-5
+
+
+def test_a_torchvision_vit_folds_its_attention_and_shares_the_first_block() -> None:
+    """torchvision's EncoderBlock: the first block's attention reads no mask, so it runs once on the batch for every
+    member (listed as fallbacks, its attention counted once); the second one folds."""
     model = mt.insert(zoo.build("vit_torch"), N, 2.0, seed=0).eval()
     packed = mt.pack(model, zoo.images(2), program="packed")
-    assert any("MultiheadAttention" in name for name in packed.fallbacks)
+    assert not any("MultiheadAttention" in name or "blocks.1" in name for name in packed.fallbacks)
+    assert any(name.startswith("blocks.0.self_attention: scaled_dot_product_attention") for name in packed.fallbacks)
+    tokens, width = 17, 16
+    assert packed.macs["fallback"] == 2 * tokens * tokens * width, "the first block's attention products, once"
     x = zoo.images(5)
     assert relative_error(packed(x), mt.predict(model, x, N)) <= 1e-5
+
+
+class AcrossTheBatch(nn.Module):
+    """``nn.MultiheadAttention`` on an unbatched (B, 16) tensor: attention across the samples of the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.pre = nn.Linear(6, 16), nn.Linear(16, 16)
+        self.attention, self.out = nn.MultiheadAttention(16, 2), nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.pre(torch.relu(self.embed(x)))
+        return self.out(self.attention(h, h, h, need_weights=False)[0])
+
+
+def test_multihead_attention_across_the_batch_stays_one_call_per_member() -> None:
+    """Unbatched inputs ((L, E), the batch as the tokens) are not written out: the call runs per member, as the
+    dense model's batch holds every member's copy."""
+    torch.manual_seed(0)
+    model = mt.insert(AcrossTheBatch(), N, 2.0, seed=0).eval()
+    packed = mt.pack(model, torch.randn(4, 6), program="packed")
+    assert "attention (MultiheadAttention)" in packed.fallbacks
+    for batch in (4, 8):
+        x = torch.randn(batch, 6)
+        assert relative_error(packed(x), mt.predict(model, x, N)) <= 1e-5

@@ -122,19 +122,30 @@ def test_auto_also_times_the_packed_program_in_one_call(monkeypatch: pytest.Monk
     assert relative_error(result["logits"], expected["logits"]) <= 1e-5
 
 
-@pytest.mark.parametrize("name", ["vit", "vit_fused"])
+@pytest.mark.parametrize("name", ["vit", "vit_fused", "vit_torch"])
 def test_a_vit_whose_fallbacks_keep_samples_apart_runs_in_chunks(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Its fallbacks (the class token expanded to the batch, the concatenation along the tokens, the reshapes with the
-    batch first that split the heads, unbind, scaled dot-product attention over the tokens) each keep samples apart,
-    so the timm-style ViTs run in chunks and equal the dense model; the torchvision-style one, whose
-    ``nn.MultiheadAttention`` is not among them, runs in one call."""
+    batch first that split the heads, unbind, scaled dot-product attention over the tokens, and torchvision's
+    ``nn.MultiheadAttention`` written out as those) each keep samples apart, so the ViTs run in chunks and equal the
+    dense model."""
     monkeypatch.setattr(packing, "CHUNK_BYTES", 1)
-    for model_name, chunked in ((name, True), ("vit_torch", False)):
-        masked = mt.insert(zoo.build(model_name), N, 2.0, seed=0).eval()
-        x = zoo.images(5)
-        packed = mt.pack(masked, x[:3], program="packed")
-        assert packed.fallbacks and ("in_chunks" in packed.code) is chunked
-        assert relative_error(packed(x), mt.predict(masked, x, N)) <= 1e-5
+    masked = mt.insert(zoo.build(name), N, 2.0, seed=0).eval()
+    x = zoo.images(5)
+    packed = mt.pack(masked, x[:3], program="packed")
+    assert packed.fallbacks and "in_chunks" in packed.code
+    assert relative_error(packed(x), mt.predict(masked, x, N)) <= 1e-5
+
+
+def test_a_multihead_attention_kept_as_one_call_runs_in_one_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``nn.MultiheadAttention`` whose attention weights are read stays one call, not among the operations known to
+    keep samples apart: the program runs in one call."""
+    monkeypatch.setattr(packing, "CHUNK_BYTES", 1)
+    torch.manual_seed(0)
+    masked = mt.insert(zoo.Multihead("weights"), N, 2.0, seed=0).eval()
+    x = torch.randn(5, zoo.SEQUENCE, 6)
+    packed = mt.pack(masked, x[:3], program="packed")
+    assert "attention (MultiheadAttention)" in packed.fallbacks and "in_chunks" not in packed.code
+    assert relative_error(packed(x), mt.predict(masked, x, N)) <= 1e-5
 
 
 def test_a_bert_with_a_padding_mask_from_its_token_ids_runs_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -120,11 +120,17 @@ class TokenModel(nn.Module):
 
 
 class MultiheadBlock(nn.Module):
-    def __init__(self) -> None:
+    """``nn.MultiheadAttention`` without masks (written out and folded), or one whose attention weights are read
+    (``weights``: kept as one call, a fallback)."""
+
+    def __init__(self, weights: bool = False) -> None:
         super().__init__()
-        self.attention = nn.MultiheadAttention(16, 4, batch_first=True)
+        self.attention, self.weights = nn.MultiheadAttention(16, 4, batch_first=True), weights
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weights:
+            y, weights = self.attention(x, x, x)
+            return y * weights.sum(-1, keepdim=True)
         return self.attention(x, x, x, need_weights=False)[0]
 
 
@@ -298,6 +304,7 @@ PATTERNS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
     "vit-attention-sdpa": (lambda: TokenModel(Attention(16, 4, fused=True)), (3, 4, 4)),
     "vit-attention-explicit": (lambda: TokenModel(Attention(16, 4, fused=False)), (3, 4, 4)),
     "multihead-attention": (lambda: TokenModel(MultiheadBlock()), (3, 4, 4)),
+    "multihead-attention-weights": (lambda: TokenModel(MultiheadBlock(weights=True)), (3, 4, 4)),
     "two-outputs": (TwoOutputs, (4,)),
     "sequence-first-attention": (SequenceFirst, (5, 6)),
     "sequence-conv1d": (Sequence1d, (4, 9)),
@@ -412,7 +419,7 @@ def test_zero_preservation_is_evaluated_with_the_arguments() -> None:
 
 def test_fallbacks_are_reported() -> None:
     torch.manual_seed(0)
-    model = randomized(TokenModel(MultiheadBlock()))
+    model = randomized(TokenModel(MultiheadBlock(weights=True)))
     packed = mt.pack(model, torch.randn(2, 3, 4, 4), program="packed")
     assert any("MultiheadAttention" in name for name in packed.fallbacks)
     assert "fallbacks=" in repr(packed)

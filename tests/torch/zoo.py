@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 IMAGE = (3, 32, 32)
 CLASSES = 10
+SEQUENCE = 7  # tokens of the Multihead model's input
 
 
 # --- per-sample dropouts (stochastic depth) -------------------------------------------------------------------
@@ -499,6 +500,50 @@ class VisionTransformer(nn.Module):
 
 
 # --- the registry -------------------------------------------------------------------------------------------------
+
+
+class Multihead(nn.Module):
+    """Tokens (B, SEQUENCE, 6) -> Linear, GELU, Linear -> ``nn.MultiheadAttention`` called as ``call`` says -> Linear
+    -> mean over the tokens. ``insert`` masks the inputs of the Linear layers (not the attention's), so the attention
+    reads member-dependent values.
+
+    ``call``: ``"self"`` (query, key and value one tensor; the weights returned and unused), ``"cross"`` (key and value
+    from another Linear), ``"kdim"`` (keys of 12 and values of 8 channels, so separate projection weights), or one it
+    computes differently: ``"key_padding_mask"`` (from the tokens), ``"attn_mask"`` (causal), ``"weights"`` (the
+    attention weights are read), ``"bias_kv"`` (``add_bias_kv``).
+    """
+
+    def __init__(self, call: str = "self", batch_first: bool = True, bias: bool = True) -> None:
+        super().__init__()
+        self.call, self.batch_first = call, batch_first
+        self.embed, self.pre = nn.Linear(6, 16), nn.Linear(16, 16)
+        dims = {"kdim": 12, "vdim": 8} if call == "kdim" else {}
+        self.memory = nn.Linear(16, 12 if call == "kdim" else 16)
+        self.values = nn.Linear(16, 8)
+        self.attention = nn.MultiheadAttention(
+            16, 4, bias=bias, batch_first=batch_first, add_bias_kv=call == "bias_kv", **dims
+        )
+        self.out = nn.Linear(16, CLASSES)
+        self.register_buffer("causal", torch.triu(torch.full((SEQUENCE, SEQUENCE), float("-inf")), 1))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.pre(F.gelu(self.embed(x)))
+        key = value = h
+        if self.call == "cross":
+            key = value = self.memory(h)
+        elif self.call == "kdim":
+            key, value = self.memory(h), self.values(h)
+        swap = (lambda t: t) if self.batch_first else (lambda t: t.transpose(0, 1))
+        options: dict[str, Tensor] = {}
+        if self.call == "key_padding_mask":
+            options["key_padding_mask"] = (x[..., 0] > 1.0) & (torch.arange(x.shape[1]) > 0)
+        elif self.call == "attn_mask":
+            options["attn_mask"] = self.causal
+        y, weights = self.attention(swap(h), swap(key), swap(value), **options)
+        y = swap(y)
+        if self.call == "weights":
+            y = y * weights.sum(-1, keepdim=True)  # (B, L, S) whichever axis holds the batch
+        return self.out(y).mean(1)
 
 
 def randomize_norms(model: nn.Module, generator: torch.Generator) -> nn.Module:
