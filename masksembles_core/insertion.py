@@ -21,6 +21,7 @@ The result is a ``LayerReport``: one row per candidate, what was done and why, p
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Collection, Iterable, Sequence
@@ -232,10 +233,24 @@ def plan_conversion(
         ValueError: no dropout converted (the message holds the report).
     """
     rows = _plan_rows(candidates, n, scale, seed, first_layers, include_first, CONVERTED, frozenset(), None)
-    report = LayerReport("convert_dropout", n, scale, rows)
+    return _some_converted(LayerReport("convert_dropout", n, scale, rows), converts)
+
+
+def leave_converted(report: LayerReport, paths: Collection[str], reason: str, converts: str) -> LayerReport:
+    """``report`` with the converted rows at ``paths`` left as is for ``reason`` (the adapter put the dropouts back:
+    found not to be called as the model runs at inference, say); raises as ``plan_conversion`` does when none is
+    converted any more."""
+    rows = tuple(
+        LayerChange(row.path, row.layer, LEFT, reason=reason) if row.path in paths and row.action == CONVERTED else row
+        for row in report.rows
+    )
+    return _some_converted(dataclasses.replace(report, rows=rows), converts)
+
+
+def _some_converted(report: LayerReport, converts: str) -> LayerReport:
     if not report.changed:
         raise ValueError(
-            f"convert_dropout converted no dropout ({len(candidates)} looked at; it converts {converts})\n{report}"
+            f"convert_dropout converted no dropout ({len(report.rows)} looked at; it converts {converts})\n{report}"
         )
     return report
 

@@ -70,7 +70,7 @@ def fold_regions(graph: _Graph, axis: dict[fx.Node, int]) -> list[Region]:
     """The attention regions of the capture that fold, their operations marked ``folded`` (with the positions of
     their ``broadcast`` inputs)."""
     capture = graph.capture
-    fallbacks = [key for key, op in graph.ops.items() if op.kind == "fallback" and not capture.is_masksembles(key)]
+    fallbacks = [key for key, op in graph.ops.items() if op.kind == "fallback" and not capture.calls_masks(key)]
     entries = [key for key, op in graph.ops.items() if op.kind == "mixing" and op.how == "linear"]
     found = []
     for component in _components(graph, set(fallbacks), entries):

@@ -32,7 +32,7 @@ from masksembles_core.packing import (
 
 from ._layers import Masksembles
 from ._pack_export import exported, flat_inputs
-from ._pack_multihead import write_out_multihead_attention
+from ._pack_modules import write_out_torch_modules
 from ._structures import Inputs, batch_size, batched_tensors, map_batched
 
 PREFIX = "pack/extract_member"
@@ -452,7 +452,7 @@ class _Capture:
                 f"this one requires {len(placeholders)}: {names}"
             )
         if self.entry is None:
-            write_out_multihead_attention(self.gm, cast(Tensor, example))
+            write_out_torch_modules(self.gm, cast(Tensor, example))
         given = dict(zip(placeholders, self.flat(example), strict=True))
         # the batch-first tensors among the inputs: the first is the input the core starts from, the others run as
         # the model runs them (fallbacks without inputs) wherever they are read
@@ -475,7 +475,9 @@ class _Capture:
         for node in self.gm.graph.nodes:
             if node in self.values and node is not self.input:
                 self.ops[node] = self._classify(node)
-        self.n = _members_of([cast(Masksembles, op.module) for op in self.ops.values() if op.kind == "masks"])
+        called = [self.gm.get_submodule(str(node.target)) for node in self.ops if node.op == "call_module"]
+        held = [inner for module in called for inner in module.modules() if isinstance(inner, Masksembles)]
+        self.n = _members_of(held)
         self.classified = self.ops
 
     def flat(self, inputs: Inputs) -> list[Any]:
@@ -541,7 +543,7 @@ class _Capture:
         it: ``batch_broadcast``), mixes the samples or is a Masksembles layer."""
         reads_batch = self.batch_args(node)
         broadcast = self.batch_broadcast(node) if reads_batch else None
-        per_member = self.is_masksembles(node) or (reads_batch and broadcast is None) or self.mixes_samples(node)
+        per_member = self.calls_masks(node) or (reads_batch and broadcast is None) or self.mixes_samples(node)
         return _Op(
             node, "fallback", self.inputs(node), rule="none", batch_dependent=per_member, batch_size_read=broadcast
         )
@@ -599,9 +601,12 @@ class _Capture:
             and (seen.shapes[0][axis] == batch)
         )
 
-    def is_masksembles(self, node: fx.Node) -> bool:
-        """Whether ``node`` calls a Masksembles layer."""
-        return node.op == "call_module" and isinstance(self.gm.get_submodule(str(node.target)), Masksembles)
+    def calls_masks(self, node: fx.Node) -> bool:
+        """Whether ``node`` calls a Masksembles layer, or a module that holds one (a module torch.fx does not trace
+        into: the masks inside it group the batch it is given)."""
+        if node.op != "call_module":
+            return False
+        return any(isinstance(module, Masksembles) for module in self.gm.get_submodule(str(node.target)).modules())
 
     def mixes_samples(self, node: fx.Node) -> bool:
         """Whether one sample's result depends on the other samples (a mean over the batch, ``flip(0)``, a cumsum

@@ -196,7 +196,7 @@ def _planned(capture: _Capture, chosen: Sequence[int]) -> list[int]:
     per_member = any(
         op.kind == "fallback"
         and op.batch_dependent
-        and not capture.is_masksembles(op.node)
+        and not capture.calls_masks(op.node)
         and not _keeps_samples(capture, op.node)
         for op in capture.ops.values()
     )

@@ -43,6 +43,7 @@ from masksembles_core.insertion import (
     LayerReport,
     attention_dropout_reason,
     check_insert_arguments,
+    leave_converted,
     plan_conversion,
     plan_insertion,
     read_through_wrapper,
@@ -51,7 +52,7 @@ from masksembles_core.insertion import (
 )
 
 from ._layers import Masksembles, record_batch_size
-from ._structures import Inputs, batched_tensors, call
+from ._structures import Inputs, batched_tensors, call, map_batched
 
 DEFAULT_BEFORE: tuple[type[nn.Module], ...] = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
 DEPTHWISE = "depthwise convolution: each output channel reads one input channel (before=... includes it)"
@@ -179,7 +180,8 @@ def _candidate(model: nn.Module, path: str, module: nn.Module, paths: list[str],
         return Candidate(path, kind, 0, 1, reason="already masked: the layer of a Masked wrapper")
     if len(paths) > 1:
         return Candidate(path, kind, 0, 1, reason=f"one module registered at {len(paths)} paths ({', '.join(paths)})")
-    if type(parent).__module__.startswith("torch.nn") and not isinstance(parent, CONTAINERS):
+    called = isinstance(parent, nn.TransformerEncoderLayer) and path.rpartition(".")[2] in ("linear1", "linear2")
+    if type(parent).__module__.startswith("torch.nn") and not isinstance(parent, CONTAINERS) and not called:
         reason = f"part of {type(parent).__name__}, which may use its weights without calling it"
         return Candidate(path, kind, 0, 1, reason=reason)
     if isinstance(module, nn.modules.lazy.LazyModuleMixin) and module.has_uninitialized_params():
@@ -323,13 +325,16 @@ def _run_once(model: nn.Module, inputs: Inputs, wrappers: dict[str, Masked]) -> 
     """Run ``model`` on ``inputs`` (eval mode, no gradients, modes restored); {path of a wrapper: why it must go}.
 
     A wrapper goes when the model reads its layer's attributes through it (``self.qkv.weight``: noted, and read from
-    the layer so that the run goes on) or when the model fails inside it. A failure outside every wrapper restores
-    the model (the wrappers removed) and is raised, saying whether the model fails without masks too.
+    the layer so that the run goes on), when the model fails inside it, or when its parent, a torch.nn module, runs
+    without calling it (a fused inference path that skips the layer). The calls are seen through global module hooks,
+    which turn no fused path off. A failure outside every wrapper restores the model (the wrappers removed) and is
+    raised, saying whether the model fails without masks too.
     """
     modules = dict(model.named_modules())
     path_of = {id(module): path for path, module in modules.items()}
     stack: list[str] = []  # paths of the modules running, innermost last
     used: dict[str, tuple[dict[str, None], dict[str, None]]] = {}  # as in _used_outside
+    called: set[str] = set()
 
     def note(path: str, name: str) -> None:
         names, users = used.setdefault(path, ({}, {}))
@@ -337,14 +342,25 @@ def _run_once(model: nn.Module, inputs: Inputs, wrappers: dict[str, Masked]) -> 
         users[_user(stack[-1] if stack else "", modules)] = None
 
     def enter(module: nn.Module, args: object) -> None:
-        stack.append(path_of[id(module)])
+        if id(module) in path_of:
+            stack.append(path_of[id(module)])
+            called.add(stack[-1])
 
     def leave(module: nn.Module, args: object, output: object) -> None:
-        stack.pop()
+        if id(module) in path_of:
+            stack.pop()
 
-    hooked = [module for module in modules.values() if not isinstance(module, torch.jit.ScriptModule)]  # no hooks
-    hooks = [module.register_forward_pre_hook(enter) for module in hooked]
-    hooks += [module.register_forward_hook(leave) for module in hooked]
+    def skipped(path: str) -> bool:
+        """Not called while its parent, a torch.nn module with a fused inference path, was."""
+        parent = path.rpartition(".")[0]
+        owner = modules[parent]
+        fused = type(owner).__module__.startswith("torch.nn") and not isinstance(owner, CONTAINERS)
+        return fused and parent in called and path not in called
+
+    hooks = [
+        torch.nn.modules.module.register_module_forward_pre_hook(enter),
+        torch.nn.modules.module.register_module_forward_hook(leave),
+    ]
     for path, wrapper in wrappers.items():
         wrapper.__dict__[_NOTE_READS] = functools.partial(note, path)
     failure: Exception | None = None
@@ -360,7 +376,7 @@ def _run_once(model: nn.Module, inputs: Inputs, wrappers: dict[str, Masked]) -> 
             del wrapper.__dict__[_NOTE_READS]
     found = {path: _read_reason(wrappers[path].layer, names, users) for path, (names, users) in used.items()}
     if failure is None:
-        return found
+        return found | {path: SKIPPED_AT_INFERENCE for path in wrappers if path not in found and skipped(path)}
     failing = next((path for path in reversed(stack) if path in wrappers), None)
     if failing is not None:
         found.setdefault(failing, f"the model fails with masks on its input ({_first_line(failure)})")
@@ -482,10 +498,12 @@ def insert(
             first_layers=first,
         )
         wrappers = _wrap(model, report)
+        _keep_masks_off_fast_paths(model)
         failed = {} if example_input is None else _run_once(model, example_input, wrappers)
         if not failed:
             return _attach(model, report)
         _unwrap(model, wrappers)
+        _keep_masks_off_fast_paths(model)
         reasons.update(failed)
 
 
@@ -1233,11 +1251,13 @@ def convert_dropout(
         candidates, n, scale, seed=seed, first_layers=first, include_first=include_first, converts=kinds
     )
     owners: dict[str, _Owner] = {}
+    placed: dict[str, tuple[nn.Module, Masksembles]] = {}  # converted modules: path -> (the dropout, its masks)
     for row, target in zip(report.rows, targets, strict=True):
         if row.action != CONVERTED:
             continue
         if isinstance(target, nn.Module):
-            _replace(model, paths[id(target)], _masksembles(row, n, scale, model, target.training))
+            placed[row.path] = (target, _masksembles(row, n, scale, model, target.training))
+            _replace(model, paths[id(target)], placed[row.path][1])
         elif target is not None:
             owner, index = target
             assert owner is not None, "a call is converted only where its owner was traced"
@@ -1249,4 +1269,57 @@ def convert_dropout(
             _replace(model, paths[id(owners[path].module)], rewritten)
         else:
             model = rewritten
+    _keep_masks_off_fast_paths(model)
+    skipped = _skipped_at_inference(model, inputs, n, {path: layer for path, (_, layer) in placed.items()})
+    for path in skipped:
+        _replace(model, paths[id(placed[path][0])], placed[path][0])
+    if skipped:
+        report = leave_converted(report, skipped, SKIPPED_AT_INFERENCE, kinds)
     return _attach(model, report)
+
+
+SKIPPED_AT_INFERENCE = (
+    "not called when the model runs in eval without gradients, as predict runs it (a module's fused inference path "
+    "skips it)"
+)
+
+
+def _keep_masks_off_fast_paths(model: nn.Module) -> None:
+    """torch's ``TransformerEncoderLayer`` runs one fused kernel in eval without gradients that calls none of its
+    dropout or Linear modules, and ``TransformerEncoder`` may turn a padded batch into a nested tensor for it. Where
+    a layer now holds Masksembles layers, both are turned off as torch's code provides: a forward pre-hook on the
+    layer (which does nothing), ``use_nested_tensor = False`` on the encoder. Inference then applies the masks as
+    training does, on the same (unfused) path."""
+    for module in model.modules():
+        masked = any(isinstance(inner, Masksembles) for inner in module.modules())
+        if isinstance(module, nn.TransformerEncoderLayer):
+            ours = [key for key, hook in module._forward_pre_hooks.items() if hook is _unfused]
+            if masked and not ours:
+                module.register_forward_pre_hook(_unfused)
+            for key in ours if not masked else ():  # masks taken out again (insert leaving a layer alone)
+                del module._forward_pre_hooks[key]
+        if isinstance(module, nn.TransformerEncoder) and masked:
+            module.use_nested_tensor = False
+
+
+def _unfused(module: nn.Module, args: tuple[Any, ...]) -> None:
+    """A forward pre-hook that does nothing: its presence keeps ``TransformerEncoderLayer`` off its fused path."""
+
+
+def _skipped_at_inference(model: nn.Module, inputs: Inputs, n: int, layers: Mapping[str, Masksembles]) -> list[str]:
+    """The paths of ``layers`` not called when ``model`` runs as ``predict`` runs it (eval, no gradients) on the first
+    sample of ``inputs`` tiled ``n`` times. Seen through a global hook, which turns no fused path off."""
+    wanted = {id(layer) for layer in layers.values()}
+    called: set[int] = set()
+
+    def seen(module: nn.Module, args: tuple[Any, ...]) -> None:
+        if id(module) in wanted:
+            called.add(id(module))
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(seen)
+    try:
+        with _evaluating(model):
+            call(model, map_batched(inputs, lambda tensor: tensor[:1].repeat_interleave(n, 0)))
+    finally:
+        handle.remove()
+    return [path for path, layer in layers.items() if id(layer) not in called]

@@ -12,6 +12,7 @@ from masksembles_core.insertion import (
     Candidate,
     LayerReport,
     check_insert_arguments,
+    leave_converted,
     plan_conversion,
     plan_insertion,
     used_outside_its_call,
@@ -213,6 +214,17 @@ def test_plan_conversion_with_nothing_to_convert_is_an_error_that_shows_the_repo
     message = r"(?s)convert_dropout converted no dropout \(1 looked at; it converts Dropout layers\)\n.*p=0"
     with pytest.raises(ValueError, match=message):
         plan_conversion(DROPOUTS[2:3], 4, 2.0, seed=0, converts="Dropout layers")
+
+
+def test_leave_converted_puts_rows_back_and_errs_when_none_is_left() -> None:
+    report = plan_conversion(DROPOUTS, 3, 2.0, seed=5, first_layers=("input_drop",), include_first=True)
+    left = leave_converted(report, {"drop", "zero"}, "skipped at inference", "Dropout layers")
+    assert [row.path for row in left.changed] == ["input_drop", "narrow_drop"]
+    row = next(row for row in left.rows if row.path == "drop")
+    assert (row.action, row.channels, row.seed, row.reason) == (LEFT, None, None, "skipped at inference")
+    assert next(row for row in left.rows if row.path == "zero") == next(r for r in report.rows if r.path == "zero")
+    with pytest.raises(ValueError, match=r"(?s)converted no dropout \(5 looked at.*skipped at inference"):
+        leave_converted(left, {"input_drop", "narrow_drop"}, "skipped at inference", "Dropout layers")
 
 
 def test_the_reason_for_weights_used_outside_a_layers_call() -> None:

@@ -1,0 +1,129 @@
+"""torch's own ``nn.TransformerEncoder``: its fused inference path calls none of the dropouts that
+``convert_dropout`` turns into Masksembles, so the conversion turns that path off and checks at run time that every
+converted layer is called as ``predict`` runs the model; ``pack`` equals ``predict`` on it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import masksembles_torch as mt
+from masksembles_core.insertion import CONVERTED, LEFT
+from masksembles_torch import _surgery
+
+N = 4
+
+
+class TextEncoder(nn.Module):
+    """Token ids (B, L) -> embedding -> ``nn.TransformerEncoder`` (batch first, 2 layers) -> mean -> Linear."""
+
+    def __init__(self, norm_first: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 16)
+        layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.1, batch_first=True, norm_first=norm_first)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(ids)).mean(1))
+
+
+def ids(batch: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 50, (batch, 6), generator=torch.Generator().manual_seed(seed))
+
+
+def converted(norm_first: bool = False) -> nn.Module:
+    torch.manual_seed(0)
+    return mt.convert_dropout(TextEncoder(norm_first), ids(4), N, 2.0, seed=0)
+
+
+@pytest.mark.parametrize("norm_first", [False, True], ids=["post_norm", "pre_norm"])
+def test_converted_transformer_encoder_applies_its_masks_at_inference(norm_first: bool) -> None:
+    """The members differ under predict (eval, no gradients), and equal what the unfused path computes."""
+    model = converted(norm_first)
+    rows = {row.path: row.action for row in model.masksembles_report.rows}
+    assert [path for path, action in rows.items() if action == CONVERTED] == [
+        f"encoder.layers.{i}.{name}" for i in range(2) for name in ("dropout", "dropout1", "dropout2")
+    ]
+    x = ids(5, seed=1)
+    members = mt.predict(model, x, N)
+    assert members.std(0).max() > 1e-3, "masks applied: the members differ"
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        unfused = mt.predict(model, x, N)
+    finally:
+        torch.backends.mha.set_fastpath_enabled(True)
+    torch.testing.assert_close(members, unfused)
+
+
+def test_pack_equals_predict_on_a_converted_transformer_encoder() -> None:
+    model = converted()
+    packed = mt.pack(model, ids(4), program="packed")
+    for batch in (5, 8):
+        x = ids(batch, seed=batch)
+        torch.testing.assert_close(packed(x), mt.predict(model, x, N), rtol=1e-5, atol=1e-6)
+
+
+def test_a_converted_layer_that_inference_skips_is_put_back_and_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without turning the fused path off, the run-time check finds the converted layers uncalled: the dropouts are
+    put back, each reported with the reason, and the head's dropout alone is converted."""
+    monkeypatch.setattr(_surgery, "_keep_masks_off_fast_paths", lambda model: None)
+
+    class WithHead(TextEncoder):
+        def __init__(self) -> None:
+            super().__init__()
+            self.drop = nn.Dropout(0.2)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.head(self.drop(self.encoder(self.embed(ids)).mean(1)))
+
+    torch.manual_seed(0)
+    model = mt.convert_dropout(WithHead(), ids(4), N, 2.0, seed=0)
+    rows = {row.path: row for row in model.masksembles_report.rows}
+    assert rows["drop"].action == CONVERTED and isinstance(model.drop, mt.Masksembles)
+    inner = rows["encoder.layers.0.dropout1"]
+    assert (inner.action, inner.reason) == (LEFT, _surgery.SKIPPED_AT_INFERENCE)
+    assert type(model.encoder.layers[0].dropout1) is nn.Dropout
+    with pytest.raises(ValueError, match="converted no dropout"):
+        mt.convert_dropout(TextEncoder(), ids(4), N, 2.0, seed=0)
+
+
+def inserted(**options: object) -> nn.Module:
+    torch.manual_seed(0)
+    return mt.insert(TextEncoder(), N, 2.0, seed=0, **options)
+
+
+def test_insert_masks_the_feed_forward_of_transformer_encoder_layers() -> None:
+    """``linear1`` and ``linear2`` are called by the layer's unfused path, which it then takes: masked; the
+    attention's ``out_proj`` (its weights read by ``nn.MultiheadAttention``) is left alone."""
+    model = inserted(example_input=ids(4))
+    rows = {row.path: row for row in model.masksembles_report.rows}
+    assert [path for path, row in rows.items() if row.action != LEFT] == [
+        "encoder.layers.0.linear1", "encoder.layers.0.linear2", "encoder.layers.1.linear1", "encoder.layers.1.linear2",
+        "head",
+    ]  # fmt: skip
+    assert "part of MultiheadAttention" in rows["encoder.layers.0.self_attn.out_proj"].reason
+    x = ids(5, seed=1)
+    members = mt.predict(model, x, N)
+    assert members.std(0).max() > 1e-3
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        torch.testing.assert_close(members, mt.predict(model, x, N))
+    finally:
+        torch.backends.mha.set_fastpath_enabled(True)
+    packed = mt.pack(model, ids(4), program="packed")
+    assert not [name for name in packed.fallbacks if "layers.1" in name], "the second layer compacts and folds"
+    torch.testing.assert_close(packed(x), members, rtol=1e-5, atol=1e-6)
+
+
+def test_insert_leaves_layers_that_inference_skips(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without turning the fused path off, the run on ``example_input`` finds the fused path reading the
+    feed-forward layers' weights through their wrappers (the first layer) and not calling them: each is left alone
+    with its reason, and the head keeps its masks."""
+    monkeypatch.setattr(_surgery, "_keep_masks_off_fast_paths", lambda model: None)
+    model = inserted(example_input=ids(4))
+    rows = {row.path: row for row in model.masksembles_report.rows}
+    assert [path for path, row in rows.items() if row.action != LEFT] == ["head"]
+    reasons = {rows[f"encoder.layers.{i}.{name}"].reason for i in range(2) for name in ("linear1", "linear2")}
+    assert any("weight" in reason for reason in reasons), reasons
