@@ -127,3 +127,22 @@ def test_insert_leaves_layers_that_inference_skips(monkeypatch: pytest.MonkeyPat
     assert [path for path, row in rows.items() if row.action != LEFT] == ["head"]
     reasons = {rows[f"encoder.layers.{i}.{name}"].reason for i in range(2) for name in ("linear1", "linear2")}
     assert any("weight" in reason for reason in reasons), reasons
+
+
+class PaddedTextEncoder(TextEncoder):
+    """The encoder called with a padding mask (id 0): kept as one call, which holds the converted dropouts."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(ids), src_key_padding_mask=ids == 0).mean(1))
+
+
+def test_an_encoder_kept_as_one_call_with_masks_inside_runs_per_member() -> None:
+    """Its input (the embedding) is the same for every member, but the masks inside group the batch it is given:
+    it runs on the member-stacked batch, as the dense model does, and equals predict with no verification fallback."""
+    torch.manual_seed(0)
+    model = mt.convert_dropout(PaddedTextEncoder(), ids(4), N, 2.0, seed=0)
+    packed = mt.pack(model, ids(4), program="packed")
+    assert "encoder (TransformerEncoder)" in packed.fallbacks
+    for batch in (5, 8):
+        x = ids(batch, seed=batch)
+        torch.testing.assert_close(packed(x), mt.predict(model, x, N), rtol=1e-5, atol=1e-6)
