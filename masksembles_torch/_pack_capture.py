@@ -472,6 +472,7 @@ class _Capture:
                 self.values.add(node)
         self.ops: dict[fx.Node, _Op] = {}
         self.mixing: dict[fx.Node, bool] = {}  # mixes_samples, evaluated once per node
+        self.data_free: dict[fx.Node, bool] = {}  # _data_free, once per node
         for node in self.gm.graph.nodes:
             if node in self.values and node is not self.input:
                 self.ops[node] = self._classify(node)
@@ -625,9 +626,14 @@ class _Capture:
         batch = self.seen[self.input].shapes[1][0]
         if not seen.tensor or len(seen.batch_axes) != 1 or not tensors:
             return False  # no batch axis to compare along (a reduction over it makes one per member: batch_args)
-        if any(not self.seen[t].tensor or len(self.seen[t].batch_axes) != 1 for t in (node, *tensors)):
+        if any(not self.seen[t].tensor for t in tensors):
             return True
-        sizes = {t: self.seen[t].shapes[1][self.seen[t].batch_axes[0]] for t in (node, *tensors)}
+        batched = [t for t in tensors if self.seen[t].batch_axes]
+        if any(t not in batched and not self._data_free(t) for t in tensors):
+            return True  # computed from the samples' data without a batch axis: a mean over the batch
+        if any(len(self.seen[t].batch_axes) != 1 for t in (node, *batched)):
+            return True
+        sizes = {t: self.seen[t].shapes[1][self.seen[t].batch_axes[0]] for t in (node, *batched)}
         if any(size % batch for size in sizes.values()):
             return True
         generator = torch.Generator(device=self.device).manual_seed(0)
@@ -635,8 +641,8 @@ class _Capture:
         try:
             before = _evaluate(self, node, given, run=1)
             for sample in (0, batch - 1):  # the first and the last sample drawn again: the others' rows must stay
-                changed = {}
-                for t in tensors:
+                changed = dict(given)
+                for t in batched:
                     axis, rows = self.seen[t].batch_axes[0], sizes[t] // batch
                     redrawn = _random_like(self.seen[t], self.device, generator).narrow(axis, sample * rows, rows)
                     changed[t] = given[t].index_copy(
@@ -651,6 +657,18 @@ class _Capture:
         except Exception:  # it does not apply to random inputs (indices out of range): not shown to keep samples apart
             return True
         return False
+
+    def _data_free(self, node: fx.Node) -> bool:
+        """Whether ``node``'s value reads no data of a tensor with a batch axis: computed from constants, parameters
+        and sizes alone (``arange(x.shape[1])``), so it is the same for every sample and every member."""
+        if node not in self.data_free:
+            self.data_free[node] = all(
+                source not in self.dynamic
+                or self.is_query(source)
+                or (not self.seen[source].batch_dependent and self._data_free(source))
+                for source in node.all_input_nodes
+            )
+        return self.data_free[node]
 
     def _classify(self, node: fx.Node) -> _Op:
         tensors = self.inputs(node)

@@ -44,29 +44,36 @@ def write_out_torch_modules(gm: fx.GraphModule, example: Tensor) -> None:
     if not calls:
         gm.recompile()
         return
-    ranks = _Ranks(gm, calls)
+    seen = _Seen(gm, calls)
     with torch.no_grad():
-        ranks.run(example)
+        seen.run(example)
     for node, module in calls.items():
-        if ranks.seen.get(node) == (3, 3, 3):  # not unbatched (L, E): attention across what is the batch here
-            _attention(gm, node, module)
+        if _batched(seen.values.get(node, {})):
+            _attention(gm, node, module, seen.values[node])
     gm.graph.eliminate_dead_code()
     gm.recompile()
 
 
-class _Ranks(fx.Interpreter):
-    """Runs the graph, noting the ranks of the query, key and value of the attention calls asked for."""
+class _Seen(fx.Interpreter):
+    """Runs the graph, noting the (rank, dtype) of the tensor arguments of the attention calls asked for."""
 
     def __init__(self, gm: fx.GraphModule, calls: dict[fx.Node, nn.Module]) -> None:
         super().__init__(gm)
-        self.calls, self.seen = calls, dict[fx.Node, tuple[int, ...]]()
+        self.calls, self.values = calls, dict[fx.Node, dict[str, tuple[int, torch.dtype]]]()
 
     def run_node(self, n: fx.Node) -> Any:
         if n in self.calls:
             arguments = _arguments(n, self.calls[n])
-            values = [self.env[arguments[name]] for name in ("query", "key", "value")]
-            self.seen[n] = tuple(v.dim() if isinstance(v, Tensor) else -1 for v in values)
+            values = {name: self.env.get(value) for name, value in arguments.items() if isinstance(value, fx.Node)}
+            self.values[n] = {name: (v.dim(), v.dtype) for name, v in values.items() if isinstance(v, Tensor)}
         return super().run_node(n)
+
+
+def _batched(values: dict[str, tuple[int, torch.dtype]]) -> bool:
+    """Query, key and value of rank 3 and a key padding mask, if any, of rank 2 (batch, keys); not unbatched
+    (L, E): attention across what is the batch here."""
+    ranks = [values.get(name, (0, None))[0] for name in ("query", "key", "value")]
+    return ranks == [3, 3, 3] and values.get("key_padding_mask", (2, None))[0] == 2
 
 
 def _plain_calls(gm: fx.GraphModule, kind: type[nn.Module]) -> list[tuple[fx.Node, nn.Module]]:
@@ -89,25 +96,31 @@ def _arguments(node: fx.Node, module: nn.Module) -> dict[str, Any]:
     return dict(bound.arguments)
 
 
-def _no_masks(node: fx.Node, module: nn.Module, tensors: tuple[str, ...], masks: tuple[str, ...]) -> bool:
-    """``tensors`` are model values, ``masks`` are None and ``is_causal`` is not set."""
+def _no_masks(
+    node: fx.Node, module: nn.Module, tensors: tuple[str, ...], masks: tuple[str, ...], padding: tuple[str, ...] = ()
+) -> bool:
+    """``tensors`` are model values, ``masks`` are None (but the ``padding`` one, None or a model value) and
+    ``is_causal`` is not set."""
     arguments = _arguments(node, module)
     return (
         bool(arguments)
         and all(isinstance(arguments[name], fx.Node) for name in tensors)
-        and all(arguments[name] is None for name in masks)
+        and all(arguments[name] is None or (name in padding and isinstance(arguments[name], fx.Node)) for name in masks)
         and not arguments["is_causal"]
     )
 
 
 def _plain_encoder(node: fx.Node, module: nn.Module) -> bool:
-    return _no_masks(node, module, ("src",), ("mask", "src_key_padding_mask"))
+    """No mask, and a padding mask only where the encoder does not turn the batch into a nested tensor (which
+    zeroes the padded positions of its output)."""
+    padding = () if getattr(module, "use_nested_tensor", False) else ("src_key_padding_mask",)
+    return _no_masks(node, module, ("src",), ("mask", "src_key_padding_mask"), padding)
 
 
 def _plain_encoder_layer(node: fx.Node, module: nn.Module) -> bool:
     activation = getattr(module, "activation", None)
     known = isinstance(activation, nn.Module) or activation in (F.relu, F.gelu)
-    return known and _no_masks(node, module, ("src",), ("src_mask", "src_key_padding_mask"))
+    return known and _no_masks(node, module, ("src",), ("src_mask", "src_key_padding_mask"), ("src_key_padding_mask",))
 
 
 def _plain_attention(node: fx.Node, module: nn.Module) -> bool:
@@ -115,7 +128,7 @@ def _plain_attention(node: fx.Node, module: nn.Module) -> bool:
     assert isinstance(module, nn.MultiheadAttention)
     if module.bias_k is not None or module.bias_v is not None or module.add_zero_attn:
         return False
-    if not _no_masks(node, module, ("query", "key", "value"), ("key_padding_mask", "attn_mask")):
+    if not _no_masks(node, module, ("query", "key", "value"), ("key_padding_mask", "attn_mask"), ("key_padding_mask",)):
         return False
     return all(  # (output, weights): the output read by index, the weights not at all
         user.target is operator.getitem and user.args[1] in (0, 1) and not (user.args[1] == 1 and user.users)
@@ -167,10 +180,14 @@ class _Writer:
 def _encoder(gm: fx.GraphModule, node: fx.Node, module: nn.Module) -> None:
     assert isinstance(module, nn.TransformerEncoder)
     graph, write = gm.graph, _Writer(gm, node, module)
+    arguments = _arguments(node, module)
+    padding = (
+        {} if arguments["src_key_padding_mask"] is None else {"src_key_padding_mask": arguments["src_key_padding_mask"]}
+    )
     with graph.inserting_before(node):
-        x = _arguments(node, module)["src"]
+        x = arguments["src"]
         for index in range(len(module.layers)):
-            x = write.submodule(f"layers.{index}", x)
+            x = write.submodule(f"layers.{index}", x, **padding)
         if module.norm is not None:
             x = write.submodule("norm", x)
     write.replace(x)
@@ -180,8 +197,11 @@ def _encoder_layer(gm: fx.GraphModule, node: fx.Node, module: nn.Module) -> None
     assert isinstance(module, nn.TransformerEncoderLayer)
     graph, write = gm.graph, _Writer(gm, node, module)
 
+    padding = _arguments(node, module)["src_key_padding_mask"]
+    options = {} if padding is None else {"key_padding_mask": padding}
+
     def attention(x: fx.Node) -> fx.Node:
-        attended = write.submodule("self_attn", x, x, x, need_weights=False)
+        attended = write.submodule("self_attn", x, x, x, need_weights=False, **options)
         return write.submodule("dropout1", write.call(operator.getitem, attended, 0))
 
     def feed_forward(x: fx.Node) -> fx.Node:
@@ -203,7 +223,8 @@ def _encoder_layer(gm: fx.GraphModule, node: fx.Node, module: nn.Module) -> None
     write.replace(x)
 
 
-def _attention(gm: fx.GraphModule, node: fx.Node, module: nn.Module) -> None:
+def _attention(gm: fx.GraphModule, node: fx.Node, module: nn.Module, seen: dict[str, tuple[int, torch.dtype]]) -> None:
+    """``seen``: the rank and dtype of each tensor argument."""
     assert isinstance(module, nn.MultiheadAttention)
     arguments = _arguments(node, module)
     query, key, value = (arguments[name] for name in ("query", "key", "value"))
@@ -235,7 +256,15 @@ def _attention(gm: fx.GraphModule, node: fx.Node, module: nn.Module) -> None:
             q, k, v = (write.call(operator.getitem, parts, i) for i in range(3))
         else:
             q, k, v = (projected(x, part) for part, x in enumerate((query, key, value)))
-        attended = write.call(F.scaled_dot_product_attention, q, k, v)
+        mask = None
+        if "key_padding_mask" in seen:  # (batch, keys): True (or -inf) where a key is left out, as (B, 1, 1, S)
+            given = arguments["key_padding_mask"]
+            if seen["key_padding_mask"][1] is torch.bool:
+                kept = write.call(operator.eq, given, False)  # SDPA's boolean masks say which keys take part
+            else:
+                kept = write.call("to", given, seen["query"][1])
+            mask = write.call(operator.getitem, kept, (slice(None), None, None, slice(None)))
+        attended = write.call(F.scaled_dot_product_attention, q, k, v, mask)
         merged = write.call("flatten", write.call("permute", attended, tuple(to_heads.index(a) for a in range(4))), 2)
         output = write.submodule("out_proj", merged)
     for user in list(node.users):  # (output, weights)[0] reads the output; the unread weights go

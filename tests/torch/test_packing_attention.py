@@ -76,6 +76,9 @@ def test_talking_heads_mix_heads_and_do_not_fold() -> None:
     check_equal_to_predict(model, packed)
 
 
+ATTENTION_STEPS = ("unflatten", "permute", "unbind", "scaled_dot_product_attention", "flatten", "Multihead")
+
+
 def sequences(batch: int, seed: int = 0) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randn(batch, zoo.SEQUENCE, 6, generator=generator)
@@ -89,15 +92,20 @@ def multihead(call: str, batch_first: bool = True, bias: bool = True) -> nn.Modu
 @pytest.mark.parametrize(
     ("call", "batch_first", "bias"),
     [("self", True, True), ("self", False, True), ("self", True, False), ("cross", True, True),
-     ("cross", False, True), ("kdim", True, True)],
-    ids=["self", "sequence_first", "no_bias", "cross", "cross_sequence_first", "kdim_vdim"],
+     ("cross", False, True), ("kdim", True, True), ("key_padding_mask", True, True),
+     ("key_padding_mask", False, True), ("float_padding_mask", True, True)],
+    ids=["self", "sequence_first", "no_bias", "cross", "cross_sequence_first", "kdim_vdim", "padding",
+         "padding_sequence_first", "float_padding"],
 )  # fmt: skip
 def test_multihead_attention_module_folds_into_heads(call: str, batch_first: bool, bias: bool) -> None:
-    """``nn.MultiheadAttention`` called without masks is written out as its projections, heads and scaled
-    dot-product attention, which fold: nothing of it runs on the member-stacked batch, and it equals predict."""
+    """``nn.MultiheadAttention`` called without an attention mask is written out as its projections, heads and scaled
+    dot-product attention (a key padding mask as SDPA's (B, 1, 1, S) mask), which fold: nothing of it runs on the
+    member-stacked batch, and it equals predict."""
     model = multihead(call, batch_first, bias)
     packed = mt.pack(model, sequences(4), program="packed")
-    assert packed.fallbacks == () and packed.macs["fallback"] == 0 < packed.macs["packed"] < packed.macs["dense"]
+    assert not any(what in name for name in packed.fallbacks for what in ATTENTION_STEPS)
+    assert (packed.fallbacks == ()) is ("padding" not in call), "the padding mask alone, computed once (shared)"
+    assert packed.macs["fallback"] == 0 < packed.macs["packed"] < packed.macs["dense"]
     assert "to_batch" not in packed.code
     for batch in (5, 8):
         x = sequences(batch, seed=batch)
@@ -107,10 +115,10 @@ def test_multihead_attention_module_folds_into_heads(call: str, batch_first: boo
     assert relative_error(member(x), mt.predict(model, x, N)[2]) <= 1e-5
 
 
-@pytest.mark.parametrize("call", ["key_padding_mask", "attn_mask", "weights", "bias_kv"])
+@pytest.mark.parametrize("call", ["attn_mask", "weights", "bias_kv"])
 def test_multihead_attention_module_with_masks_or_weights_falls_back_exactly(call: str) -> None:
-    """A call that masks, reads the attention weights or adds key/value biases is kept as one call: a fallback on
-    the member-stacked batch, equal to predict."""
+    """A call with an attention mask, that reads the attention weights or adds key/value biases is kept as one call:
+    a fallback on the member-stacked batch, equal to predict."""
     model = multihead(call)
     packed = mt.pack(model, sequences(4), program="packed")
     assert "attention (MultiheadAttention)" in packed.fallbacks

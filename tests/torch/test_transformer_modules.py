@@ -16,21 +16,26 @@ N = 4
 
 
 class TextEncoder(nn.Module):
-    """Token ids (B, L) -> embedding -> ``nn.TransformerEncoder`` (batch first, 2 layers) -> mean -> Linear."""
+    """Token ids (B, L) -> embedding -> ``nn.TransformerEncoder`` (batch first, 2 layers; with ``padding``, id 0
+    left out of the attention by ``src_key_padding_mask``) -> mean -> Linear."""
 
-    def __init__(self, norm_first: bool = False) -> None:
+    def __init__(self, norm_first: bool = False, padding: bool = False) -> None:
         super().__init__()
+        self.padding = padding
         self.embed = nn.Embedding(50, 16)
         layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.1, batch_first=True, norm_first=norm_first)
         self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
         self.head = nn.Linear(16, 3)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.head(self.encoder(self.embed(ids)).mean(1))
+        padding = ids == 0 if self.padding else None  # id 0 left out of the attention
+        return self.head(self.encoder(self.embed(ids), src_key_padding_mask=padding).mean(1))
 
 
 def ids(batch: int, seed: int = 0) -> torch.Tensor:
-    return torch.randint(0, 50, (batch, 6), generator=torch.Generator().manual_seed(seed))
+    """(batch, 6) token ids in [0, 50); the first never 0, so that no sequence is all padding."""
+    drawn = torch.randint(0, 50, (batch, 6), generator=torch.Generator().manual_seed(seed))
+    return torch.cat([drawn[:, :1].clamp_min(1), drawn[:, 1:]], 1)
 
 
 def converted(norm_first: bool = False) -> nn.Module:
@@ -57,9 +62,17 @@ def test_converted_transformer_encoder_applies_its_masks_at_inference(norm_first
     torch.testing.assert_close(members, unfused)
 
 
-def test_pack_equals_predict_on_a_converted_transformer_encoder() -> None:
-    model = converted()
+@pytest.mark.parametrize("padding", [False, True], ids=["plain", "padding_mask"])
+def test_pack_writes_a_converted_transformer_encoder_out_and_equals_predict(padding: bool) -> None:
+    """The encoder and its layers are written out: the second layer's attention folds (the first one's reads no
+    mask and runs once), its Linear layers compact, and the result equals predict."""
+    torch.manual_seed(0)
+    model = mt.convert_dropout(TextEncoder(padding=padding), ids(4), N, 2.0, seed=0)
     packed = mt.pack(model, ids(4), program="packed")
+    second = [name for name in packed.fallbacks if "layers.1" in name]
+    assert not [name for name in second if "scaled_dot_product_attention" in name or "permute" in name]
+    assert len(second) == (2 if padding else 0), "the padding mask's operations (computed once) alone"
+    assert packed.macs["packed"] < 0.8 * packed.macs["dense"]
     for batch in (5, 8):
         x = ids(batch, seed=batch)
         torch.testing.assert_close(packed(x), mt.predict(model, x, N), rtol=1e-5, atol=1e-6)
@@ -129,18 +142,19 @@ def test_insert_leaves_layers_that_inference_skips(monkeypatch: pytest.MonkeyPat
     assert any("weight" in reason for reason in reasons), reasons
 
 
-class PaddedTextEncoder(TextEncoder):
-    """The encoder called with a padding mask (id 0): kept as one call, which holds the converted dropouts."""
+class CausalTextEncoder(TextEncoder):
+    """The encoder called with a causal mask: kept as one call, which holds the converted dropouts."""
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.head(self.encoder(self.embed(ids), src_key_padding_mask=ids == 0).mean(1))
+        causal = nn.Transformer.generate_square_subsequent_mask(ids.shape[1])
+        return self.head(self.encoder(self.embed(ids), mask=causal, is_causal=True).mean(1))
 
 
 def test_an_encoder_kept_as_one_call_with_masks_inside_runs_per_member() -> None:
     """Its input (the embedding) is the same for every member, but the masks inside group the batch it is given:
     it runs on the member-stacked batch, as the dense model does, and equals predict with no verification fallback."""
     torch.manual_seed(0)
-    model = mt.convert_dropout(PaddedTextEncoder(), ids(4), N, 2.0, seed=0)
+    model = mt.convert_dropout(CausalTextEncoder(), ids(4), N, 2.0, seed=0)
     packed = mt.pack(model, ids(4), program="packed")
     assert "encoder (TransformerEncoder)" in packed.fallbacks
     for batch in (5, 8):

@@ -508,9 +508,10 @@ class Multihead(nn.Module):
     reads member-dependent values.
 
     ``call``: ``"self"`` (query, key and value one tensor; the weights returned and unused), ``"cross"`` (key and value
-    from another Linear), ``"kdim"`` (keys of 12 and values of 8 channels, so separate projection weights), or one it
-    computes differently: ``"key_padding_mask"`` (from the tokens), ``"attn_mask"`` (causal), ``"weights"`` (the
-    attention weights are read), ``"bias_kv"`` (``add_bias_kv``).
+    from another Linear), ``"kdim"`` (keys of 12 and values of 8 channels, so separate projection weights),
+    ``"key_padding_mask"`` and ``"float_padding_mask"`` (from the tokens, boolean or additive), or one it computes
+    differently: ``"attn_mask"`` (causal), ``"weights"`` (the attention weights are read), ``"bias_kv"``
+    (``add_bias_kv``).
     """
 
     def __init__(self, call: str = "self", batch_first: bool = True, bias: bool = True) -> None:
@@ -535,8 +536,11 @@ class Multihead(nn.Module):
             key, value = self.memory(h), self.values(h)
         swap = (lambda t: t) if self.batch_first else (lambda t: t.transpose(0, 1))
         options: dict[str, Tensor] = {}
+        padding = (x[..., 0] > 1.0) & (torch.arange(x.shape[1]) > 0)  # True: left out; never the first key
         if self.call == "key_padding_mask":
-            options["key_padding_mask"] = (x[..., 0] > 1.0) & (torch.arange(x.shape[1]) > 0)
+            options["key_padding_mask"] = padding
+        elif self.call == "float_padding_mask":
+            options["key_padding_mask"] = padding.float() * -1e4
         elif self.call == "attn_mask":
             options["attn_mask"] = self.causal
         y, weights = self.attention(swap(h), swap(key), swap(value), **options)
