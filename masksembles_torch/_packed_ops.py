@@ -199,9 +199,9 @@ class MemberLinear(nn.Module):
             y, outs = self.result(stacked, lead)
             for k, (block, out) in enumerate(zip(stacked.unbind(0), outs.unbind(0), strict=True)):
                 if self.bias is None:
-                    torch.mm(block, self.weight[k], out=out)
+                    _written(torch.mm, block, self.weight[k], out=out)
                 else:
-                    torch.addmm(self.bias[k, 0], block, self.weight[k], out=out)
+                    _written(torch.addmm, self.bias[k, 0], block, self.weight[k], out=out)
             return y
         y = self.batched(stacked)
         members, _, outputs = self.weight.shape
@@ -229,8 +229,8 @@ class MemberLinear(nn.Module):
     def batched(self, stacked: Tensor, out: Tensor | None = None) -> Tensor:
         """(m, rows, I) -> (m, rows, O): one batched matmul, written to ``out`` when given."""
         if self.bias is None:
-            return torch.bmm(stacked, self.weight, out=out)
-        return torch.baddbmm(self.bias, stacked, self.weight, out=out)
+            return _written(torch.bmm, stacked, self.weight, out=out)
+        return _written(torch.baddbmm, self.bias, stacked, self.weight, out=out)
 
     def extra_repr(self) -> str:
         members, inputs, outputs = self.weight.shape
@@ -239,6 +239,16 @@ class MemberLinear(nn.Module):
         layout += f", output_split={self.output_split}" if self.output_split > 1 else ""
         layout += f", split_heads={self.split_heads}" if self.split_heads else ""
         return f"members={members}, in_features={inputs}, out_features={outputs}, bias={self.bias is not None}{layout}"
+
+
+def _written(function: Callable[..., Tensor], *args: Tensor, out: Tensor | None) -> Tensor:
+    """``function(*args, out=out)``; when compiled or exported, computed and then copied into ``out`` (the compiler
+    traces no strided ``out=``, and plans the memory itself)."""
+    if out is None:
+        return function(*args)
+    if torch.compiler.is_compiling():
+        return out.copy_(function(*args))
+    return function(*args, out=out)
 
 
 class MemberMLP(nn.Module):

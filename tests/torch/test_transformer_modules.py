@@ -160,3 +160,17 @@ def test_an_encoder_kept_as_one_call_with_masks_inside_runs_per_member() -> None
     for batch in (5, 8):
         x = ids(batch, seed=batch)
         torch.testing.assert_close(packed(x), mt.predict(model, x, N), rtol=1e-5, atol=1e-6)
+
+
+def test_a_packed_transformer_encoder_exports_and_compiles_with_a_dynamic_batch() -> None:
+    torch.manual_seed(0)
+    model = mt.convert_dropout(TextEncoder(padding=True), ids(4), N, 2.0, seed=0)
+    packed = mt.pack(model, ids(4), program="packed")
+    batch = torch.export.Dim("batch", min=2)
+    exported = torch.export.export(packed, (ids(4),), dynamic_shapes=({0: batch},)).module()
+    compiled = torch.compile(packed, fullgraph=True, dynamic=True)
+    for samples in (3, 5):
+        x = ids(samples, seed=samples)
+        expected = mt.predict(model, x, N)
+        torch.testing.assert_close(exported(x), expected, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(compiled(x), expected, rtol=1e-5, atol=1e-6)
