@@ -8,17 +8,17 @@ small ResNet on 3×32×32 (masks inside the blocks and before the head); and, wi
 paper's recipe: before every Conv/Linear but the first), a MobileNetV3-like (depthwise convolutions, squeeze-excite,
 hardswish) and a ConvNeXt-like (depthwise 7×7, channels-first LayerNorm, GELU MLP, layer scale) on 3×64×64 and a
 ViT-like (dim 96, 4 blocks, 4×4 patches) on 3×32×32, the same ViT as Hugging Face `transformers` builds it
-(``ViTForImageClassification`` from a config) and a BERT-tiny-like (hidden 128, 2 layers, 2 heads) on 128 token
-ids with a padding mask; and the issue's case, a ResNet-50 (bottleneck blocks 3-4-6-3)
-on 3×32×32 with masks after every block. For each batch size (medians of interleaved rounds, every ratio from the same
-run), ÷ one forward of the same network without Masksembles on the same batch: ``pack(model, program="packed")``,
-the tiled dense ``predict(model, x, 4)``, and packed ÷ tiled (``pack``'s default ``program="auto"`` keeps the faster of
-the two). Next to the packed ratio: the multiply-accumulate (MAC) ratio of its Linear/Conv layers and attention
-products, and the share of those MACs that run at full width because they fell back; where the packed program runs
-on chunks of the batch (CPU, per-sample programs), the single model run on the same chunks. The second command keeps
-glibc from returning freed memory to the system, so that large allocations do not page-fault on every call (its
-table goes to its own section).
-"""
+(``ViTForImageClassification`` from a config) and with torchvision's blocks (``nn.MultiheadAttention``), and a
+BERT-tiny-like (hidden 128, 2 layers, 2 heads) on 128 token ids with a padding mask; with dropouts converted by
+``convert_dropout``, the BERT-tiny shape built from torch's own ``nn.TransformerEncoder``; and the issue's case, a
+ResNet-50 (bottleneck blocks 3-4-6-3) on 3×32×32 with masks after every block. For each batch size (medians of
+interleaved rounds, every ratio from the same run), ÷ one forward of the same network without Masksembles on the
+same batch: ``pack(model, program="packed")``, the tiled dense ``predict(model, x, 4)``, and packed ÷ tiled
+(``pack``'s default ``program="auto"`` keeps the faster of the two). Next to the packed ratio: the
+multiply-accumulate (MAC) ratio of its Linear/Conv layers and attention products, and the share of those MACs that
+run at full width because they fell back; where the packed program runs on chunks of the batch (CPU, per-sample
+programs), the single model run on the same chunks. The second command keeps glibc from returning freed memory to
+the system, so that large allocations do not page-fault on every call (its table goes to its own section)."""
 
 from __future__ import annotations
 
@@ -239,6 +239,57 @@ class BertTiny(nn.Module):
         return self.classifier(torch.tanh(self.pooler(x[:, 0])))
 
 
+class EncoderBlock(nn.Module):
+    """torchvision's ViT block: ``nn.MultiheadAttention`` (batch first, ``need_weights=False``), GELU MLP."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(dim, eps=1e-6), nn.LayerNorm(dim, eps=1e-6)
+        self.attention = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.fc1, self.fc2 = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.norm1(x)
+        x = x + self.attention(y, y, y, need_weights=False)[0]
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+
+
+def torchvision_vit() -> nn.Module:
+    """ViT-like with torchvision's blocks (``nn.MultiheadAttention``)."""
+    model = ViT()
+    model.blocks = nn.Sequential(*(EncoderBlock(96, 3) for _ in range(4)))
+    return model
+
+
+class TextEncoder(nn.Module):
+    """BERT-tiny's shape with torch's own ``nn.TransformerEncoder`` (hidden 128, 2 layers, 2 heads, feed-forward 512,
+    GELU, dropout 0.1, batch first, defaults otherwise) on token ids (B, 128), padding (id 0) left out through
+    ``src_key_padding_mask``, mean over the tokens, classifier. Without masks, torch runs it on its fused path (and
+    nested tensors for the padding)."""
+
+    def __init__(self, vocabulary: int = 1000, dim: int = 128, length: int = 128) -> None:
+        super().__init__()
+        self.words, self.positions = nn.Embedding(vocabulary, dim), nn.Parameter(torch.randn(1, length, dim) * 0.02)
+        layer = nn.TransformerEncoderLayer(dim, 2, 4 * dim, 0.1, activation="gelu", batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2)
+        self.classifier = nn.Linear(dim, 2)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        x = self.encoder(self.words(tokens) + self.positions, src_key_padding_mask=tokens == 0)
+        return self.classifier(x.mean(1))
+
+
+def converted(factory: Callable[[], nn.Module], example: Callable[[int], Tensor]) -> Callable[[bool], nn.Module]:
+    """The model, its dropouts converted by ``convert_dropout`` when asked (the other one has the same weights)."""
+
+    def build(masks: bool) -> nn.Module:
+        torch.manual_seed(0)
+        model = factory()
+        return mt.convert_dropout(model, example(4), N, SCALE, seed=0) if masks else model
+
+    return build
+
+
 def transformers_vit() -> nn.Module:
     """ViT-like's shape as Hugging Face ``transformers`` writes it (``ViTForImageClassification``, SDPA attention),
     built from a config: nothing is downloaded."""
@@ -306,12 +357,17 @@ MODELS: dict[str, tuple[Callable[[bool], nn.Module], tuple[int, ...], tuple[int,
     "ConvNeXt-like": (inserted(ConvNeXt), (3, 64, 64), (1, 32, 256)),
     "ViT-like": (inserted(ViT), (3, 32, 32), (1, 32, 256)),
     "ViT (transformers)": (inserted(transformers_vit), (3, 32, 32), (1, 32, 256)),
+    "ViT-like (nn.MultiheadAttention)": (inserted(torchvision_vit), (3, 32, 32), (1, 32, 256)),
     "BERT-tiny-like": (inserted(BertTiny), (128,), (1, 32, 256)),
+    "nn.TransformerEncoder (convert_dropout)": (converted(TextEncoder, tokens), (128,), (1, 32, 256)),
     "ResNet-50, masks after every block": (ResNet50, (3, 32, 32), (1, 8, 32)),
 }
 
 
-INPUTS: dict[str, Callable[[int], Tensor]] = {"BERT-tiny-like": tokens}  # the others: random images
+INPUTS: dict[str, Callable[[int], Tensor]] = {  # the others: random images
+    "BERT-tiny-like": tokens,
+    "nn.TransformerEncoder (convert_dropout)": tokens,
+}
 
 
 def example(name: str, batch: int, shape: tuple[int, ...], device: torch.device) -> Tensor:

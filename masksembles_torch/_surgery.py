@@ -1216,7 +1216,7 @@ def convert_dropout(
         model = copy.deepcopy(model)
     inputs = example_input
     dropouts = [(path, module) for path, module in model.named_modules() if isinstance(module, DROPOUT_TYPES)]
-    with _evaluating(model):
+    with _evaluating(model), _without_nested_tensors(model):
         shapes, on_inputs = _input_shapes(model, inputs, [module for _, module in dropouts])
         traced = _trace(model, inputs)
     if traced.failure:
@@ -1300,6 +1300,20 @@ def _keep_masks_off_fast_paths(model: nn.Module) -> None:
                 del module._forward_pre_hooks[key]
         if isinstance(module, nn.TransformerEncoder) and masked:
             module.use_nested_tensor = False
+
+
+@contextlib.contextmanager
+def _without_nested_tensors(model: nn.Module) -> Iterator[None]:
+    """Every ``nn.TransformerEncoder`` of ``model`` keeps a padded batch padded (no nested tensor, which its layers'
+    dropouts would then see), as it will once its layers hold masks; restored afterwards."""
+    encoders = [(m, m.use_nested_tensor) for m in model.modules() if isinstance(m, nn.TransformerEncoder)]
+    for encoder, _ in encoders:
+        encoder.use_nested_tensor = False
+    try:
+        yield
+    finally:
+        for encoder, nested in encoders:
+            encoder.use_nested_tensor = nested
 
 
 def _unfused(module: nn.Module, args: tuple[Any, ...]) -> None:
