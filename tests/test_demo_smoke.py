@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -71,13 +72,22 @@ FRAMEWORKS = {
 RUNS = sorted({FRAMEWORKS[backend] for backend in requested_backends() if backend in FRAMEWORKS})
 
 
-@pytest.fixture(scope="module", params=RUNS)
-def output(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp(f"demo-{request.param}")
-    command = [sys.executable, str(DEMO), "--smoke", "--framework", request.param, "--output", str(folder)]
+@pytest.mark.parametrize("framework", RUNS)
+def test_the_demo_writes_every_file_and_row(framework: str, tmp_path: Path, subtests: pytest.Subtests) -> None:
+    """One run of the demo per framework (one test, so that pytest-xdist runs it on one worker), every check of its
+    output a subtest."""
+    command = [sys.executable, str(DEMO), "--smoke", "--framework", framework, "--output", str(tmp_path)]
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    return folder
+    for name in PLOTS:
+        with subtests.test("plot", name=name):
+            check_plot(tmp_path, name)
+    for name in TABLES:
+        with subtests.test("table", name=name):
+            check_table(tmp_path, name)
+    for check in CHECKS:
+        with subtests.test(check.__name__):
+            check(tmp_path)
 
 
 def read_csv(path: Path) -> list[dict[str, str]]:
@@ -85,21 +95,20 @@ def read_csv(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(handle))
 
 
-@pytest.mark.parametrize("name", PLOTS)
-def test_every_plot_is_a_png(output: Path, name: str) -> None:
+def check_plot(output: Path, name: str) -> None:
     data = (output / f"{name}.png").read_bytes()
     assert data.startswith(PNG_SIGNATURE) and len(data) > 10_000
 
 
-@pytest.mark.parametrize("name", TABLES)
-def test_every_table_is_written_as_markdown_and_csv(output: Path, name: str) -> None:
+def check_table(output: Path, name: str) -> None:
+    """Written as Markdown and CSV, with the same rows."""
     markdown = (output / f"{name}.md").read_text()
     rows = read_csv(output / f"{name}.csv")
     assert rows
     assert markdown.count("\n|") == len(rows) + 2  # header, separator and one line per row
 
 
-def test_toy_table_has_every_model(output: Path) -> None:
+def toy_table_has_every_model(output: Path) -> None:
     rows = read_csv(output / "toy_entropy.csv")
     assert [row["Model"] for row in rows] == TOY_MODELS
     for row in rows:
@@ -107,7 +116,7 @@ def test_toy_table_has_every_model(output: Path) -> None:
         assert int(row["Parameters"]) > 0
 
 
-def test_digits_table_has_every_model_and_column(output: Path) -> None:
+def digits_table_has_every_model_and_column(output: Path) -> None:
     rows = read_csv(output / "digits_results.csv")
     assert [row["Model"] for row in rows] == [name for model in DIGITS_MODELS for name in (model, f"{model} + TS")]
     by_model = {row["Model"]: row for row in rows}
@@ -132,7 +141,7 @@ def test_digits_table_has_every_model_and_column(output: Path) -> None:
         assert by_model[f"{model} + TS"]["Parameters"] == by_model[model]["Parameters"]
 
 
-def test_ood_scores_table_has_every_score_a_model_gives(output: Path) -> None:
+def ood_scores_table_has_every_score_a_model_gives(output: Path) -> None:
     rows = read_csv(output / "digits_ood_scores.csv")
     expected = [
         (model, score) for model in DIGITS_MODELS for score in (ONE_MEMBER_SCORES if model == "Single" else OOD_SCORES)
@@ -142,7 +151,7 @@ def test_ood_scores_table_has_every_score_a_model_gives(output: Path) -> None:
         assert 0.0 <= float(row["AUROC mean"]) <= 1.0 and 0.0 <= float(row["FPR95 mean"]) <= 1.0
 
 
-def test_regression_tables_have_every_model(output: Path) -> None:
+def regression_tables_have_every_model(output: Path) -> None:
     toy = {row["Model"]: row for row in read_csv(output / "regression_toy.csv")}
     assert list(toy) == REGRESSION_MODELS
     for model, row in toy.items():
@@ -159,7 +168,7 @@ def test_regression_tables_have_every_model(output: Path) -> None:
     assert diabetes["Masksembles"]["Picked on validation"].startswith("S=")
 
 
-def test_sweep_and_corruption_tables_cover_every_setting(output: Path) -> None:
+def sweep_and_corruption_tables_cover_every_setting(output: Path) -> None:
     sweep = read_csv(output / "digits_sweep.csv")
     assert [(row["Method"], row["Setting"]) for row in sweep] == SMOKE_SWEEP
     corruptions = read_csv(output / "digits_corruptions.csv")
@@ -176,7 +185,7 @@ def test_sweep_and_corruption_tables_cover_every_setting(output: Path) -> None:
     assert all(row[f"Severity {s} mean"] != "" for row in shift for s in range(1, 6))
 
 
-def test_summary_holds_every_table(output: Path) -> None:
+def summary_holds_every_table(output: Path) -> None:
     summary = (output / "results.md").read_text()
     for title in (
         "Toy transition",
@@ -189,3 +198,13 @@ def test_summary_holds_every_table(output: Path) -> None:
     ):
         assert title in summary
     assert "Wall time" in summary
+
+
+CHECKS: tuple[Callable[[Path], None], ...] = (
+    toy_table_has_every_model,
+    digits_table_has_every_model_and_column,
+    ood_scores_table_has_every_score_a_model_gives,
+    regression_tables_have_every_model,
+    sweep_and_corruption_tables_cover_every_setting,
+    summary_holds_every_table,
+)
