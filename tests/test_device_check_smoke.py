@@ -45,12 +45,6 @@ def run(out: Path, *options: str) -> tuple[subprocess.CompletedProcess[str], dic
     return process, json.loads((out / "device_check.json").read_text()), (out / "device_check.md").read_text()
 
 
-@pytest.fixture(scope="module")
-def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], dict[str, Any], str]:
-    backend()  # skips before the run when neither torch nor flax is tested
-    return run(tmp_path_factory.mktemp("device_check"), "--budget-s", UNLIMITED)
-
-
 def sections_by_name(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {section["name"]: section for section in report["sections"]}
 
@@ -72,9 +66,19 @@ def assert_measured(section: dict[str, Any]) -> None:
     assert not section["skipped"], section["skipped"]
 
 
-def test_every_section_reports_numbers_or_a_reason(smoke: tuple[Any, dict[str, Any], str]) -> None:
-    process, report, markdown = smoke
+def test_a_full_smoke_run(tmp_path: Path, subtests: pytest.Subtests) -> None:
+    """One run without a budget (one test, so that pytest-xdist runs it on one worker): every section reports
+    numbers or why it could not, and the conformance section finds every value bit-identical."""
+    backend()  # skips before the run when neither torch nor flax is tested
+    process, report, markdown = run(tmp_path, "--budget-s", UNLIMITED)
     assert process.returncode == 0, process.stdout[-3000:] + process.stderr[-3000:]
+    with subtests.test("every section reports numbers or a reason"):
+        check_sections(report, markdown)
+    with subtests.test("conformance finds every value bit-identical"):
+        check_conformance(report)
+
+
+def check_sections(report: dict[str, Any], markdown: str) -> None:
     found = sections_by_name(report)
     assert tuple(found) == SECTIONS
     for name in REQUIRED[backend()] | {"environment"}:
@@ -87,8 +91,7 @@ def test_every_section_reports_numbers_or_a_reason(smoke: tuple[Any, dict[str, A
             assert_measured(section)
 
 
-def test_conformance_finds_every_value_bit_identical(smoke: tuple[Any, dict[str, Any], str]) -> None:
-    _, report, _ = smoke
+def check_conformance(report: dict[str, Any]) -> None:
     conformance = SHORT[backend()][0]
     rows = sections_by_name(report)[conformance]["rows"]
     counts = [
