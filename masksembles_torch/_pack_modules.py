@@ -4,15 +4,17 @@ and fold them.
 torch.fx keeps a module of ``torch.nn`` as one call (``nn.MultiheadAttention``, ``nn.TransformerEncoderLayer`` and
 ``nn.TransformerEncoder`` branch on their arguments and on fused inference paths), and a call the capture cannot see
 into runs at full width on the member-stacked batch, with any Masksembles layer inside it hidden. Where a call uses
-no mask (and, for attention, no extra key/value bias and not its attention weights), it computes exactly this:
+no attention mask (a key padding mask is fine) and, for attention, no extra key/value bias and not its attention
+weights, it computes exactly this:
 
-- ``nn.TransformerEncoder``: its layers in turn, then its ``norm``;
+- ``nn.TransformerEncoder``: its layers in turn, then its ``norm`` (with a padding mask, only where it would not turn
+  the batch into a nested tensor, which zeroes the padded positions);
 - ``nn.TransformerEncoderLayer``: its unfused path (``norm_first`` or not): self-attention, ``dropout1``, the
   residual sum, ``linear1``, the activation, ``dropout``, ``linear2``, ``dropout2``, the residual sum, the norms;
 - ``nn.MultiheadAttention`` (``F.multi_head_attention_forward`` in eval): the query, key and value projections (one
   Linear over the packed ``in_proj_weight`` when query, key and value are one tensor), the heads split as (batch,
-  heads, tokens, head_dim), ``F.scaled_dot_product_attention`` (no dropout in eval), the heads merged and
-  ``out_proj``.
+  heads, tokens, head_dim), ``F.scaled_dot_product_attention`` (no dropout in eval; the (batch, keys) padding mask
+  as its (batch, 1, 1, keys) mask), the heads merged and ``out_proj``.
 
 The capture replaces such calls by those operations, reading the modules' own submodules and parameters, before it
 classifies anything: Linear layers and norms then compact, Masksembles layers inside are seen, and the attention

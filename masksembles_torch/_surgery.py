@@ -52,7 +52,7 @@ from masksembles_core.insertion import (
 )
 
 from ._layers import Masksembles, record_batch_size
-from ._structures import Inputs, batched_tensors, call, map_batched
+from ._structures import Inputs, batched_tensors, call
 
 DEFAULT_BEFORE: tuple[type[nn.Module], ...] = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
 DEPTHWISE = "depthwise convolution: each output channel reads one input channel (before=... includes it)"
@@ -1270,7 +1270,7 @@ def convert_dropout(
         else:
             model = rewritten
     _keep_masks_off_fast_paths(model)
-    skipped = _skipped_at_inference(model, inputs, n, {path: layer for path, (_, layer) in placed.items()})
+    skipped = _skipped_at_inference(model, inputs, {path: layer for path, (_, layer) in placed.items()})
     for path in skipped:
         _replace(model, paths[id(placed[path][0])], placed[path][0])
     if skipped:
@@ -1291,6 +1291,8 @@ def _keep_masks_off_fast_paths(model: nn.Module) -> None:
     layer (which does nothing), ``use_nested_tensor = False`` on the encoder. Inference then applies the masks as
     training does, on the same (unfused) path."""
     for module in model.modules():
+        if not isinstance(module, nn.TransformerEncoderLayer | nn.TransformerEncoder):
+            continue
         masked = any(isinstance(inner, Masksembles) for inner in module.modules())
         if isinstance(module, nn.TransformerEncoderLayer):
             ours = [key for key, hook in module._forward_pre_hooks.items() if hook is _unfused]
@@ -1320,9 +1322,10 @@ def _unfused(module: nn.Module, args: tuple[Any, ...]) -> None:
     """A forward pre-hook that does nothing: its presence keeps ``TransformerEncoderLayer`` off its fused path."""
 
 
-def _skipped_at_inference(model: nn.Module, inputs: Inputs, n: int, layers: Mapping[str, Masksembles]) -> list[str]:
-    """The paths of ``layers`` not called when ``model`` runs as ``predict`` runs it (eval, no gradients) on the first
-    sample of ``inputs`` tiled ``n`` times. Seen through a global hook, which turns no fused path off."""
+def _skipped_at_inference(model: nn.Module, inputs: Inputs, layers: Mapping[str, Masksembles]) -> list[str]:
+    """The paths of ``layers`` not called when ``model`` runs on ``inputs`` as ``predict`` runs it (eval, no
+    gradients), which reached them with their dropouts' hooks on. Seen through a global hook, which turns no fused
+    path off."""
     wanted = {id(layer) for layer in layers.values()}
     called: set[int] = set()
 
@@ -1333,7 +1336,7 @@ def _skipped_at_inference(model: nn.Module, inputs: Inputs, n: int, layers: Mapp
     handle = torch.nn.modules.module.register_module_forward_pre_hook(seen)
     try:
         with _evaluating(model):
-            call(model, map_batched(inputs, lambda tensor: tensor[:1].repeat_interleave(n, 0)))
+            call(model, inputs)
     finally:
         handle.remove()
     return [path for path, layer in layers.items() if id(layer) not in called]
