@@ -184,3 +184,11 @@ def test_the_packed_bert_exports_with_a_dynamic_batch() -> None:
     assert_same_output(exported(**batch), packed(**batch))
     fewer = {key: value[:3] for key, value in batch.items()}
     assert_same_output(exported(**fewer), packed(**fewer))
+
+
+def test_the_packed_bert_compiles_as_one_graph() -> None:
+    model = surgery("bert", "insert")
+    batch = inputs("bert")
+    packed = mt.pack(model, batch, program="packed")
+    compiled = torch.compile(packed, fullgraph=True)
+    assert_same_output(compiled(**batch), packed(**batch))
