@@ -120,6 +120,7 @@ def _plain_encoder(node: fx.Node, module: nn.Module) -> bool:
 
 
 def _plain_encoder_layer(node: fx.Node, module: nn.Module) -> bool:
+    """No mask but a padding mask, and an activation that can be written as a call: ReLU, GELU or a module."""
     activation = getattr(module, "activation", None)
     known = isinstance(activation, nn.Module) or activation in (F.relu, F.gelu)
     return known and _no_masks(node, module, ("src",), ("src_mask", "src_key_padding_mask"), ("src_key_padding_mask",))
