@@ -24,7 +24,8 @@ class TextEncoder(nn.Module):
         self.padding = padding
         self.embed = nn.Embedding(50, 16)
         layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.1, batch_first=True, norm_first=norm_first)
-        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=not norm_first)  # the default where it applies
+        # nested tensors on (the default) where torch allows them
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=not norm_first)
         self.head = nn.Linear(16, 3)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
