@@ -207,7 +207,7 @@ class _Graph:
 @dataclass(eq=False)
 class _Op(CapturedOp[str]):
     """A run-time value as the core sees it, with the call that computes it (``output``: which of its outputs) and
-    how the emitter writes it (``role``): ``dense``, ``conv``, ``depthwise``, ``batchnorm``, ``masks``,
+    how the emitter writes it (``role``): ``dense``, ``conv``, ``depthwise``, ``batchnorm``, ``layernorm``, ``masks``,
     ``identity``, ``flatten``, ``reshape`` (a move whose shape is rebuilt), ``call`` (the operation again, on the
     compacted tensor) or ``fallback``."""
 
@@ -464,6 +464,11 @@ class Capture:
             channel = layer.axis % rank
             return _Op(key, "channelwise", tensors, rule="fixed", fixed_in=channel, fixed_out=channel, call=call,
                        role="batchnorm")  # fmt: skip
+        if isinstance(layer, keras.layers.LayerNormalization):
+            if not _over_last_axis(layer, self.seen[tensors[0]].rank):
+                return None
+            return _Op(key, "norm", tensors, rule="fixed", fixed_in=rank - 1, fixed_out=rank - 1, call=call,
+                       role="layernorm")  # fmt: skip
         if isinstance(layer, IDENTITY_TYPES):
             return _Op(key, "channelwise", tensors, keeps_zeros=True, call=call, role="identity")
         if isinstance(layer, ACTIVATION_TYPES) or (
@@ -508,6 +513,14 @@ class Capture:
         if name == "Concatenate" and len(tensors) == len(_leaves(call)):
             return _Op(key, "concat", tensors, rule="concat", concat_dim=config["axis"] % rank, call=call)
         return None
+
+
+def _over_last_axis(layer: Any, rank: int) -> bool:
+    """Whether a ``LayerNormalization`` layer normalizes over the last axis of its rank-``rank`` input alone, with
+    Keras' own ``call`` (``MemberLayerNormalization`` computes that one per member)."""
+    axes = layer.axis if isinstance(layer.axis, list | tuple) else [layer.axis]
+    own = type(layer).call is keras.layers.LayerNormalization.call
+    return own and rank >= 2 and [int(a) % rank for a in axes] == [rank - 1]
 
 
 def _leaves(call: Call) -> list[Any]:

@@ -5,12 +5,13 @@ layers that move between them: ``_packed_layers``): the members' Dense layers as
 ``MemberDense``, their convolutions as one grouped convolution (``groups`` = members x the groups each one keeps:
 ``MemberConv1D/2D/3D``, which run it in the pieces each backend runs fastest), depthwise convolutions as one depthwise
 convolution over the members' kept channels, BatchNormalization as a BatchNormalization over the kept channels (its
-statistics and affine gathered) or folded into the convolution before it, a Masksembles layer as the masking move
-into it, Flatten and Concatenate member by member, and every other compacted layer or raw operation called again on
-the compacted tensor (an activation, pooling, a sum). Channel selects take the kernel ``_select_form`` picks for this
-backend. Fallbacks call a copy of the model's layer (its weights copied) or its raw operation at full width. On
-torch, where Keras runs a model layer by layer in Python, each run of layers that read only each other then becomes
-one ``Chain`` layer (``chained``).
+statistics and affine gathered) or folded into the convolution before it, LayerNormalization over the last axis as
+``MemberLayerNormalization`` (each member's block normalized alone), a Masksembles layer as the masking move into it,
+Flatten and Concatenate member by member, and every other compacted layer or raw operation called again on the compacted
+tensor (an activation, pooling, a sum). Channel selects take the kernel ``_select_form`` picks for this backend.
+Fallbacks call a copy of the model's layer (its weights copied) or its raw operation at full width. On torch, where
+Keras runs a model layer by layer in Python, each run of layers that read only each other then becomes one ``Chain``
+layer (``chained``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from ._packed_layers import (
     MemberDense,
     MemberFlatten,
     MemberFrame,
+    MemberLayerNormalization,
     MemberMasks,
     MemberOutput,
     blocked,
@@ -182,6 +184,8 @@ class Emitter:
             return self._depthwise(step, op, edges[0], copies)
         if role == "batchnorm":
             return edges[0] if step.name in self.folded else self._batchnorm(step, op, edges[0])
+        if role == "layernorm" and copies > 1:
+            return self._layer_norm(op, edges[0], copies)
         if step.node.kind == "flatten":
             last = self.axis[op.tensors[0]] == self.capture.seen[op.tensors[0]].rank - 1
             return (MemberFlatten(copies) if last and copies > 1 else keras.layers.Flatten())(edges[0])
@@ -363,6 +367,20 @@ class Emitter:
             if variable is not None:
                 index, _ = channel_indices(layouts)  # padding reads channel 0: finite, and never read back
                 getattr(packed, name).assign(_numpy(variable)[index])
+        return result
+
+    def _layer_norm(self, op: _Op, x: Any, copies: int) -> Any:
+        """A LayerNormalization over the last axis on ``copies`` members' full blocks side by side: each block
+        normalized alone, with the layer's own gamma and beta (the core lays every channel out in order)."""
+        layer = op.call.operation
+        packed = MemberLayerNormalization(
+            copies, layer.epsilon, layer.center, layer.scale, layer.rms_scaling, dtype=layer.dtype_policy
+        )
+        result = packed(x)
+        for name in ("gamma", "beta"):
+            variable = getattr(layer, name)
+            if variable is not None:
+                getattr(packed, name).assign(_numpy(variable))
         return result
 
     def _output(self, step: Step, squeeze: bool, pick: int) -> Any:

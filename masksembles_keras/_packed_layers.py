@@ -532,6 +532,56 @@ class MemberDense(keras.layers.Layer):  # type: ignore[misc]
 
 
 @keras.saving.register_keras_serializable(package=SERIALIZATION_PACKAGE)
+class MemberLayerNormalization(keras.layers.Layer):  # type: ignore[misc]
+    """A ``LayerNormalization`` over the last axis, member by member: (..., m*C) -> (..., m*C), each member's block
+    of C channels (every channel, zeros included) normalized as ``keras.ops.layer_normalization`` normalizes it, with
+    the layer's ``gamma`` and ``beta`` ((C,), each optional), ``epsilon`` and ``rms_scaling`` (the input times the
+    reciprocal square root of its variance, then gamma); computed in at least float32 and cast to the compute dtype,
+    as the layer is."""
+
+    def __init__(
+        self, members: int, epsilon: float, center: bool = True, scale: bool = True, rms_scaling: bool = False,
+        **kwargs: Any,
+    ) -> None:  # fmt: skip
+        super().__init__(**kwargs)
+        self.members, self.epsilon, self.center, self.scale, self.rms_scaling = (
+            members, epsilon, center, scale, rms_scaling
+        )  # fmt: skip
+        self.autocast = False
+
+    def build(self, input_shape: Sequence[int | None]) -> None:
+        shape = (int(input_shape[-1]) // self.members,)  # type: ignore[arg-type]
+        self.gamma = (
+            self.add_weight(name="gamma", shape=shape, initializer="ones", autocast=False)
+            if self.scale or self.rms_scaling
+            else None
+        )
+        self.beta = (
+            self.add_weight(name="beta", shape=shape, initializer="zeros", autocast=False)
+            if self.center and not self.rms_scaling
+            else None
+        )
+
+    def call(self, x: Any) -> Any:
+        shape = [-1 if size is None else int(size) for size in x.shape]  # the batch on any axis, of any size
+        split = ops.reshape(x, (*shape[:-1], self.members, shape[-1] // self.members))
+        if self.rms_scaling:  # Keras' arithmetic for it, without the deprecation warning it gives on every call
+            split = ops.cast(split, keras.backend.result_type(split.dtype, "float32"))
+            y = split * ops.rsqrt(ops.var(split, axis=-1, keepdims=True) + self.epsilon)
+            y = y if self.gamma is None else y * ops.cast(self.gamma, y.dtype)
+        else:
+            y = ops.layer_normalization(split, self.gamma, self.beta, -1, self.epsilon)
+        return ops.cast(ops.reshape(y, shape), self.compute_dtype)
+
+    def compute_output_shape(self, input_shape: Sequence[int | None]) -> tuple[int | None, ...]:
+        return tuple(input_shape)
+
+    def get_config(self) -> dict[str, Any]:
+        config = {"members": self.members, "epsilon": self.epsilon, "center": self.center, "scale": self.scale}
+        return {**super().get_config(), **config, "rms_scaling": self.rms_scaling}
+
+
+@keras.saving.register_keras_serializable(package=SERIALIZATION_PACKAGE)
 class MemberMasks(keras.layers.Layer):  # type: ignore[misc]
     """A Masksembles layer run at full width on the member-stacked batch: block ``k`` of the batch times the ``k``-th
     of the computed members' masks (``masks``: (m, C), in the members' order)."""
