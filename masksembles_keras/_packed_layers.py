@@ -563,8 +563,8 @@ class MemberLayerNormalization(keras.layers.Layer):  # type: ignore[misc]
         )
 
     def call(self, x: Any) -> Any:
-        shape = [-1 if size is None else int(size) for size in x.shape]  # the batch on any axis, of any size
-        split = ops.reshape(x, (*shape[:-1], self.members, shape[-1] // self.members))
+        shape = ops.shape(x)  # sizes unknown when traced (batch, sequence) as tensors
+        split = ops.reshape(x, (*shape[:-1], self.members, int(shape[-1]) // self.members))
         if self.rms_scaling:  # Keras' arithmetic for it, without the deprecation warning it gives on every call
             split = ops.cast(split, keras.backend.result_type(split.dtype, "float32"))
             y = split * ops.rsqrt(ops.var(split, axis=-1, keepdims=True) + self.epsilon)
