@@ -6,8 +6,9 @@ A model is a chain of blocks over a tensor in one of three layouts (``Shape``): 
 or a branch: two chains of shape-keeping operations joined by a sum, a product or a concatenation. A Masksembles layer
 goes before a block with some probability (over the current channels), and at least one is in every model. The
 operations are what real networks are written with: activations that do and do not keep zeros, moves and reorderings
-of the channels, reductions and norms over them, BatchNorm with running statistics, reshapes that fold windows or
-features into the batch, operations that read the batch size, and custom ``autograd.Function``s.
+of the channels, reductions and norms over them, BatchNorm with running statistics, attention (written out, or torch's
+``nn.MultiheadAttention`` and ``nn.TransformerEncoderLayer``), reshapes that fold windows or features into the batch,
+operations that read the batch size, and custom ``autograd.Function``s.
 """
 
 from __future__ import annotations
@@ -292,7 +293,8 @@ def _to_image(shape: Shape, _: random.Random) -> tuple[nn.Module, Shape]:
     def to_image(x: torch.Tensor, s: Shape) -> torch.Tensor:
         return x.transpose(1, 2).reshape(x.size(0), s.channels, side, side)
 
-    return Function("to image", to_image, shape), Shape("image", shape.channels, side)
+    # a view of the tokens where it can be (channels-last memory): not contiguous
+    return Function("to image", to_image, shape), Shape("image", shape.channels, side, contiguous=False)
 
 
 def _flatten(how: str) -> Build:
@@ -329,8 +331,30 @@ def _windows(shape: Shape, rng: random.Random) -> tuple[nn.Module, Shape]:
     return Windows(inner, shape), replace(shape, contiguous=True)
 
 
-def _attention(shape: Shape, _: random.Random) -> tuple[nn.Module, Shape]:
-    return Attention(shape.channels), shape
+class TorchAttention(nn.Module):
+    """torch's own ``nn.MultiheadAttention`` (self-attention, batch first) or ``nn.TransformerEncoderLayer``."""
+
+    def __init__(self, channels: int, layer: bool) -> None:
+        super().__init__()
+        heads = 2 if channels % 2 == 0 else 1
+        self.layer = (
+            nn.TransformerEncoderLayer(channels, heads, 2 * channels, dropout=0.0, batch_first=True) if layer else None
+        )
+        self.attention = None if layer else nn.MultiheadAttention(channels, heads, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.layer is not None:
+            return self.layer(x)
+        assert self.attention is not None
+        return self.attention(x, x, x, need_weights=False)[0]
+
+
+def _attention(shape: Shape, rng: random.Random) -> tuple[nn.Module, Shape]:
+    kind = rng.choice(["written", "multihead", "encoder layer"])
+    if kind == "written":
+        return Attention(shape.channels), shape
+    layer = kind == "encoder layer"  # nn.MultiheadAttention returns a transposed (non-contiguous) view
+    return TorchAttention(shape.channels, layer), shape if layer else replace(shape, contiguous=False)
 
 
 OPERATIONS: tuple[Operation, ...] = (
