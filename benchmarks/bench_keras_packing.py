@@ -6,8 +6,13 @@ Fixed capacity N=4, S=2 (M·S = C), float32, channels-last. Models: an MLP 784�
 each Dense after the first; a ResNet-like CNN on 32×32×3 (conv-BN-relu stem at 32 channels, two residual blocks of
 32 and 64 channels with masks between their convolutions, global pooling, masks, Dense); a MobileNet-like CNN
 (expand 1×1, depthwise 3×3, grouped 1×1 projection with 2 groups, residual; masks after the stem and after the
-expansion). For batch sizes 1, 32, 256: ``pack(model, x, program="packed").predict_on_batch(x)`` ÷ one
-``predict_on_batch`` of the same network without Masksembles (medians of interleaved rounds,
+expansion); a Transformer of two pre-norm blocks on 64 tokens of 48 features (Dense to 96, LayerNormalization,
+MultiHeadAttention with 3 heads of 32, GELU MLP of 384 with masks before and after its first Dense, residual sums,
+then LayerNormalization, average pooling, masks, Dense). The attention runs as the model runs it (a fallback: once
+for every member in the first block, which reads no mask, on the member-stacked batch in the second) and its
+multiply-adds are not in the MAC ratio. For batch sizes 1, 32, 256:
+``pack(model, x, program="packed").predict_on_batch(x)`` ÷ one ``predict_on_batch`` of the same network without
+Masksembles (medians of interleaved rounds,
 ``_report.interleaved_medians``), next to the MAC ratio of their Dense and convolution layers and the one-hot
 products that move channels (``packed.macs["packed"] + packed.macs["moves"]`` ÷ one model's): the floor of the time
 ratio where both run at the same speed per MAC.
@@ -69,6 +74,19 @@ def mobilenet(enabled: bool) -> keras.Model:
     return keras.Model(inputs, layers.Dense(10)(layers.GlobalAveragePooling2D()(x)))
 
 
+def transformer(enabled: bool) -> keras.Model:
+    inputs = keras.Input((64, 48))
+    x = layers.Dense(96)(inputs)
+    for seed in range(2):
+        y = layers.LayerNormalization()(x)
+        x = layers.Add()([x, layers.MultiHeadAttention(3, 32)(y, y)])
+        y = masks(enabled, 2 * seed)(layers.LayerNormalization()(x))
+        y = masks(enabled, 2 * seed + 1)(layers.Dense(384, activation="gelu")(y))
+        x = layers.Add()([x, layers.Dense(96)(y)])
+    x = masks(enabled, 4)(layers.GlobalAveragePooling1D()(layers.LayerNormalization()(x)))
+    return keras.Model(inputs, layers.Dense(10)(x))
+
+
 def randomized(model: keras.Model) -> keras.Model:
     rng = np.random.default_rng(0)
     for layer in model.layers:
@@ -87,7 +105,8 @@ def main() -> None:
     args = arguments(rounds=15)
     backend = keras.backend.backend()
     rows, builds = [], []
-    for name, builder in (("MLP", mlp), ("ResNet-like", resnet), ("MobileNet-like", mobilenet)):
+    models = (("MLP", mlp), ("ResNet-like", resnet), ("MobileNet-like", mobilenet), ("Transformer", transformer))
+    for name, builder in models:
         model, single = build(builder, True), build(builder, False)
         shape = model.inputs[0].shape[1:]
         rng = np.random.default_rng(0)
