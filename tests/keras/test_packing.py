@@ -461,7 +461,11 @@ def test_compiled_predict_and_evaluate(name: str, jit_compile: bool) -> None:
 
 @pytest.mark.parametrize("name", ["cnn", "mobilenet", "concat", "flatten_head", "raw_ops", "custom_layer"])
 def test_keras_file_round_trip(name: str, tmp_path: Path) -> None:
-    model = build(name)
+    check_round_trip(build(name), tmp_path)
+
+
+def check_round_trip(model: keras.Model, tmp_path: Path) -> None:
+    """The packed model and one member saved to ``.keras`` and loaded: the same class, settings and outputs."""
     x = example(model, 5)
     packed = mk.pack(model, x, program="packed")
     path = tmp_path / "packed.keras"
