@@ -13,6 +13,7 @@ import masksembles_core.adapter as mca
 from ._layers import Masksembles
 from ._structures import Inputs, call, map_batched, stack_members
 from ._structures import batch_size as batch_size_of
+from ._surgery import keep_masks_off_fused_paths
 
 
 def tile(x: Tensor, n: int) -> Tensor:
@@ -35,7 +36,9 @@ def predict(model: nn.Module, x: Inputs, n: int | None = None, *, batch_size: in
     copy ``k`` of the batch goes through member ``k``. Other values (flags, 0-d tensors, None) are passed as they
     are. The model runs on the tiled input under ``torch.no_grad()`` with every module in eval mode (BatchNorm
     running statistics, dropout off; each module's own mode is restored afterwards, so the model's state is never
-    changed), ``batch_size`` samples of ``x`` at a time (all at once when None).
+    changed), ``batch_size`` samples of ``x`` at a time (all at once when None). An ``nn.TransformerEncoderLayer``
+    holding Masksembles layers has its fused inference kernel, which would skip them, turned off first, as ``insert``
+    and ``convert_dropout`` do (``keep_masks_off_fused_paths``).
 
     Returns:
         the model's output with the members on a new leading axis: a tensor (n*B, ...) becomes (n, B, ...), and an
@@ -52,6 +55,7 @@ def predict(model: nn.Module, x: Inputs, n: int | None = None, *, batch_size: in
             is None and the model has no Masksembles layer, or the tensors of ``x`` have different batch sizes.
     """
     n = mca.check_members([layer.n for layer in model.modules() if isinstance(layer, Masksembles)], n)
+    keep_masks_off_fused_paths(model)
     batch = batch_size_of(x)
     step = max(batch if batch_size is None else mca.check_int("batch_size", batch_size, minimum=1), 1)
     starts = range(0, max(batch, 1), step)

@@ -63,6 +63,7 @@ from ._pack_chunks import _in_chunks, _planned, _samples_per_chunk
 from ._pack_emit import _Emitter
 from ._pack_graph import _Graph, _solve_axes
 from ._structures import Inputs, batch_size, batched_tensors, call, call_arguments, map_batched
+from ._surgery import keep_masks_off_fused_paths
 
 
 class PackedMasksembles(fx.GraphModule):
@@ -328,6 +329,7 @@ def _packed(
 ) -> PackedMasksembles:
     """``pack``/``extract_member``: capture once, build the program(s), verify, and choose."""
     check_program(program)
+    keep_masks_off_fused_paths(model)  # as predict runs the model
     with _eval_mode(model):
         try:
             capture = _Capture(model, example_input)

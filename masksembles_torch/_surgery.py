@@ -498,12 +498,12 @@ def insert(
             first_layers=first,
         )
         wrappers = _wrap(model, report)
-        _keep_masks_off_fast_paths(model)
+        keep_masks_off_fused_paths(model)
         failed = {} if example_input is None else _run_once(model, example_input, wrappers)
         if not failed:
             return _attach(model, report)
         _unwrap(model, wrappers)
-        _keep_masks_off_fast_paths(model)
+        keep_masks_off_fused_paths(model)
         reasons.update(failed)
 
 
@@ -1269,7 +1269,7 @@ def convert_dropout(
             _replace(model, paths[id(owners[path].module)], rewritten)
         else:
             model = rewritten
-    _keep_masks_off_fast_paths(model)
+    keep_masks_off_fused_paths(model)
     skipped = _skipped_at_inference(model, inputs, {path: layer for path, (_, layer) in placed.items()})
     for path in skipped:
         _replace(model, paths[id(placed[path][0])], placed[path][0])
@@ -1284,12 +1284,13 @@ SKIPPED_AT_INFERENCE = (
 )
 
 
-def _keep_masks_off_fast_paths(model: nn.Module) -> None:
+def keep_masks_off_fused_paths(model: nn.Module) -> None:
     """torch's ``TransformerEncoderLayer`` runs one fused kernel in eval without gradients that calls none of its
     dropout or Linear modules, and ``TransformerEncoder`` may turn a padded batch into a nested tensor for it. Where
-    a layer now holds Masksembles layers, both are turned off as torch's code provides: a forward pre-hook on the
-    layer (which does nothing), ``use_nested_tensor = False`` on the encoder. Inference then applies the masks as
-    training does, on the same (unfused) path."""
+    a layer holds Masksembles layers (placed by ``insert``, ``convert_dropout`` or by hand: ``predict`` and ``pack``
+    call this too), both are turned off as torch's code provides: a forward pre-hook on the layer (which does
+    nothing), ``use_nested_tensor = False`` on the encoder. Inference then applies the masks as training does, on the
+    same (unfused) path."""
     for module in model.modules():
         if not isinstance(module, nn.TransformerEncoderLayer | nn.TransformerEncoder):
             continue

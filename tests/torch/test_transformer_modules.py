@@ -82,7 +82,7 @@ def test_pack_writes_a_converted_transformer_encoder_out_and_equals_predict(padd
 def test_a_converted_layer_that_inference_skips_is_put_back_and_reported(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without turning the fused path off, the run-time check finds the converted layers uncalled: the dropouts are
     put back, each reported with the reason, and the head's dropout alone is converted."""
-    monkeypatch.setattr(_surgery, "_keep_masks_off_fast_paths", lambda model: None)
+    monkeypatch.setattr(_surgery, "keep_masks_off_fused_paths", lambda model: None)
 
     class WithHead(TextEncoder):
         def __init__(self) -> None:
@@ -135,7 +135,7 @@ def test_insert_leaves_layers_that_inference_skips(monkeypatch: pytest.MonkeyPat
     """Without turning the fused path off, the run on ``example_input`` finds the fused path reading the
     feed-forward layers' weights through their wrappers (the first layer) and not calling them: each is left alone
     with its reason, and the head keeps its masks."""
-    monkeypatch.setattr(_surgery, "_keep_masks_off_fast_paths", lambda model: None)
+    monkeypatch.setattr(_surgery, "keep_masks_off_fused_paths", lambda model: None)
     model = inserted(example_input=ids(4))
     rows = {row.path: row for row in model.masksembles_report.rows}
     assert [path for path, row in rows.items() if row.action != LEFT] == ["head"]
@@ -175,3 +175,23 @@ def test_a_packed_transformer_encoder_exports_and_compiles_with_a_dynamic_batch(
         expected = mt.predict(model, x, N)
         torch.testing.assert_close(exported(x), expected, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(compiled(x), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_predict_applies_masks_placed_by_hand_in_an_encoder_layer() -> None:
+    """Masksembles layers set as a layer's dropouts by hand (no insert/convert_dropout): predict turns the layer's
+    fused path off, as they do, so the members differ and equal torch's unfused path; pack equals predict."""
+    torch.manual_seed(0)
+    model = TextEncoder().eval()
+    for index, layer in enumerate(model.encoder.layers):
+        layer.dropout1 = mt.Masksembles(16, N, 2.0, seed=index, channel_axis=-1)
+    x = ids(5, seed=1)
+    members = mt.predict(model, x, N)
+    assert members.std(0).max() > 1e-3
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        unfused = mt.predict(model, x, N)
+    finally:
+        torch.backends.mha.set_fastpath_enabled(True)
+    torch.testing.assert_close(members, unfused)
+    packed = mt.pack(model, ids(4), program="packed")
+    torch.testing.assert_close(packed(x), members, rtol=1e-5, atol=1e-6)
