@@ -44,6 +44,20 @@ def converted(norm_first: bool = False) -> nn.Module:
     return mt.convert_dropout(TextEncoder(norm_first), ids(4), N, 2.0, seed=0)
 
 
+def members_differ_as_unfused(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``predict(model, x)``, asserting that the members differ (the masks are applied) and equal what torch's
+    unfused path computes (its fused attention paths switched off for the call)."""
+    members = mt.predict(model, x, N)
+    assert members.std(0).max() > 1e-3, "masks applied: the members differ"
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        unfused = mt.predict(model, x, N)
+    finally:
+        torch.backends.mha.set_fastpath_enabled(True)
+    torch.testing.assert_close(members, unfused)
+    return members
+
+
 @pytest.mark.parametrize("norm_first", [False, True], ids=["post_norm", "pre_norm"])
 def test_converted_transformer_encoder_applies_its_masks_at_inference(norm_first: bool) -> None:
     """The members differ under predict (eval, no gradients), and equal what the unfused path computes."""
@@ -53,14 +67,7 @@ def test_converted_transformer_encoder_applies_its_masks_at_inference(norm_first
         f"encoder.layers.{i}.{name}" for i in range(2) for name in ("dropout", "dropout1", "dropout2")
     ]
     x = ids(5, seed=1)
-    members = mt.predict(model, x, N)
-    assert members.std(0).max() > 1e-3, "masks applied: the members differ"
-    torch.backends.mha.set_fastpath_enabled(False)
-    try:
-        unfused = mt.predict(model, x, N)
-    finally:
-        torch.backends.mha.set_fastpath_enabled(True)
-    torch.testing.assert_close(members, unfused)
+    members_differ_as_unfused(model, x)
 
 
 @pytest.mark.parametrize("padding", [False, True], ids=["plain", "padding_mask"])
@@ -119,13 +126,7 @@ def test_insert_masks_the_feed_forward_of_transformer_encoder_layers() -> None:
     ]  # fmt: skip
     assert "part of MultiheadAttention" in rows["encoder.layers.0.self_attn.out_proj"].reason
     x = ids(5, seed=1)
-    members = mt.predict(model, x, N)
-    assert members.std(0).max() > 1e-3
-    torch.backends.mha.set_fastpath_enabled(False)
-    try:
-        torch.testing.assert_close(members, mt.predict(model, x, N))
-    finally:
-        torch.backends.mha.set_fastpath_enabled(True)
+    members = members_differ_as_unfused(model, x)
     packed = mt.pack(model, ids(4), program="packed")
     assert not [name for name in packed.fallbacks if "layers.1" in name], "the second layer compacts and folds"
     torch.testing.assert_close(packed(x), members, rtol=1e-5, atol=1e-6)
@@ -185,13 +186,6 @@ def test_predict_applies_masks_placed_by_hand_in_an_encoder_layer() -> None:
     for index, layer in enumerate(model.encoder.layers):
         layer.dropout1 = mt.Masksembles(16, N, 2.0, seed=index, channel_axis=-1)
     x = ids(5, seed=1)
-    members = mt.predict(model, x, N)
-    assert members.std(0).max() > 1e-3
-    torch.backends.mha.set_fastpath_enabled(False)
-    try:
-        unfused = mt.predict(model, x, N)
-    finally:
-        torch.backends.mha.set_fastpath_enabled(True)
-    torch.testing.assert_close(members, unfused)
+    members = members_differ_as_unfused(model, x)
     packed = mt.pack(model, ids(4), program="packed")
     torch.testing.assert_close(packed(x), members, rtol=1e-5, atol=1e-6)
