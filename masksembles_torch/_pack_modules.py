@@ -39,21 +39,23 @@ def write_out_torch_modules(gm: fx.GraphModule, example: Tensor) -> None:
     """Write out the plain calls of ``gm``'s graph to ``nn.TransformerEncoder``, ``nn.TransformerEncoderLayer`` (the
     encoders' layers too) and ``nn.MultiheadAttention`` on batched (3-D) inputs; the graph is recompiled if any was.
     ``example``: the model's input, run once to see the attention's ranks if the graph has such a call."""
+    written = False
     for kind, write_out in ((nn.TransformerEncoder, _encoder), (nn.TransformerEncoderLayer, _encoder_layer)):
         for node, module in _plain_calls(gm, kind):
             write_out(gm, node, module)
+            written = True
     calls = dict(_plain_calls(gm, nn.MultiheadAttention))
-    if not calls:
+    if calls:
+        seen = _Seen(gm, calls)
+        with torch.no_grad():
+            seen.run(example)
+        for node, module in calls.items():
+            if _batched(seen.values.get(node, {})):
+                _attention(gm, node, module, seen.values[node])
+                written = True
+    if written:
+        gm.graph.eliminate_dead_code()
         gm.recompile()
-        return
-    seen = _Seen(gm, calls)
-    with torch.no_grad():
-        seen.run(example)
-    for node, module in calls.items():
-        if _batched(seen.values.get(node, {})):
-            _attention(gm, node, module, seen.values[node])
-    gm.graph.eliminate_dead_code()
-    gm.recompile()
 
 
 class _Seen(fx.Interpreter):
