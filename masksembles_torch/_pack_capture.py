@@ -621,7 +621,8 @@ class _Capture:
         if node.op == "call_module" and isinstance(self.gm.get_submodule(str(node.target)), PER_SAMPLE_MODULES):
             return False
         seen, tensors = self.seen[node], self.inputs(node)
-        if node.target is operator.getitem and self.seen[tensors[0]].parts and isinstance(node.args[1], int):
+        element = node.target is operator.getitem and isinstance(node.args[1], int)
+        if element and tensors and self.seen[tensors[0]].parts:
             return False  # an element of a tuple (``q, k, v = qkv.unbind(0)``, a module's (output, weights))
         batch = self.seen[self.input].shapes[1][0]
         if not seen.tensor or len(seen.batch_axes) != 1 or not tensors:

@@ -180,7 +180,7 @@ def _candidate(model: nn.Module, path: str, module: nn.Module, paths: list[str],
         return Candidate(path, kind, 0, 1, reason="already masked: the layer of a Masked wrapper")
     if len(paths) > 1:
         return Candidate(path, kind, 0, 1, reason=f"one module registered at {len(paths)} paths ({', '.join(paths)})")
-    called = isinstance(parent, nn.TransformerEncoderLayer) and path.rpartition(".")[2] in ("linear1", "linear2")
+    called = isinstance(parent, FEED_FORWARD_LAYERS) and path.rpartition(".")[2] in ("linear1", "linear2")
     if type(parent).__module__.startswith("torch.nn") and not isinstance(parent, CONTAINERS) and not called:
         reason = f"part of {type(parent).__name__}, which may use its weights without calling it"
         return Candidate(path, kind, 0, 1, reason=reason)
@@ -546,6 +546,7 @@ SEQUENCE_MODULES = (  # attention, recurrent and transformer modules: channels l
     nn.TransformerEncoderLayer,
     nn.TransformerDecoderLayer,
 )
+FEED_FORWARD_LAYERS = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)  # their linear1, linear2 are called
 CHANNELS_LAST_MODULES = (
     nn.Linear, nn.Bilinear, nn.Embedding, nn.EmbeddingBag, nn.LayerNorm, nn.RMSNorm, *SEQUENCE_MODULES,
 )  # fmt: skip

@@ -93,20 +93,28 @@ def multihead(call: str, batch_first: bool = True, bias: bool = True) -> nn.Modu
     ("call", "batch_first", "bias"),
     [("self", True, True), ("self", False, True), ("self", True, False), ("cross", True, True),
      ("cross", False, True), ("kdim", True, True), ("key_padding_mask", True, True),
-     ("key_padding_mask", False, True), ("float_padding_mask", True, True)],
+     ("key_padding_mask", False, True), ("float_padding_mask", True, True), ("attn_mask", True, True),
+     ("bool_attn_mask", True, True), ("bool_attn_mask", False, True), ("is_causal", True, True),
+     ("is_causal", False, True), ("is_causal_weights", True, True), ("attn_and_padding_mask", True, True),
+     ("attn_and_padding_mask", False, True), ("float_attn_and_padding_mask", True, True)],
     ids=["self", "sequence_first", "no_bias", "cross", "cross_sequence_first", "kdim_vdim", "padding",
-         "padding_sequence_first", "float_padding"],
+         "padding_sequence_first", "float_padding", "float_attn_mask", "bool_attn_mask",
+         "bool_attn_mask_sequence_first", "is_causal", "is_causal_sequence_first", "is_causal_weights",
+         "attn_and_padding_mask",
+         "attn_and_padding_mask_sequence_first", "float_attn_and_padding_mask"],
 )  # fmt: skip
 def test_multihead_attention_module_folds_into_heads(call: str, batch_first: bool, bias: bool) -> None:
-    """``nn.MultiheadAttention`` called without an attention mask is written out as its projections, heads and scaled
-    dot-product attention (a key padding mask as SDPA's (B, 1, 1, S) mask), which fold: nothing of it runs on the
-    member-stacked batch, and it equals predict."""
+    """``nn.MultiheadAttention`` is written out as its projections, heads and scaled dot-product attention with the
+    masks merged as torch merges them (a key padding mask as SDPA's (B, 1, 1, S) mask; a (L, S) attention mask
+    additive, broadcast over the batch and heads, plus the padding mask; the causal hint as SDPA's where torch uses
+    it), which fold: nothing of it runs on the member-stacked batch, and it equals predict."""
     model = multihead(call, batch_first, bias)
     packed = mt.pack(model, sequences(4), program="packed")
     assert not any(what in name for name in packed.fallbacks for what in ATTENTION_STEPS)
     assert (packed.fallbacks == ()) is ("padding" not in call), "the padding mask alone, computed once (shared)"
     assert packed.macs["fallback"] == 0 < packed.macs["packed"] < packed.macs["dense"]
     assert "to_batch" not in packed.code
+    assert ("is_causal = True" in packed.code) is (call == "is_causal"), "the hint without padding mask or weights"
     for batch in (5, 8):
         x = sequences(batch, seed=batch)
         assert relative_error(packed(x), mt.predict(model, x, N)) <= 1e-5
@@ -115,10 +123,29 @@ def test_multihead_attention_module_folds_into_heads(call: str, batch_first: boo
     assert relative_error(member(x), mt.predict(model, x, N)[2]) <= 1e-5
 
 
-@pytest.mark.parametrize("call", ["attn_mask", "weights", "bias_kv"])
-def test_multihead_attention_module_with_masks_or_weights_falls_back_exactly(call: str) -> None:
-    """A call with an attention mask, that reads the attention weights or adds key/value biases is kept as one call:
-    a fallback on the member-stacked batch, equal to predict."""
+@pytest.mark.parametrize("batch_first", [True, False], ids=["batch_first", "sequence_first"])
+def test_multihead_attention_with_a_per_sample_mask_runs_its_attention_per_member(batch_first: bool) -> None:
+    """A (B * heads, L, S) attention mask is written out as (B, heads, L, S): it differs between the heads, so the
+    attention does not fold into them; it runs on the member-stacked batch, where the mask computed from the tokens
+    follows the batch (the projections still compact), and equals predict and each member."""
+    model = multihead("per_sample_mask", batch_first)
+    packed = mt.pack(model, sequences(4), program="packed")
+    assert "attention (MultiheadAttention)" not in packed.fallbacks
+    assert "attention: scaled_dot_product_attention (node 'scaled_dot_product_attention')" in packed.fallbacks
+    assert 0 < packed.macs["fallback"] < packed.macs["packed"] < packed.macs["dense"]
+    for batch in (5, 8):
+        x = sequences(batch, seed=batch)
+        assert relative_error(packed(x), mt.predict(model, x, N)) <= 1e-5
+    for k in (0, N - 1):
+        member = mt.extract_member(model, k, sequences(4))
+        x = sequences(5, seed=1)
+        assert relative_error(member(x), mt.predict(model, x, N)[k]) <= 1e-5
+
+
+@pytest.mark.parametrize("call", ["weights", "bias_kv"])
+def test_multihead_attention_module_with_weights_or_key_bias_falls_back_exactly(call: str) -> None:
+    """A call that reads the attention weights or adds key/value biases is kept as one call: a fallback on the
+    member-stacked batch, equal to predict."""
     model = multihead(call)
     packed = mt.pack(model, sequences(4), program="packed")
     assert "attention (MultiheadAttention)" in packed.fallbacks

@@ -144,24 +144,154 @@ def test_insert_leaves_layers_that_inference_skips(monkeypatch: pytest.MonkeyPat
     assert any("weight" in reason for reason in reasons), reasons
 
 
-class CausalTextEncoder(TextEncoder):
-    """The encoder called with a causal mask: kept as one call, which holds the converted dropouts."""
+class ScaledFeedForwardLayer(nn.TransformerEncoderLayer):
+    """A layer that changes a block of torch's: its call computes something other than torch's layer."""
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        causal = nn.Transformer.generate_square_subsequent_mask(ids.shape[1])
-        return self.head(self.encoder(self.embed(ids), mask=causal, is_causal=True).mean(1))
+    def _ff_block(self, x: torch.Tensor) -> torch.Tensor:
+        return 0.5 * super()._ff_block(x)
 
 
-def test_an_encoder_kept_as_one_call_with_masks_inside_runs_per_member() -> None:
-    """Its input (the embedding) is the same for every member, but the masks inside group the batch it is given:
-    it runs on the member-stacked batch, as the dense model does, and equals predict with no verification fallback."""
+class ScaledTextEncoder(TextEncoder):
+    def __init__(self) -> None:
+        super().__init__()
+        layer = ScaledFeedForwardLayer(16, 4, 32, dropout=0.1, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+
+def test_an_encoder_layer_kept_as_one_call_with_masks_inside_runs_per_member() -> None:
+    """A subclass that changes a block of torch's layer is not written out (the encoder around it is): each layer
+    stays one call. Its input is the same for every member, but the masks inside group the batch it is given: it
+    runs on the member-stacked batch, as the dense model does, and equals predict with no verification fallback."""
     torch.manual_seed(0)
-    model = mt.convert_dropout(CausalTextEncoder(), ids(4), N, 2.0, seed=0)
+    model = mt.convert_dropout(ScaledTextEncoder(), ids(4), N, 2.0, seed=0)
     packed = mt.pack(model, ids(4), program="packed")
-    assert "encoder (TransformerEncoder)" in packed.fallbacks
+    layers = [f"encoder.layers.{i} (ScaledFeedForwardLayer)" for i in range(2)]
+    assert [name for name in packed.fallbacks if "encoder" in name] == layers
     for batch in (5, 8):
         x = ids(batch, seed=batch)
         torch.testing.assert_close(packed(x), mt.predict(model, x, N), rtol=1e-5, atol=1e-6)
+
+
+class GPT(nn.Module):
+    """A "GPT from scratch": token ids (B, L) -> token embeddings plus the position table sliced to L (a parameter
+    indexed with a size of the input) -> ``nn.TransformerEncoder`` (batch first, pre-norm, 2 layers) called with
+    the causal mask -> LayerNorm -> next-token logits (B, L, 50).
+
+    ``call``: ``"hint"`` (the additive mask of ``generate_square_subsequent_mask`` and ``is_causal=True``),
+    ``"detected"`` (a boolean mask, True above the diagonal, and no hint: torch detects it), ``"padding"`` (the
+    boolean mask with the hint, and id 0 left out of the attention by ``src_key_padding_mask``: torch merges the
+    masks)."""
+
+    def __init__(self, call: str) -> None:
+        super().__init__()
+        self.call = call
+        self.embed, self.position = nn.Embedding(50, 16), nn.Parameter(torch.randn(1, 6, 16) * 0.1)
+        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.1, batch_first=True, norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, norm=nn.LayerNorm(16), enable_nested_tensor=False)
+        self.head = nn.Linear(16, 50)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        causal = nn.Transformer.generate_square_subsequent_mask(ids.shape[1])
+        x = self.embed(ids) + self.position[:, : ids.shape[1]]
+        if self.call == "hint":
+            x = self.encoder(x, mask=causal, is_causal=True)
+        elif self.call == "detected":
+            x = self.encoder(x, mask=causal.isinf())
+        else:
+            x = self.encoder(x, mask=causal.isinf(), src_key_padding_mask=ids == 0, is_causal=True)
+        return self.head(x)
+
+
+def with_masks(model: nn.Module, placed: str) -> nn.Module:
+    """Masksembles placed by ``insert`` (its defaults) or by ``convert_dropout``."""
+    if placed == "insert":
+        return mt.insert(model, N, 2.0, seed=0, example_input=ids(4)).eval()
+    return mt.convert_dropout(model, ids(4), N, 2.0, seed=0)
+
+
+def attention_step(fallback: str) -> bool:
+    """A fallback of an attention's own operations (not of its masks, which run once)."""
+    return any(step in fallback for step in ("unflatten", "permute", "unbind", "scaled_dot_product", "flatten"))
+
+
+def check_pack_and_members(model: nn.Module) -> mt.PackedMasksembles:
+    """``pack`` (``"packed"`` and ``"auto"``) and ``extract_member`` equal predict at batches that do and do not
+    divide n; the members differ. Returns the packed program."""
+    packed = mt.pack(model, ids(4), program="packed")
+    chosen = mt.pack(model, ids(4))
+    for batch in (5, 8):
+        x = ids(batch, seed=batch)
+        members = mt.predict(model, x, N)
+        assert members.std(0).max() > 1e-3, "masks applied: the members differ"
+        torch.testing.assert_close(packed(x), members, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(chosen(x), members, rtol=1e-5, atol=1e-5)
+    x = ids(5, seed=1)
+    for k in (0, N - 1):
+        member = mt.extract_member(model, k, ids(4))
+        torch.testing.assert_close(member(x), mt.predict(model, x, N)[k], rtol=1e-5, atol=1e-5)
+    return packed
+
+
+@pytest.mark.parametrize("call", ["hint", "detected", "padding"])
+@pytest.mark.parametrize("placed", ["insert", "convert_dropout"])
+def test_a_causal_transformer_encoder_is_written_out_and_its_attention_folds(placed: str, call: str) -> None:
+    """GPT: the encoder called with a causal mask is written out, its attention with the mask (and padding mask) as
+    ``F.multi_head_attention_forward`` merges them. The second layer's attention folds into the heads (the first
+    one's reads no Masksembles layer: it runs once for every member, its attention products the only fallback
+    multiply-adds; the masks' operations run once too), and the program equals predict."""
+    torch.manual_seed(0)
+    model = with_masks(GPT(call), placed)
+    packed = check_pack_and_members(model)
+    assert not [name for name in packed.fallbacks if "(Transformer" in name or "(Multihead" in name]
+    assert not [name for name in packed.fallbacks if "layers.1" in name and attention_step(name)]
+    tokens, width = 6, 16
+    assert packed.macs["fallback"] == 2 * tokens * tokens * width, "the first layer's attention products, once"
+    assert packed.macs["packed"] < 0.75 * packed.macs["dense"]
+
+
+class Translator(nn.Module):
+    """Token ids (B, L) -> embedding -> ``nn.TransformerEncoder`` (the memory, with a padding mask) and
+    ``nn.TransformerDecoder`` (batch first, 2 layers, a final norm) on the reversed tokens with the causal
+    ``tgt_mask`` (and hint) and the padding mask on the memory -> Linear."""
+
+    def __init__(self, norm_first: bool) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 16)
+        encoder = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.1, batch_first=True, norm_first=norm_first)
+        self.encoder = nn.TransformerEncoder(encoder, 2, enable_nested_tensor=False)
+        decoder = nn.TransformerDecoderLayer(16, 2, 32, dropout=0.1, batch_first=True, norm_first=norm_first)
+        self.decoder = nn.TransformerDecoder(decoder, 2, norm=nn.LayerNorm(16))
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        padding = ids == 0
+        memory = self.encoder(self.embed(ids), src_key_padding_mask=padding)
+        causal = nn.Transformer.generate_square_subsequent_mask(ids.shape[1])
+        target = self.embed(ids.flip(1))
+        decoded = self.decoder(target, memory, tgt_mask=causal, tgt_is_causal=True, memory_key_padding_mask=padding)
+        return self.head(decoded)
+
+
+@pytest.mark.parametrize("norm_first", [False, True], ids=["post_norm", "pre_norm"])
+@pytest.mark.parametrize("placed", ["insert", "convert_dropout"])
+def test_a_transformer_decoder_is_written_out_and_its_attention_folds(placed: str, norm_first: bool) -> None:
+    """The decoder and its layers are written out: self-attention with the causal mask, attention on the encoder's
+    memory with its padding mask, the feed-forward; from the second layers on every attention folds, and the program
+    equals predict. The first encoder and decoder layers' self-attention reads no Masksembles layer: it runs once for
+    every member. With ``insert`` (the attention's ``out_proj`` left alone) the first decoder layer's attention on
+    the memory has queries the same for every member and keys and values that differ: it runs per member."""
+    torch.manual_seed(0)
+    model = with_masks(Translator(norm_first), placed)
+    if placed == "insert":
+        rows = {row.path: row.action for row in model.masksembles_report.rows}
+        assert all(rows[f"decoder.layers.{i}.{name}"] != LEFT for i in range(2) for name in ("linear1", "linear2"))
+    packed = check_pack_and_members(model)
+    assert not [name for name in packed.fallbacks if "(Transformer" in name or "(Multihead" in name]
+    assert not [name for name in packed.fallbacks if "layers.1" in name and attention_step(name)]
+    tokens, width = 6, 16
+    products = 2 * tokens * tokens * width
+    assert packed.macs["fallback"] == (2 + (N if placed == "insert" else 0)) * products
+    assert packed.macs["packed"] < 0.75 * packed.macs["dense"]
 
 
 def test_a_packed_transformer_encoder_exports_and_compiles_with_a_dynamic_batch() -> None:

@@ -509,9 +509,13 @@ class Multihead(nn.Module):
 
     ``call``: ``"self"`` (query, key and value one tensor; the weights returned and unused), ``"cross"`` (key and value
     from another Linear), ``"kdim"`` (keys of 12 and values of 8 channels, so separate projection weights),
-    ``"key_padding_mask"`` and ``"float_padding_mask"`` (from the tokens, boolean or additive), or one it computes
-    differently: ``"attn_mask"`` (causal), ``"weights"`` (the attention weights are read), ``"bias_kv"``
-    (``add_bias_kv``).
+    ``"key_padding_mask"`` and ``"float_padding_mask"`` (from the tokens, boolean or additive), ``"attn_mask"``
+    (causal, additive; the weights returned and unused), ``"bool_attn_mask"`` (causal, True where left out),
+    ``"is_causal"`` (the hint with the boolean mask, ``need_weights=False``: torch runs SDPA's causal path),
+    ``"is_causal_weights"`` (the hint with ``need_weights=True``: torch uses the mask), ``"attn_and_padding_mask"``
+    and ``"float_attn_and_padding_mask"`` (both masks, with the hint: torch merges them), ``"per_sample_mask"`` (a
+    (B * heads, L, S) boolean mask from the tokens), or one it computes differently: ``"weights"`` (the attention
+    weights are read), ``"bias_kv"`` (``add_bias_kv``).
     """
 
     def __init__(self, call: str = "self", batch_first: bool = True, bias: bool = True) -> None:
@@ -535,7 +539,7 @@ class Multihead(nn.Module):
         elif self.call == "kdim":
             key, value = self.memory(h), self.values(h)
         swap = (lambda t: t) if self.batch_first else (lambda t: t.transpose(0, 1))
-        options: dict[str, Tensor] = {}
+        options: dict[str, Tensor | bool] = {}
         padding = (x[..., 0] > 1.0) & (torch.arange(x.shape[1]) > 0)  # True: left out; never the first key
         if self.call == "key_padding_mask":
             options["key_padding_mask"] = padding
@@ -543,6 +547,18 @@ class Multihead(nn.Module):
             options["key_padding_mask"] = padding.float() * -1e4
         elif self.call == "attn_mask":
             options["attn_mask"] = self.causal
+        elif self.call in ("bool_attn_mask", "is_causal", "is_causal_weights"):
+            options["attn_mask"] = self.causal.isinf()
+        elif self.call in ("attn_and_padding_mask", "float_attn_and_padding_mask"):
+            additive = self.call.startswith("float")
+            options["attn_mask"] = self.causal if additive else self.causal.isinf()
+            options["key_padding_mask"] = padding.float() * -1e4 if additive else padding
+        elif self.call == "per_sample_mask":  # each sample's own keys left out, on top of the causal mask
+            left_out = padding[:, None, :] | self.causal.isinf()
+            options["attn_mask"] = left_out.repeat_interleave(self.attention.num_heads, 0)
+        if self.call.startswith("is_causal") or self.call == "attn_and_padding_mask":
+            options["is_causal"] = True
+            options["need_weights"] = self.call == "is_causal_weights"
         y, weights = self.attention(swap(h), swap(key), swap(value), **options)
         y = swap(y)
         if self.call == "weights":
