@@ -10,7 +10,8 @@ hardswish) and a ConvNeXt-like (depthwise 7×7, channels-first LayerNorm, GELU M
 ViT-like (dim 96, 4 blocks, 4×4 patches) on 3×32×32, the same ViT as Hugging Face `transformers` builds it
 (``ViTForImageClassification`` from a config) and with torchvision's blocks (``nn.MultiheadAttention``), and a
 BERT-tiny-like (hidden 128, 2 layers, 2 heads) on 128 token ids with a padding mask; with dropouts converted by
-``convert_dropout``, the BERT-tiny shape built from torch's own ``nn.TransformerEncoder``; and the issue's case, a
+``convert_dropout``, the BERT-tiny shape built from torch's own ``nn.TransformerEncoder``, with a padding mask and,
+GPT-like, with a causal mask (pre-norm, the last token classified); and the issue's case, a
 ResNet-50 (bottleneck blocks 3-4-6-3) on 3×32×32 with masks after every block. For each batch size (medians of
 interleaved rounds, every ratio from the same run), ÷ one forward of the same network without Masksembles on the
 same batch: ``pack(model, program="packed")``, the tiled dense ``predict(model, x, 4)``, and packed ÷ tiled
@@ -279,6 +280,24 @@ class TextEncoder(nn.Module):
         return self.classifier(x.mean(1))
 
 
+class CausalTextEncoder(nn.Module):
+    """GPT-like, BERT-tiny's shape: torch's own ``nn.TransformerEncoder`` (hidden 128, 2 layers, 2 heads, feed-forward
+    512, GELU, dropout 0.1, batch first, pre-norm, a final LayerNorm) on token ids (B, 128) with the causal mask and
+    ``is_causal=True``, the last token classified. Without masks, torch runs it on its fused path."""
+
+    def __init__(self, vocabulary: int = 1000, dim: int = 128, length: int = 128) -> None:
+        super().__init__()
+        self.words, self.positions = nn.Embedding(vocabulary, dim), nn.Parameter(torch.randn(1, length, dim) * 0.02)
+        layer = nn.TransformerEncoderLayer(dim, 2, 4 * dim, 0.1, activation="gelu", batch_first=True, norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, norm=nn.LayerNorm(dim), enable_nested_tensor=False)
+        self.classifier = nn.Linear(dim, 2)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        causal = nn.Transformer.generate_square_subsequent_mask(tokens.shape[1], device=tokens.device)
+        x = self.encoder(self.words(tokens) + self.positions, mask=causal, is_causal=True)
+        return self.classifier(x[:, -1])
+
+
 def converted(factory: Callable[[], nn.Module], example: Callable[[int], Tensor]) -> Callable[[bool], nn.Module]:
     """The model, its dropouts converted by ``convert_dropout`` when asked (the other one has the same weights)."""
 
@@ -360,6 +379,11 @@ MODELS: dict[str, tuple[Callable[[bool], nn.Module], tuple[int, ...], tuple[int,
     "ViT-like (nn.MultiheadAttention)": (inserted(torchvision_vit), (3, 32, 32), (1, 32, 256)),
     "BERT-tiny-like": (inserted(BertTiny), (128,), (1, 32, 256)),
     "nn.TransformerEncoder (convert_dropout)": (converted(TextEncoder, tokens), (128,), (1, 32, 256)),
+    "GPT-like causal nn.TransformerEncoder (convert_dropout)": (
+        converted(CausalTextEncoder, tokens),
+        (128,),
+        (1, 32, 256),
+    ),
     "ResNet-50, masks after every block": (ResNet50, (3, 32, 32), (1, 8, 32)),
 }
 
@@ -367,6 +391,7 @@ MODELS: dict[str, tuple[Callable[[bool], nn.Module], tuple[int, ...], tuple[int,
 INPUTS: dict[str, Callable[[int], Tensor]] = {  # the others: random images
     "BERT-tiny-like": tokens,
     "nn.TransformerEncoder (convert_dropout)": tokens,
+    "GPT-like causal nn.TransformerEncoder (convert_dropout)": tokens,
 }
 
 

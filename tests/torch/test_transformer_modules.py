@@ -203,9 +203,9 @@ class GPT(nn.Module):
 
 
 def with_masks(model: nn.Module, placed: str) -> nn.Module:
-    """Masksembles placed by ``insert`` (its defaults) or by ``convert_dropout``."""
+    """Masksembles placed by ``insert`` (its defaults: before every Linear but the first) or by ``convert_dropout``."""
     if placed == "insert":
-        return mt.insert(model, N, 2.0, seed=0, example_input=ids(4)).eval()
+        return mt.insert(model, N, 2.0, seed=0).eval()
     return mt.convert_dropout(model, ids(4), N, 2.0, seed=0)
 
 
