@@ -44,6 +44,12 @@ def masksembles(
     Returns:
         tensor of the shape, dtype and memory format of ``x``.
     """
+    if x.is_nested:
+        raise ValueError(
+            f"{layer} received a nested tensor: an nn.TransformerEncoder given a src_key_padding_mask turns its batch "
+            "into one in eval without gradients; set its use_nested_tensor = False (masksembles_torch's insert, "
+            "convert_dropout, predict and pack do)"
+        )
     n, channels = masks.shape
     axis = mca.check_input_shape(tuple(x.shape), channels=channels, channel_axis=channel_axis, ranks=ranks, layer=layer)
     masks = masks.to(dtype=x.dtype)

@@ -88,6 +88,7 @@ class Masksembles(nn.Module):
         self.register_buffer("masks", torch.as_tensor(resolved, **factory_kwargs))
         # The batch size of the enclosing model's last call, set by ``record_batch_size``'s hook.
         self.samples: int | None = None
+        self.register_forward_pre_hook(_off_fused_paths)
 
     def forward(self, x: Tensor) -> Tensor:
         """Apply the masks: (B, ...) -> (B, ...)."""
@@ -158,6 +159,13 @@ class Masksembles3D(Masksembles):
     """Masksembles for (B, C, D, H, W) inputs (like ``nn.Dropout3d``)."""
 
     ranks = (5,)
+
+
+def _off_fused_paths(module: nn.Module, args: tuple[Any, ...]) -> None:
+    """A forward pre-hook that does nothing, on every Masksembles layer: torch's ``nn.TransformerEncoderLayer`` runs
+    one fused kernel in eval without gradients that calls none of its submodules (its dropouts, its Linear layers),
+    unless one of them has a hook. A layer holding Masksembles layers (placed by ``insert``, ``convert_dropout`` or by
+    hand) therefore always takes its unfused path, and inference applies the masks as training does."""
 
 
 def _batch_size(inputs: Any) -> int | None:

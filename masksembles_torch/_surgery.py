@@ -1286,23 +1286,13 @@ SKIPPED_AT_INFERENCE = (
 
 
 def keep_masks_off_fused_paths(model: nn.Module) -> None:
-    """torch's ``TransformerEncoderLayer`` runs one fused kernel in eval without gradients that calls none of its
-    dropout or Linear modules, and ``TransformerEncoder`` may turn a padded batch into a nested tensor for it. Where
-    a layer holds Masksembles layers (placed by ``insert``, ``convert_dropout`` or by hand: ``predict`` and ``pack``
-    call this too), both are turned off as torch's code provides: a forward pre-hook on the layer (which does
-    nothing), ``use_nested_tensor = False`` on the encoder. Inference then applies the masks as training does, on the
-    same (unfused) path."""
+    """torch's ``TransformerEncoder`` may turn a padded batch into a nested tensor for its layers' fused inference
+    path (eval, no gradients, a padding mask). Every Masksembles layer keeps the layer holding it off that fused path
+    (its hook, ``_layers._off_fused_paths``), and an encoder whose layers hold Masksembles layers (placed by
+    ``insert``, ``convert_dropout`` or by hand: ``predict`` and ``pack`` call this too) keeps its batch padded
+    (``use_nested_tensor = False``). Inference then applies the masks as training does, on the same path."""
     for module in model.modules():
-        if not isinstance(module, nn.TransformerEncoderLayer | nn.TransformerEncoder):
-            continue
-        masked = any(isinstance(inner, Masksembles) for inner in module.modules())
-        if isinstance(module, nn.TransformerEncoderLayer):
-            ours = [key for key, hook in module._forward_pre_hooks.items() if hook is _unfused]
-            if masked and not ours:
-                module.register_forward_pre_hook(_unfused)
-            for key in ours if not masked else ():  # masks taken out again (insert leaving a layer alone)
-                del module._forward_pre_hooks[key]
-        if isinstance(module, nn.TransformerEncoder) and masked:
+        if isinstance(module, nn.TransformerEncoder) and any(isinstance(m, Masksembles) for m in module.modules()):
             module.use_nested_tensor = False
 
 
@@ -1318,10 +1308,6 @@ def _without_nested_tensors(model: nn.Module) -> Iterator[None]:
     finally:
         for encoder, nested in encoders:
             encoder.use_nested_tensor = nested
-
-
-def _unfused(module: nn.Module, args: tuple[Any, ...]) -> None:
-    """A forward pre-hook that does nothing: its presence keeps ``TransformerEncoderLayer`` off its fused path."""
 
 
 def _skipped_at_inference(model: nn.Module, inputs: Inputs, layers: Mapping[str, Masksembles]) -> list[str]:

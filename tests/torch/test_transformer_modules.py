@@ -39,6 +39,12 @@ def ids(batch: int, seed: int = 0) -> torch.Tensor:
     return torch.cat([drawn[:, :1].clamp_min(1), drawn[:, 1:]], 1)
 
 
+def fused_paths_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Masksembles layers made without their hook and encoders left nesting: torch's fused paths then skip them."""
+    monkeypatch.setattr(_surgery, "keep_masks_off_fused_paths", lambda model: None)
+    monkeypatch.setattr(mt.Masksembles, "register_forward_pre_hook", lambda self, hook: None)
+
+
 def converted(norm_first: bool = False) -> nn.Module:
     torch.manual_seed(0)
     return mt.convert_dropout(TextEncoder(norm_first), ids(4), N, 2.0, seed=0)
@@ -89,7 +95,7 @@ def test_pack_writes_a_converted_transformer_encoder_out_and_equals_predict(padd
 def test_a_converted_layer_that_inference_skips_is_put_back_and_reported(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without turning the fused path off, the run-time check finds the converted layers uncalled: the dropouts are
     put back, each reported with the reason, and the head's dropout alone is converted."""
-    monkeypatch.setattr(_surgery, "keep_masks_off_fused_paths", lambda model: None)
+    fused_paths_on(monkeypatch)
 
     class WithHead(TextEncoder):
         def __init__(self) -> None:
@@ -136,7 +142,7 @@ def test_insert_leaves_layers_that_inference_skips(monkeypatch: pytest.MonkeyPat
     """Without turning the fused path off, the run on ``example_input`` finds the fused path reading the
     feed-forward layers' weights through their wrappers (the first layer) and not calling them: each is left alone
     with its reason, and the head keeps its masks."""
-    monkeypatch.setattr(_surgery, "keep_masks_off_fused_paths", lambda model: None)
+    fused_paths_on(monkeypatch)
     model = inserted(example_input=ids(4))
     rows = {row.path: row for row in model.masksembles_report.rows}
     assert [path for path, row in rows.items() if row.action != LEFT] == ["head"]
@@ -308,14 +314,41 @@ def test_a_packed_transformer_encoder_exports_and_compiles_with_a_dynamic_batch(
         torch.testing.assert_close(compiled(x), expected, rtol=1e-5, atol=1e-6)
 
 
-def test_predict_applies_masks_placed_by_hand_in_an_encoder_layer() -> None:
-    """Masksembles layers set as a layer's dropouts by hand (no insert/convert_dropout): predict turns the layer's
-    fused path off, as they do, so the members differ and equal torch's unfused path; pack equals predict."""
+def by_hand(padding: bool = False) -> nn.Module:
+    """Masksembles layers set as each encoder layer's ``dropout1`` by hand (no insert/convert_dropout), in eval."""
     torch.manual_seed(0)
-    model = TextEncoder().eval()
+    model = TextEncoder(padding=padding).eval()
     for index, layer in enumerate(model.encoder.layers):
         layer.dropout1 = mt.Masksembles(16, N, 2.0, seed=index, channel_axis=-1)
+    return model
+
+
+def test_masks_placed_by_hand_in_an_encoder_layer_apply_however_the_model_is_called() -> None:
+    """The layers' hooks keep torch's fused path off: the model called directly on a tiled batch in eval without
+    gradients gives predict's members, which differ and equal torch's unfused path; pack equals predict."""
+    model = by_hand()
     x = ids(5, seed=1)
+    with torch.no_grad():
+        direct = mt.untile(model(mt.tile(x, N)), N)
     members = members_differ_as_unfused(model, x)
+    torch.testing.assert_close(direct, members)
     packed = mt.pack(model, ids(4), program="packed")
     torch.testing.assert_close(packed(x), members, rtol=1e-5, atol=1e-6)
+
+
+def test_a_nested_batch_reaching_masks_placed_by_hand_is_refused_until_predict_keeps_it_padded() -> None:
+    """An encoder given a padding mask nests its batch in eval without gradients: the Masksembles layers say what to
+    do instead of masking a nested tensor; predict (and pack) keep the batch padded, and then the call works."""
+    model = by_hand(padding=True)
+    padded = ids(5, seed=1).clamp_min(1)
+    padded[:, 4:] = 0  # padding after the tokens, as nested tensors require
+    x = mt.tile(padded, N)
+    with (
+        torch.no_grad(),
+        pytest.warns(UserWarning, match="nested tensors is in prototype stage"),  # torch's, as it nests the batch
+        pytest.raises(ValueError, match="set its use_nested_tensor = False"),
+    ):
+        model(x)
+    members = members_differ_as_unfused(model, padded)
+    with torch.no_grad():
+        torch.testing.assert_close(mt.untile(model(x), N), members)
