@@ -27,6 +27,7 @@ from masksembles_core.captured import CapturedOp, Probed, array_repeatable
 
 from ._inference import _no_autograd
 from ._layers import Masksembles
+from ._rewire import Masked
 from ._surgery import _check_model, _is_graph_model
 
 PREFIX = "pack/extract_member"
@@ -145,34 +146,62 @@ class Call:
         op = self.operation if operation is None else operation
         if isinstance(op, keras.layers.Layer) and "training" not in kwargs:
             kwargs = {**kwargs, "training": False}
-        result = op(*args, **kwargs)
-        return list(result) if isinstance(result, list | tuple) else [result]
+        return list(keras.tree.flatten(op(*args, **kwargs)))  # a structure's leaves in the order of its node's outputs
 
     def describe(self) -> str:
         return f"{self.path} ({self.kind})"
 
 
 def check_model(model: object) -> None:
-    """A built Sequential or functional model with one input and one output."""
+    """A built Sequential or functional model."""
     _check_model(
         model, PREFIX, "read the graph of",
         "build it as a functional model (keras.Model(inputs, outputs)) with the same layers, or run every member "
         "with masksembles_keras.predict",
     )  # fmt: skip
-    if len(model.inputs) != 1 or len(model.outputs) != 1:  # type: ignore[attr-defined]
-        raise ValueError(
-            f"{PREFIX} support models with one input and one output tensor; this one has "
-            f"{len(model.inputs)} inputs and {len(model.outputs)} outputs"  # type: ignore[attr-defined]
-        )
+
+
+def input_keys(model: Any) -> list[str]:
+    """The keys of the model's inputs (``model.inputs``' order): ``INPUT`` for the first, the core's input."""
+    return [INPUT] + [f"{INPUT}{i}" for i in range(1, len(model.inputs))]
+
+
+def example_leaves(model: Any, example: Any) -> list[np.ndarray]:
+    """``example`` as one array per input of ``model`` (``model.inputs``' order): an array for a model with one
+    input; the structure of ``model.input`` (a list or a dict by input name) for one with several."""
+    if len(model.inputs) == 1:
+        given = [example]
+    elif isinstance(model.input, dict):
+        if not isinstance(example, Mapping) or set(example) != set(model.input):
+            raise ValueError(f"{PREFIX} need an example input with the model's inputs {sorted(model.input)}")
+        given = [example[name] for name in sorted(model.input)]  # keras.tree's order of a dict: its sorted keys
+    else:
+        given = list(example) if isinstance(example, list | tuple) else [example]
+        if len(given) != len(model.inputs):
+            raise ValueError(
+                f"{PREFIX} need an example input with one array per input of the model ({len(model.inputs)}); "
+                f"received {len(given)}"
+            )
+    leaves = [np.asarray(ops.convert_to_numpy(leaf)) for leaf in given]
+    for leaf in leaves:
+        if leaf.ndim < 1 or leaf.shape[0] < 1:
+            raise ValueError(
+                f"{PREFIX} need an example input with a batch of at least 1 on axis 0; received {leaf.shape}"
+            )
+    mca.check_batch_sizes(
+        [(tensor.name, int(leaf.shape[0])) for tensor, leaf in zip(model.inputs, leaves, strict=True)]
+    )
+    return leaves
 
 
 class _Graph:
-    """The calls of a model in order, nested Sequential/functional models inlined."""
+    """The calls of a model in order, nested Sequential/functional models inlined; the keys of its outputs
+    (``model.outputs``' order)."""
 
     def __init__(self, model: Any) -> None:
         self.calls: list[Call] = []
         self.count = 0
-        (self.output,) = self._walk(model, [INPUT], "")
+        self.outputs = self._walk(model, input_keys(model), "")
 
     def _walk(self, model: Any, inputs: list[str], prefix: str) -> list[str]:
         if isinstance(model, keras.Sequential):
@@ -194,10 +223,18 @@ class _Graph:
         return [keys[id(tensor)] for tensor in model.outputs]
 
     def _call(self, operation: Any, args: Any, kwargs: dict[str, Any], outputs: int, prefix: str) -> list[str]:
-        if _is_graph_model(operation):
-            reads = _refs((args, kwargs))
-            if len(reads) == len(operation.inputs) and len(operation.outputs) == outputs:
+        unmasked = all(leaf is None for leaf in keras.tree.flatten(kwargs.get("mask")))
+        if _is_graph_model(operation) and len(args) == 1 and set(kwargs) <= {"training", "mask"} and unmasked:
+            # its inputs in the order of its ``inputs`` (``keras.tree``'s: a dict's by sorted key), whatever the
+            # order of the structure it is called with
+            given = keras.tree.flatten(args[0])
+            reads = [leaf.key for leaf in given if isinstance(leaf, _Ref)]
+            if len(reads) == len(given) == len(operation.inputs) and len(operation.outputs) == outputs:
                 return self._walk(operation, reads, f"{prefix}{operation.name}/")
+        if isinstance(operation, Masked) and len(args) == 1 and set(kwargs) <= {"training"} and outputs == 1:
+            # insert's wrapper (inside custom layers, in a model whose class builds its graph): its two calls
+            (masked,) = self._call(operation.masksembles, args, {}, 1, prefix)
+            return self._call(operation.layer, (_Ref(masked),), {}, 1, prefix)
         keys = [f"v{self.count + i}" for i in range(outputs)]
         self.count += outputs
         self.calls.append(Call(operation, tuple(args), dict(kwargs), tuple(keys), f"{prefix}{operation.name}"))
@@ -268,17 +305,19 @@ class Capture:
         self.input = INPUT
         layers = model._flatten_layers(include_self=True, recursive=True)
         self.n = mca.check_members([layer.n for layer in layers if isinstance(layer, Masksembles)], n)
-        x = np.asarray(ops.convert_to_numpy(example))
-        if x.ndim < 1 or x.shape[0] < 1:
-            raise ValueError(f"{PREFIX} need an example input with a batch of at least 1 on axis 0; received {x.shape}")
-        self.batch = int(x.shape[0])
-        self.example = x
+        self.inputs = input_keys(model)  # the first is the core's input; the others are read where the model reads them
+        self.leaves = example_leaves(model, example)
+        self.batch = int(self.leaves[0].shape[0])
+        self.example = (
+            self.leaves[0] if len(self.leaves) == 1 else keras.tree.pack_sequence_as(model.input, self.leaves)
+        )
+        self.input_shapes = [_input_shape(t, x) for t, x in zip(model.inputs, self.leaves, strict=True)]
         graph = _Graph(model)
         self.calls = graph.calls
-        self.output_key = graph.output
+        self.outputs = graph.outputs
         run = compiled(self._run)
         with _no_autograd():
-            probes = [run(x), run(np.concatenate([x, x[:1]]))]
+            probes = [run(self.leaves), run([np.concatenate([x, x[:1]]) for x in self.leaves])]
         self.values = [{key: np.asarray(ops.convert_to_numpy(v)) for key, v in probe.items()} for probe in probes]
         self.seen = {
             key: Probed(tuple(tuple(int(d) for d in v[key].shape) for v in self.values), self.batch)
@@ -291,16 +330,16 @@ class Capture:
         self.ops: dict[str, _Op] = {}
         self.reset(dense=False)
 
-    def _run(self, x: Any) -> dict[str, Any]:
-        """Every call in inference: each value."""
-        values = {INPUT: x}
+    def _run(self, leaves: Sequence[Any]) -> dict[str, Any]:
+        """Every call in inference on the inputs' values: each value."""
+        values = dict(zip(self.inputs, leaves, strict=True))
         for call in self.calls:
             values.update(zip(call.outputs, call.run(values), strict=True))
         return values
 
     def reset(self, dense: bool) -> None:
         """Classify every value again (the axis solver turns some into fallbacks); ``dense``: all of them fallbacks."""
-        self.ops = {}
+        self.ops = {key: self.fallback(key) for key in self.inputs[1:]}
         for key, (call, position) in self.by_key.items():
             op = None if dense else self._classify(call, key, position)
             self.ops[key] = op if op is not None else self.fallback(key)
@@ -354,12 +393,12 @@ class Capture:
     # ---- what the core's pipeline asks (``masksembles_core.captured.CapturedGraph``)
 
     @property
-    def output(self) -> str:
-        return self.output_key
+    def output(self) -> str | None:
+        return self.outputs[0] if len(self.outputs) == 1 else None
 
     @property
     def output_leaves(self) -> list[str]:
-        return [self.output_key]
+        return self.outputs
 
     def probed(self, key: str) -> Probed:
         return self.seen[key]
@@ -368,6 +407,9 @@ class Capture:
         return key
 
     def fallback(self, key: str) -> _Op:
+        if key in self.inputs:  # an input but the first: the model's input as it is, shared by the members
+            call = Call(None, (), {}, (key,), self.model.inputs[self.inputs.index(key)].name)
+            return _Op(key, "fallback", [], rule="none", call=call, role="input")
         call, position = self.by_key[key]
         return _Op(key, "fallback", call.inputs, rule="none", call=call, output=position, role="fallback",
                    batch_dependent=self._reads_the_batch(call, key))  # fmt: skip
@@ -513,6 +555,16 @@ class Capture:
         if name == "Concatenate" and len(tensors) == len(_leaves(call)):
             return _Op(key, "concat", tensors, rule="concat", concat_dim=config["axis"] % rank, call=call)
         return None
+
+
+def _input_shape(tensor: Any, x: np.ndarray) -> tuple[int | None, ...]:
+    """The shape (batch left out) a packed model's input declares: the model's input's (``tensor``), whose sizes
+    declared None (a sequence length) any call may change, where ``x`` fits it; ``x``'s otherwise."""
+    declared = tuple(tensor.shape[1:])
+    fits = len(declared) == x.ndim - 1
+    if fits and all(d is None or int(d) == s for d, s in zip(declared, x.shape[1:], strict=True)):
+        return tuple(None if d is None else int(d) for d in declared)
+    return tuple(int(s) for s in x.shape[1:])
 
 
 def _over_last_axis(layer: Any, rank: int) -> bool:

@@ -23,7 +23,7 @@ from typing import Any, cast
 import keras
 import numpy as np
 
-from masksembles_core.packing import Move, Program, Step, block_indices, channel_indices
+from masksembles_core.packing import OUTPUT, Move, Program, Step, block_indices, channel_indices
 
 from ._layers import Masksembles
 from ._pack_capture import INPUT, Call, Capture, _Op, spatial_size
@@ -77,6 +77,16 @@ def _macs(call: Call, capture: Capture, key: str) -> int:
     )
 
 
+def _reshaped(op: _Op, width: int) -> tuple[int, ...]:
+    """The target shape (the batch's axis left out) of a ``Reshape`` layer or ``keras.ops.reshape`` (its batch on
+    axis 0) whose channel axis, ``op.axis``, holds ``width`` channels now; a size it infers (-1) it still infers."""
+    operation = op.call.operation
+    target = list(operation.target_shape if isinstance(operation, keras.layers.Reshape) else operation.newshape[1:])
+    if target[op.axis - 1] != -1:
+        target[op.axis - 1] = width
+    return tuple(int(size) for size in target)
+
+
 class Emitter:
     """Builds the Keras model of a core program (``model``), with its multiply-adds (``macs``) and the model's
     layers that run at full width (``fallbacks``)."""
@@ -87,8 +97,14 @@ class Emitter:
         self.macs = {"dense": 0, "packed": 0, "fallback": 0, "moves": 0}
         self.copies: list[tuple[Any, Any]] = []
         self.results: dict[int, list[Any]] = {}  # a fallback call with several outputs: run once
-        example = capture.example
-        self.input = keras.Input(shape=example.shape[1:], dtype=str(example.dtype), name="input")
+        self.inputs = {
+            key: keras.Input(shape=shape, dtype=str(x.dtype), name="input" if len(capture.inputs) == 1 else tensor.name)
+            for key, shape, x, tensor in zip(
+                capture.inputs, capture.input_shapes, capture.leaves, capture.model.inputs, strict=True
+            )
+        }  # fmt: skip
+        inputs = list(self.inputs.values())
+        self.input = inputs[0] if len(inputs) == 1 else keras.tree.pack_sequence_as(capture.model.input, inputs)
         self.tensors: dict[str, Any] = {}
         self.moved: dict[tuple[Any, ...], Any] = {}
         self.readers: dict[str, list[tuple[Step, int]]] = {}  # who reads each step, and through which edge
@@ -100,16 +116,20 @@ class Emitter:
         for step in program.steps:
             self.tensors[step.name] = self._step(step)
             self._measure(self.tensors[step.name], step.placement.dense and not step.placement.shared)
-        output = program.step(program.output)
-        self.output = self._output(output, squeeze, pick)
+        outputs = self._outputs(program.step(program.output), squeeze, pick)
         for original, copy in self.copies:
             copy.set_weights(original.get_weights())
         if on_torch():
-            self.output = chained(self.output)
+            outputs = chained(outputs)
         elif runs_member_dense_members_major():
-            self.output = chained(self.output, lambda layer: isinstance(layer, MemberDense))
+            outputs = chained(outputs, lambda layer: isinstance(layer, MemberDense))
+        self.output = outputs[0] if len(outputs) == 1 else keras.tree.pack_sequence_as(capture.model.output, outputs)
         self.fallbacks = tuple(
-            dict.fromkeys(capture.ops[name].call.describe() for name in program.fallbacks if name in capture.ops)
+            dict.fromkeys(
+                capture.ops[name].call.describe()
+                for name in program.fallbacks
+                if name in capture.ops and capture.ops[name].role != "input"  # an input, read as it is
+            )
         )
 
     # ---- moves
@@ -135,7 +155,7 @@ class Emitter:
 
     def _measure(self, value: Any, stacked: bool) -> None:
         """Count ``value`` (a symbolic tensor or a structure of them; ``stacked``: on the member-stacked batch, m
-        copies per sample) in ``sample_bytes``."""
+        copies per sample) in ``sample_bytes``, a size unknown until called (a sequence length) as 1."""
         for tensor in keras.tree.flatten(value):
             if isinstance(tensor, keras.KerasTensor):
                 size = math.prod(int(d or 1) for d in tensor.shape[1:]) * np.dtype(tensor.dtype).itemsize
@@ -162,9 +182,11 @@ class Emitter:
 
     def _step(self, step: Step) -> Any:
         if step.node.kind == "input":
-            return self.input
-        op = self.capture.ops[step.name]
+            return self.inputs[step.name]
         edges = [self._edge(step, position) for position in range(len(step.edges))]
+        if step.name == OUTPUT:  # the model's outputs, gathered on the member-stacked batch
+            return edges
+        op = self.capture.ops[step.name]
         full = _macs(op.call, self.capture, step.name)
         self.macs["dense"] += full * self.m
         if step.placement.dense:
@@ -195,9 +217,8 @@ class Emitter:
                 return parts[0]
             return (MemberConcat(copies, op.axis) if copies > 1 else keras.layers.Concatenate(op.axis))(parts)
         if role == "reshape":
-            shape = list(self.capture.seen[step.name].shape)
-            shape[op.axis] = int(edges[0].shape[self.axis[op.tensors[0]]])
-            return keras.layers.Reshape(tuple(shape[1:]))(edges[0])
+            width = int(edges[0].shape[self.axis[op.tensors[0]]])
+            return keras.layers.Reshape(_reshaped(op, width))(edges[0])
         return self._call(op, edges)
 
     def _call(self, op: _Op, edges: list[Any]) -> Any:
@@ -205,24 +226,36 @@ class Emitter:
         call = op.call
         if id(call) not in self.results:
             values = dict(zip(op.tensors, edges, strict=True))
-            self.results[id(call)] = call.run(values, self._copy(call.operation))
+            self.results[id(call)] = self._run_copy(call, values)
         return self.results[id(call)][op.output]
 
-    def _copy(self, operation: Any) -> Any:
-        if isinstance(operation, keras.layers.Layer):
-            copy = _copy(operation)
-            if operation.weights:
-                self.copies.append((operation, copy))
-            return copy
+    def _run_copy(self, call: Call, values: dict[str, Any]) -> list[Any]:
+        """``call`` on a copy of its layer or operation rebuilt from its config; on the model's own where its config
+        does not rebuild it (raises, or builds other weights: a custom layer whose inner layers ``insert`` or
+        ``convert_dropout`` replaced, as in keras-hub's), which the packed model then shares with the model."""
+        operation = call.operation
         try:
-            return type(operation).from_config(operation.get_config())
-        except Exception:  # an operation whose config does not rebuild it: the same (stateless) operation
-            return operation
+            copy = (
+                _copy(operation)
+                if isinstance(operation, keras.layers.Layer)
+                else type(operation).from_config(operation.get_config())
+            )
+            outputs = call.run(values, copy)
+        except Exception:  # a config that does not rebuild it
+            return call.run(values)
+        weights = getattr(operation, "weights", [])  # a raw operation has none
+        if [tuple(w.shape) for w in getattr(copy, "weights", [])] != [tuple(w.shape) for w in weights]:
+            return call.run(values)
+        if weights:
+            self.copies.append((operation, copy))
+        return outputs
 
     def _dense(self, op: _Op, edges: list[Any]) -> Any:
         """A fallback at full width: the model's layer or operation on the member-stacked batch (or shared); a
         Masksembles layer with the computed members' masks."""
         operation = op.call.operation
+        if op.role == "input":
+            return self.inputs[op.key]
         if isinstance(operation, Masksembles):
             masks = _numpy(operation.masks) != 0
             rank = self.capture.seen[op.key].rank
@@ -383,17 +416,21 @@ class Emitter:
                 getattr(packed, name).assign(_numpy(variable))
         return result
 
-    def _output(self, step: Step, squeeze: bool, pick: int) -> Any:
-        value = self.tensors[step.name]
+    def _outputs(self, step: Step, squeeze: bool, pick: int) -> list[Any]:
+        """The model's outputs (``capture.outputs``' order) in Keras' batch-first layout, (B, m, ...) or, where
+        ``squeeze``, member ``pick`` (the first computed where -1): (B, ...)."""
+        if squeeze and pick < 0:
+            pick = 0
+        if step.name == OUTPUT:
+            gathered = dict(zip(dict.fromkeys(self.capture.outputs), self.tensors[OUTPUT], strict=True))
+            return [MemberOutput("batch", self.m, -1, pick)(gathered[key]) for key in self.capture.outputs]
         if step.placement.shared:
             placement, axis = "shared", -1
         elif step.placement.dense:
             placement, axis = "batch", -1
         else:
             placement, axis = "channels", self.axis[step.name]
-        if squeeze and pick < 0:
-            pick = 0
-        return MemberOutput(placement, self.m, axis, pick)(value)
+        return [MemberOutput(placement, self.m, axis, pick)(self.tensors[step.name])]
 
 
 def _laid_out_rows(oriented: np.ndarray, layout: np.ndarray) -> np.ndarray:
@@ -425,11 +462,14 @@ def _select_form(
     return "gather", 1
 
 
-def _nodes(output: Any) -> list[Any]:
-    """The Keras graph's nodes that ``output`` is computed from, each after those it reads."""
+def _nodes(outputs: Sequence[Any]) -> list[Any]:
+    """The Keras graph's nodes that ``outputs`` are computed from, each after those it reads."""
     order: list[Any] = []
     seen: set[int] = set()
-    stack = [(output._keras_history.operation._inbound_nodes[output._keras_history.node_index], False)]
+    stack = [
+        (output._keras_history.operation._inbound_nodes[output._keras_history.node_index], False)
+        for output in reversed(outputs)
+    ]
     while stack:
         node, expanded = stack.pop()
         if expanded:
@@ -462,14 +502,16 @@ def _chainable(node: Any) -> bool:
     )
 
 
-def chained(output: Any, select: Callable[[Any], bool] = lambda layer: True) -> Any:
-    """``output`` computed again with every run of two or more layers that ``Chain`` can run (``_chainable``, one
+def chained(outputs: Sequence[Any], select: Callable[[Any], bool] = lambda layer: True) -> list[Any]:
+    """``outputs`` computed again with every run of two or more layers that ``Chain`` can run (``_chainable``, one
     dtype policy) and ``select`` takes, each reading only the one before it and read only by the one after it, as
     one ``Chain`` layer: torch's eager Keras pays each layer call (about 0.1 ms), the compiled backends do not; on
     TensorFlow a ``Chain`` runs the members' Dense layers laid out members first (``runs_member_dense_members_major``).
     """
-    nodes = _nodes(output)
-    reads: dict[int, int] = {id(output): 1}
+    nodes = _nodes(outputs)
+    reads: dict[int, int] = {}
+    for output in outputs:
+        reads[id(output)] = reads.get(id(output), 0) + 1
     for node in nodes:
         for tensor in node.input_tensors:
             reads[id(tensor)] = reads.get(id(tensor), 0) + 1
@@ -506,7 +548,7 @@ def chained(output: Any, select: Callable[[Any], bool] = lambda layer: True) -> 
         kwargs = keras.tree.map_structure(moved, dict(node.arguments.kwargs))
         results = keras.tree.flatten(node.operation(*args, **kwargs))
         new.update((id(old), result) for old, result in zip(node.outputs, results, strict=True))
-    return new[id(output)]
+    return [new[id(output)] for output in outputs]
 
 
 def _bytes(array: np.ndarray | None) -> bytes | None:

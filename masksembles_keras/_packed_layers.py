@@ -21,9 +21,19 @@ from keras import ops
 from ._layers import SERIALIZATION_PACKAGE, _apply_masks, _constant_initializer
 
 
+def sizes(x: Any) -> list[Any]:
+    """``x``'s shape for a reshape: each size known when traced as an int, the others (a sequence length declared
+    None) as the run-time size ``keras.ops.shape`` gives."""
+    static = tuple(x.shape)
+    if None not in static:
+        return [int(d) for d in static]
+    dynamic = ops.shape(x)
+    return [dynamic[a] if d is None else int(d) for a, d in enumerate(static)]
+
+
 def _split_axis(x: Any, axis: int, members: int) -> Any:
     """(..., m*P on ``axis``, ...) -> (..., m, P, ...): the members' blocks on their own axis (``axis``)."""
-    shape = list(x.shape)
+    shape = sizes(x)
     shape[0] = -1  # the batch, known or not
     shape[axis : axis + 1] = [members, int(x.shape[axis]) // members]
     return ops.reshape(x, shape)
@@ -31,7 +41,7 @@ def _split_axis(x: Any, axis: int, members: int) -> Any:
 
 def _merge_axes(x: Any, axis: int) -> Any:
     """(..., a, b on ``axis``, ``axis + 1``, ...) -> (..., a*b, ...)."""
-    shape = list(x.shape)
+    shape = sizes(x)
     shape[0] = -1
     shape[axis : axis + 2] = [int(x.shape[axis]) * int(x.shape[axis + 1])]
     return ops.reshape(x, shape)
@@ -116,8 +126,8 @@ def in_chunks(run: Callable[[Any], Any], x: Any, samples: int) -> Any:
     size = -(-batch // chunks)
     if chunks * size > batch:
         x = ops.pad(x, [(0, chunks * size - batch)] + [(0, 0)] * (len(x.shape) - 1))
-    y = ops.map(run, ops.reshape(x, (chunks, size, *x.shape[1:])))
-    return keras.tree.map_structure(lambda part: ops.reshape(part, (chunks * size, *part.shape[2:]))[:batch], y)
+    y = ops.map(run, ops.reshape(x, (chunks, size, *sizes(x)[1:])))
+    return keras.tree.map_structure(lambda part: ops.reshape(part, (chunks * size, *sizes(part)[2:]))[:batch], y)
 
 
 @keras.saving.register_keras_serializable(package=SERIALIZATION_PACKAGE)
@@ -436,10 +446,10 @@ class MemberFrame(keras.layers.Layer):  # type: ignore[misc]
             split = ops.moveaxis(
                 _split_axis(_batch_to_front(x, batch), self._front(channel), m), self._front(channel), 0
             )
-            merged = ops.reshape(split, (-1, *split.shape[2:]))
+            merged = ops.reshape(split, (-1, *sizes(split)[2:]))
             return merged if batch == 0 else ops.moveaxis(merged, 0, batch)
         front = _batch_to_front(x, batch)  # to_channels: (m*B, .., C, ..) -> (B, .., m*C, ..)
-        split = ops.reshape(front, (m, -1, *front.shape[1:]))
+        split = ops.reshape(front, (m, -1, *sizes(front)[1:]))
         moved = ops.moveaxis(split, 0, self._front(channel))
         merged = _merge_axes(moved, self._front(channel))
         return merged if batch == 0 else ops.moveaxis(merged, 0, batch)
@@ -511,7 +521,7 @@ class MemberDense(keras.layers.Layer):  # type: ignore[misc]
             y = ops.concatenate(parts, axis=-1)
         else:
             y = ops.einsum("...mi,mio->...mo", _split_axis(x, len(x.shape) - 1, self.members), self.kernel)
-            y = ops.reshape(y, (-1, *x.shape[1:-1], self.members * self.units))
+            y = ops.reshape(y, (-1, *sizes(x)[1:-1], self.members * self.units))
         if self.bias is not None:
             y = y + self.bias
         return self.activation(y)
@@ -660,7 +670,7 @@ class MemberOutput(keras.layers.Layer):  # type: ignore[misc]
     def call(self, x: Any) -> Any:
         m = self.members
         if self.placement == "batch":
-            y = ops.moveaxis(ops.reshape(x, (m, -1, *x.shape[1:])), 0, 1)
+            y = ops.moveaxis(ops.reshape(x, (m, -1, *sizes(x)[1:])), 0, 1)
         elif self.placement == "channels":
             y = ops.moveaxis(_split_axis(x, self.axis, m), self.axis, 1)
         else:
@@ -708,7 +718,7 @@ class SelectMembers(keras.layers.Layer):  # type: ignore[misc]
         self.n, self.members, self.squeeze = n, [int(k) for k in members], squeeze
 
     def call(self, x: Any) -> Any:
-        y = ops.take(ops.reshape(x, (self.n, -1, *x.shape[1:])), np.asarray(self.members, dtype="int32"), axis=0)
+        y = ops.take(ops.reshape(x, (self.n, -1, *sizes(x)[1:])), np.asarray(self.members, dtype="int32"), axis=0)
         return y[0] if self.squeeze else ops.moveaxis(y, 0, 1)
 
     def compute_output_shape(self, input_shape: Sequence[int | None]) -> tuple[int | None, ...]:

@@ -73,9 +73,9 @@ class PackedMasksembles(keras.Model):  # type: ignore[misc]  # keras is untyped:
         of the batch where the batch is known when it is traced and its largest tensor (its report's
         ``sample_bytes`` per sample) exceeds ``_packed_layers.CHUNK_BYTES`` (``masksembles_core.packing.
         samples_per_chunk``)."""
-        sample_bytes = int(self._report.get("sample_bytes", 0))
         leaves = keras.tree.flatten(inputs)
         batch = leaves[0].shape[0] if len(leaves) == 1 else None
+        sample_bytes = int(self._report.get("sample_bytes", 0)) * _declared_none(self, leaves[0].shape)
         if sample_bytes and isinstance(batch, int) and keras.backend.backend() in CHUNKED:
             samples = samples_per_chunk(batch, sample_bytes, _packed_layers.CHUNK_BYTES)
             if samples:
@@ -131,6 +131,18 @@ class PackedMasksembles(keras.Model):  # type: ignore[misc]  # keras is untyped:
         )
 
 
+def _declared_none(model: keras.Model, shape: Sequence[int | None]) -> int:
+    """The product of ``shape``'s sizes on the axes (batch left out) the model's input declares None, as known when
+    traced (``sample_bytes`` counts each such size as 1); 0 where one is unknown then."""
+    sizes = [size for size, declared in zip(shape[1:], model.inputs[0].shape[1:], strict=True) if declared is None]
+    product = 1
+    for size in sizes:
+        if size is None:
+            return 0
+        product *= int(size)
+    return product
+
+
 def _report(members: Sequence[int], program: str, fallbacks: Sequence[str], macs: dict[str, int]) -> dict[str, Any]:
     return {"members": [int(k) for k in members], "program": program, "fallbacks": list(fallbacks),
             "macs": {key: int(value) for key, value in macs.items()}, "seconds": {}, "choice": ""}  # fmt: skip
@@ -146,7 +158,7 @@ def _build(capture: Capture, chosen: Sequence[int], squeeze: bool, *, dense: boo
     program = plan_program(nodes, output, members)
     emitter = Emitter(capture, axis, program, squeeze, pick)
     report = _report(chosen, "dense" if dense else "packed", emitter.fallbacks, emitter.macs)
-    if keras.backend.backend() in CHUNKED and _keeps_samples_apart(capture):
+    if keras.backend.backend() in CHUNKED and len(capture.inputs) == 1 and _keeps_samples_apart(capture):
         report["sample_bytes"] = emitter.sample_bytes
     return PackedMasksembles(emitter.input, emitter.output, name=f"{capture.model.name}_packed", masksembles=report)
 
@@ -171,11 +183,20 @@ def _keeps_samples_apart(capture: Capture) -> bool:
 
 
 def _whole_model(model: keras.Model, n: int, chosen: Sequence[int], squeeze: bool, why: str) -> PackedMasksembles:
-    """The model itself (a copy) on the tiled batch: what ``predict`` computes."""
-    copy = keras.models.clone_model(model)
-    copy.set_weights(model.get_weights())
-    x = keras.Input(shape=model.inputs[0].shape[1:], dtype=model.inputs[0].dtype, name="input")
-    y = SelectMembers(n, chosen, squeeze)(copy(TileBatch(n)(x), training=False))
+    """The model itself (a copy, or the model where its config does not rebuild it) on the tiled batch: what
+    ``predict`` computes."""
+    try:
+        copy = keras.models.clone_model(model)
+        copy.set_weights(model.get_weights())
+    except Exception:  # a model whose config does not rebuild it (a keras-hub task after surgery)
+        copy = model
+    single = len(model.inputs) == 1
+    inputs = [
+        keras.Input(shape=t.shape[1:], dtype=t.dtype, name="input" if single else t.name) for t in model.inputs
+    ]  # fmt: skip
+    x = inputs[0] if single else keras.tree.pack_sequence_as(model.input, inputs)
+    tiled = keras.tree.map_structure(TileBatch(n), x)
+    y = keras.tree.map_structure(SelectMembers(n, chosen, squeeze), copy(tiled, training=False))
     report = _report(chosen, "dense", [why], {})
     return PackedMasksembles(x, y, name=f"{model.name}_packed", masksembles=report)
 
@@ -183,11 +204,11 @@ def _whole_model(model: keras.Model, n: int, chosen: Sequence[int], squeeze: boo
 class _Verifier:
     """Checks built programs against ``predict`` on the first ``VERIFY_SAMPLES`` samples of the example input."""
 
-    def __init__(self, model: keras.Model, x: np.ndarray, n: int, chosen: Sequence[int], squeeze: bool) -> None:
-        self.x = x[:VERIFY_SAMPLES]
-        tiled = _run(model, mc.tile(self.x, n))  # what predict runs, as one compiled call
-        members = mc.untile(np.asarray(keras.ops.convert_to_numpy(tiled)), n)[list(chosen)]
-        self.expected = members[0] if squeeze else members
+    def __init__(self, model: keras.Model, x: Any, n: int, chosen: Sequence[int], squeeze: bool) -> None:
+        self.x = keras.tree.map_structure(lambda leaf: leaf[:VERIFY_SAMPLES], x)
+        tiled = _run(model, keras.tree.map_structure(lambda leaf: mc.tile(leaf, n), self.x))  # what predict runs
+        members = [mc.untile(_numpy(leaf), n)[list(chosen)] for leaf in keras.tree.flatten(tiled)]
+        self.expected = [leaf[0] for leaf in members] if squeeze else members
         self.squeeze = squeeze
 
     def mismatch(self, packed: keras.Model) -> str | None:
@@ -200,19 +221,23 @@ class _Verifier:
 
     def _differs(self, run: Callable[[], Any]) -> str | None:
         try:
-            actual = np.asarray(keras.ops.convert_to_numpy(run()))
+            actual = [_numpy(leaf) for leaf in keras.tree.flatten(run())]
         except Exception as error:  # a program that fails where the model runs differs from it
             return f"it raised {type(error).__name__}: {error}"
         if not self.squeeze:
-            actual = np.moveaxis(actual, 1, 0)
-        return output_mismatch([self.expected], [actual], [_eps(self.expected.dtype)])
+            actual = [np.moveaxis(leaf, 1, 0) for leaf in actual]
+        return output_mismatch(self.expected, actual, [_eps(leaf.dtype) for leaf in self.expected])
+
+
+def _numpy(value: Any) -> np.ndarray:
+    return np.asarray(keras.ops.convert_to_numpy(value))
 
 
 def _eps(dtype: np.dtype) -> float:
     return float(np.finfo(dtype).eps) if np.issubdtype(dtype, np.inexact) else 0.0
 
 
-def _run(model: keras.Model, x: np.ndarray, chunked: bool = False) -> Any:
+def _run(model: keras.Model, x: Any, chunked: bool = False) -> Any:
     """One inference call of ``model`` on ``x`` (one compiled program on JAX; ``chunked``: on chunks of one sample)."""
 
     def run(value: Any) -> Any:
@@ -248,7 +273,7 @@ def _verified(
     return result
 
 
-def _timed(model: keras.Model, x: np.ndarray) -> Callable[[], object]:
+def _timed(model: keras.Model, x: Any) -> Callable[[], object]:
     """One compiled inference call of ``model`` on ``x`` (``predict_on_batch``: the function ``predict`` runs)."""
     return lambda: model.predict_on_batch(x)
 
@@ -292,11 +317,13 @@ def pack(
 
     Equals ``masksembles_keras.predict(model, x, n)`` moved to batch first (``np.moveaxis(y, 0, 1)``), in inference
     (BatchNormalization moving statistics, Dropout off), for finite activations, at about the cost the masks' overlap
-    allows instead of n dense forward passes. ``example_input`` (batch on axis 0, any batch size) is run through the
-    model call by call to record shapes; the model is read, not modified. Sequential and functional models pack,
-    nested ones and raw operations (``x * 2.0``, ``keras.ops.sigmoid(x)``, ``x[:, 0]``) included; what this module
-    cannot compact (custom layers, unknown operations, a ``Lambda``) runs at full width on the member-stacked batch
-    and is listed in ``fallbacks``.
+    allows instead of n dense forward passes. ``example_input`` (batch on axis 0, any batch size; for a model with
+    several inputs, their arrays in the structure of ``model.input``: a list, or a dict by input name) is run through
+    the model call by call to record shapes; the model is read, not modified. The packed model takes inputs as the
+    model does (sizes the model declares None stay free) and returns its output structure, each output batch first.
+    Sequential and functional models pack, nested ones and raw operations (``x * 2.0``, ``keras.ops.sigmoid(x)``,
+    ``x[:, 0]``) included; what this module cannot compact (custom layers, unknown operations, a ``Lambda``) runs at
+    full width on the member-stacked batch and is listed in ``fallbacks``.
 
     Args:
         n: the number of members; None reads it from the model's Masksembles layers.
@@ -311,8 +338,9 @@ def pack(
 
     Raises:
         TypeError: ``model`` is a subclassed model (its ``call()`` cannot be read) or not a Keras model.
-        ValueError: ``program`` is not one of the three; an unbuilt model, one with several inputs or outputs, no
-            Masksembles layer (with ``n`` None), Masksembles layers of different n, or ``n`` that differs from theirs.
+        ValueError: ``program`` is not one of the three; an unbuilt model, an example that does not fit its inputs
+            or whose arrays differ in batch size, no Masksembles layer (with ``n`` None), Masksembles layers of
+            different n, or ``n`` that differs from theirs.
     """
     return _packed(model, example_input, n, None, False, program, verify)
 

@@ -182,6 +182,26 @@ def test_trains_predicts_and_round_trips_a_keras_file(name: str, operation: str,
     np.testing.assert_array_equal(mk.predict(loaded, x), members)
 
 
+@pytest.mark.parametrize(
+    ("name", "operation"), [(name, "insert") for name in MODELS] + [("replica", "convert_dropout")]
+)
+def test_pack_and_extract_member_equal_predict_called_as_the_model_is(name: str, operation: str) -> None:
+    """The task called with its own inputs (a dict for the text models): the packed model and a member equal
+    ``predict`` in the task's output structure. The custom encoder layers run at full width and are listed; a layer
+    ``insert`` wrapped (``Masked``) in the task's own graph compacts: the head."""
+    model, x = MODELS[name]()
+    result = surgery(model, operation)
+    packed = mk.pack(result, x, program="packed")
+    members = mk.predict(result, x)
+    np.testing.assert_allclose(np.moveaxis(packed.predict(x, verbose=0), 1, 0), members, rtol=1e-5, atol=1e-6)
+    member = mk.extract_member(result, 1, x)
+    np.testing.assert_allclose(member.predict(x, verbose=0), members[1], rtol=1e-5, atol=1e-6)
+    assert any(f.endswith("(Encoder)") or "encoder" in f.lower() for f in packed.fallbacks), packed.fallbacks
+    if operation == "insert":
+        assert not [f for f in packed.fallbacks if "Masked" in f], "the head compacts"
+        assert packed.macs["packed"] < packed.macs["dense"]
+
+
 def test_a_keras_hub_task_keeps_its_task_api(tmp_path: Path) -> None:
     if not HUB:
         pytest.skip(f"backend 'keras_hub' not requested (MASKSEMBLES_TEST_BACKENDS={requested_backends()})")
