@@ -480,11 +480,13 @@ def test_operations_that_read_the_batch_run_on_the_member_stacked_batch() -> Non
             assert relative_error(member(x), expected[k]) <= 1e-5
 
 
-def test_per_sample_programs_run_on_chunks_of_the_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("name", ["cnn", "vit-multi-head-attention"])
+def test_per_sample_programs_run_on_chunks_of_the_batch(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
     """On CPU a program proven to compute each sample from that sample alone runs on chunks of the batch
-    (``jax.lax.map``, then the rest in one call): packed, dense and extracted ones equal predict at any batch."""
+    (``jax.lax.map``, then the rest in one call): packed, dense and extracted ones equal predict at any batch (the
+    ViT's class token broadcast to each chunk's size)."""
     monkeypatch.setattr(packing_module, "samples_per_chunk", lambda batch, size, limit: 2)  # the size: in the core
-    factory, shape = MODULES["cnn"]
+    factory, shape = MODULES[name]
     model = randomized(factory())
     x = random_input((5, *shape), 5)
     packed, dense = pack(model, x[:3], program="packed"), pack(model, x[:3], program="dense")
