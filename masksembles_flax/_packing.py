@@ -80,7 +80,7 @@ from ._ops import apply_masks, predict, untile
 # Flax-examples ResNet-18 2.34x the single model at batch 32 against 1.93x with 16 samples and 2.02x in one call; the
 # small ResNet at batch 256 read 2.03x (16 samples), 2.27x (64) and 2.50x (one call). Interleaved on the loaded
 # machine, chunks of 16 samples instead of about 64 MiB (one call at batch 32, 128 samples at 256) ran the packed
-# ViT-like 8-9% faster at batch 32 and 25% at 256, and the ResNet, CNN module and ConvNeXt-like 0-9% faster.
+# ViT-like 6-9% faster at batch 32 and 25% at 256, and the other rows as fast or up to 10% faster (docs/flax.md).
 CHUNK_SAMPLES = 16
 CHUNK_BYTES = 4 * 2**20
 
