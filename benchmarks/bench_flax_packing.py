@@ -330,8 +330,9 @@ def main() -> None:
         '(widths unchanged). `pack (s)`: the build of `pack(model, x, program="packed")`, verification included. '
         '`auto`: the program `pack(model, x)` (`program="auto"`) returned, and the medians of the packed and dense '
         "programs it timed on x in its interleaved rounds. On CPU a packed program proven to compute each sample "
-        "from that sample alone runs on chunks of the batch (`jax.lax.map`; its largest tensor, the members' "
-        f"together, about {packing_module.CHUNK_BYTES // 2**20} MiB per chunk); `chunk` gives the chunk's samples "
+        f"from that sample alone runs on chunks of the batch (`jax.lax.map`; {packing_module.CHUNK_SAMPLES} samples, "
+        "more where their largest tensor, the members' together, is under "
+        f"{packing_module.CHUNK_BYTES // 2**20} MiB); `chunk` gives the chunk's samples "
         "and packed ÷ the single model run on the same chunks, the like-for-like ratio (— where packed runs in one "
         "call). "
         "Targets: packed within 1.3× of its MAC ratio and ≤ 1.5× for the MLP; tiled predict ≈ N×.",

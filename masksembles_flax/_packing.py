@@ -25,9 +25,9 @@ ones there); elsewhere, a token sequence (B, L, C) included, a gather, which XLA
 produces it (one-hot products before the MLPs made the packed ViT-like of ``benchmarks/`` 15-20% slower at batch 32).
 Operations that run at full width bind the model's primitive with the parameters it has at the member-stacked batch
 size. On CPU a program proven to compute each sample from that sample alone (``Capture.per_sample``) runs on chunks of
-the batch (``in_chunks``: ``jax.lax.map``), its largest tensor about ``CHUNK_BYTES`` per chunk: XLA:CPU ran the
-attention of the ViT-like of ``benchmarks/`` on a member-stacked batch of 4 x 32 samples (4x the work) in 4.5-7x the
-time of one batch of 32, and in 3.3x on chunks of 8 samples.
+the batch (``in_chunks``: ``jax.lax.map``) of ``CHUNK_SAMPLES`` samples (more where their tensors are small): XLA:CPU
+ran the attention of the ViT-like of ``benchmarks/`` on a member-stacked batch of 4 x 32 samples (4x the work) in
+4.5-7x the time of one batch of 32, and in 3.3x on chunks of 8 samples.
 
 Exactness: results equal the dense model's for finite activations, up to float rounding. Channels that Masksembles
 zeroes are left out instead of multiplied by 0 (a masked inf or NaN gives NaN in the dense model and is absent here),
@@ -72,13 +72,17 @@ from . import _capture as capture_module
 from ._capture import PREFIX, SHAPE_PARAMS, Capture, Eqn, Literal, NotAffine, Op, node_name
 from ._ops import apply_masks, predict, untile
 
-# on CPU a program proven per-sample runs on chunks of the batch where its largest tensor is about this size (the
-# members' together): XLA:CPU runs convolutions slower per multiply-add on tensors far over the CPU's cache, and far
-# below its speed on a batch in loops of a few samples. On the quiet machine, chunks of 1 MiB (one sample of the
-# benchmark's ResNet and CNN) made it 1.3-2.6x slower than one call at batch 32, and chunks of 16 MiB (4 samples of the
-# Flax-examples ResNet-18) 2.34x the single model at batch 32 against 1.93x with 64 MiB (16 samples) and 2.02x in one
-# call; the small ResNet at batch 256 read 2.03x (16 MiB), 2.27x (64 MiB) and 2.50x (one call).
-CHUNK_BYTES = 64 * 2**20
+# on CPU a program proven per-sample runs on chunks of CHUNK_SAMPLES samples, or more where that many samples' largest
+# tensor (the members' together) is under CHUNK_BYTES (an MLP's: its matmuls keep their rows). XLA:CPU runs the
+# attention, LayerNorms and MLPs of a ViT slower per multiply-add on tensors far over the CPU's cache, and convolutions
+# far below their speed on a batch in loops of a few samples. On the quiet machine, chunks of 1 MiB (one sample of the
+# benchmark's ResNet and CNN) made it 1.3-2.6x slower than one call at batch 32, and chunks of 4 samples of the
+# Flax-examples ResNet-18 2.34x the single model at batch 32 against 1.93x with 16 samples and 2.02x in one call; the
+# small ResNet at batch 256 read 2.03x (16 samples), 2.27x (64) and 2.50x (one call). Interleaved on the loaded
+# machine, chunks of 16 samples instead of about 64 MiB (one call at batch 32, 128 samples at 256) ran the packed
+# ViT-like 6-9% faster at batch 32 and 25% at 256, and the other rows as fast or up to 10% faster (docs/flax.md).
+CHUNK_SAMPLES = 16
+CHUNK_BYTES = 4 * 2**20
 
 
 class Constant(nnx.Variable[jax.Array]):
@@ -254,8 +258,13 @@ class PackedMasksembles(nnx.Module):
     def chunk(self, batch: int) -> int:
         """The samples it runs at a time on a batch of ``batch`` (``jax.lax.map`` over chunks of the batch); 0: the
         whole batch in one call. On CPU a program proven to compute each sample from that sample alone runs on
-        chunks whose largest tensor (the members' together) is about ``CHUNK_BYTES``."""
-        return samples_per_chunk(batch, self.plan.sample_bytes, CHUNK_BYTES) if self.plan.sample_bytes else 0
+        chunks of about ``CHUNK_SAMPLES`` samples, or more where that many samples' largest tensor (the members'
+        together) is under ``CHUNK_BYTES``: chunks of equal size whose largest tensor is at most the larger of the
+        two."""
+        sample_bytes = self.plan.sample_bytes
+        if not sample_bytes:
+            return 0
+        return samples_per_chunk(batch, sample_bytes, max(CHUNK_BYTES, CHUNK_SAMPLES * sample_bytes))
 
     def __call__(self, x: jax.Array) -> Any:
         """(B, ...) -> every output leaf as (m, B, ...), or (B, ...) for an extracted member."""

@@ -4,6 +4,7 @@ reported; only a model JAX cannot trace is refused."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -479,11 +480,13 @@ def test_operations_that_read_the_batch_run_on_the_member_stacked_batch() -> Non
             assert relative_error(member(x), expected[k]) <= 1e-5
 
 
-def test_per_sample_programs_run_on_chunks_of_the_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("name", ["cnn", "vit-multi-head-attention"])
+def test_per_sample_programs_run_on_chunks_of_the_batch(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
     """On CPU a program proven to compute each sample from that sample alone runs on chunks of the batch
-    (``jax.lax.map``, then the rest in one call): packed, dense and extracted ones equal predict at any batch."""
+    (``jax.lax.map``, then the rest in one call): packed, dense and extracted ones equal predict at any batch (the
+    ViT's class token broadcast to each chunk's size)."""
     monkeypatch.setattr(packing_module, "samples_per_chunk", lambda batch, size, limit: 2)  # the size: in the core
-    factory, shape = MODULES["cnn"]
+    factory, shape = MODULES[name]
     model = randomized(factory())
     x = random_input((5, *shape), 5)
     packed, dense = pack(model, x[:3], program="packed"), pack(model, x[:3], program="dense")
@@ -496,6 +499,27 @@ def test_per_sample_programs_run_on_chunks_of_the_batch(monkeypatch: pytest.Monk
         assert relative_error(singles[0], expected) <= 1e-5 and relative_error(singles[1], expected[1]) <= 1e-5
     scan = [e for e in jax.make_jaxpr(packed)(x).jaxpr.eqns if e.primitive.name == "scan"]
     assert [e.params["length"] for e in scan] == [2], "two chunks of 2 in one loop, the fifth sample after it"
+
+
+def test_chunks_hold_chunk_samples_or_more_where_samples_are_small() -> None:
+    """Chunks of ``CHUNK_SAMPLES`` samples where that many samples' largest tensor is over ``CHUNK_BYTES``, of about
+    ``CHUNK_BYTES`` where it is under (an MLP's rows); one call for a batch within one chunk."""
+    factory, shape = MODULES["cnn"]
+    packed = pack(randomized(factory()), random_input((2, *shape), 2), program="packed")
+    samples, limit = packing_module.CHUNK_SAMPLES, packing_module.CHUNK_BYTES
+    assert (samples, limit) == (16, 4 * 2**20)  # the figures below
+
+    def chunk(sample_bytes: int, batch: int) -> int:
+        packed.plan = dataclasses.replace(packed.plan, sample_bytes=sample_bytes)
+        return packed.chunk(batch)
+
+    large = limit // 2  # CHUNK_SAMPLES samples: 8x CHUNK_BYTES
+    assert chunk(large, 1) == chunk(large, samples) == 0
+    assert chunk(large, 2 * samples) == chunk(large, 256) == samples
+    assert chunk(large, 34) == 12  # 68 MiB in chunks of up to 32: three of 12 (two in the loop, 10 after)
+    small = limit // (4 * samples)  # CHUNK_SAMPLES samples: a quarter of CHUNK_BYTES
+    assert chunk(small, 4 * samples) == 0 and chunk(small, 16 * samples) == 4 * samples
+    assert chunk(0, 256) == 0  # not proven per-sample, or not on CPU
 
 
 def test_programs_that_read_the_batch_run_in_one_call(monkeypatch: pytest.MonkeyPatch) -> None:
