@@ -241,6 +241,30 @@ class MemberLinear(nn.Module):
         return f"members={members}, in_features={inputs}, out_features={outputs}, bias={self.bias is not None}{layout}"
 
 
+class MemberConv(nn.Module):
+    """The members' convolutions one by one, each on its block of the channels: (B, m*I, ...) -> (B, m*O, ...),
+    equal to the grouped convolution ``grouped`` (groups = m, weights and settings its own) it is made from. On CPU
+    oneDNN runs a grouped convolution of few positions several times slower than its groups apart (``pack`` chooses
+    this form by ``MEMBER_CONV_POSITIONS``)."""
+
+    def __init__(self, grouped: nn.Module, members: int) -> None:
+        super().__init__()
+        assert isinstance(grouped, nn.Conv1d | nn.Conv2d | nn.Conv3d) and grouped.groups == members
+        outputs = grouped.out_channels // members
+        self.convs = nn.ModuleList()
+        for k in range(members):
+            conv = copy.deepcopy(grouped)
+            conv.groups, conv.in_channels, conv.out_channels = 1, grouped.in_channels // members, outputs
+            conv.weight = nn.Parameter(grouped.weight[k * outputs : (k + 1) * outputs].clone(), requires_grad=False)
+            if grouped.bias is not None:
+                conv.bias = nn.Parameter(grouped.bias[k * outputs : (k + 1) * outputs].clone(), requires_grad=False)
+            self.convs.append(conv)
+
+    def forward(self, x: Tensor) -> Tensor:
+        blocks = x.chunk(len(self.convs), 1)
+        return torch.cat([conv(block) for conv, block in zip(self.convs, blocks, strict=True)], 1)
+
+
 def _written(function: Callable[..., Tensor], *args: Tensor, out: Tensor | None) -> Tensor:
     """``function(*args, out=out)``; when compiled or exported, computed and then copied into ``out`` (the compiler
     traces no strided ``out=``, and plans the memory itself)."""
