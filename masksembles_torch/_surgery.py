@@ -503,7 +503,6 @@ def insert(
         if not failed:
             return _attach(model, report)
         _unwrap(model, wrappers)
-        keep_masks_off_fused_paths(model)
         reasons.update(failed)
 
 
