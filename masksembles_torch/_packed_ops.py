@@ -253,8 +253,11 @@ class MemberConv(nn.Module):
         outputs = grouped.out_channels // members
         self.convs = nn.ModuleList()
         for k in range(members):
-            conv = copy.deepcopy(grouped)
-            conv.groups, conv.in_channels, conv.out_channels = 1, grouped.in_channels // members, outputs
+            conv = nn.utils.skip_init(  # type: ignore[no-untyped-call]  # weights not drawn: they are set below
+                type(grouped), grouped.in_channels // members, outputs, grouped.kernel_size, stride=grouped.stride,
+                padding=grouped.padding, dilation=grouped.dilation, bias=grouped.bias is not None,
+                padding_mode=grouped.padding_mode, device=grouped.weight.device, dtype=grouped.weight.dtype,
+            )  # fmt: skip
             conv.weight = nn.Parameter(grouped.weight[k * outputs : (k + 1) * outputs].clone(), requires_grad=False)
             if grouped.bias is not None:
                 conv.bias = nn.Parameter(grouped.bias[k * outputs : (k + 1) * outputs].clone(), requires_grad=False)
