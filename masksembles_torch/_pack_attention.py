@@ -22,12 +22,13 @@ import math
 import operator
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from ._pack_capture import DROPOUT_FUNCTIONS, DROPOUT_TYPES, _Op, _target_name
+from ._pack_capture import DROPOUT_FUNCTIONS, DROPOUT_TYPES, _Capture, _Op, _Seen, _target_name
 from ._pack_graph import _Graph
 
 RESHAPES = {"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as"}
@@ -362,3 +363,221 @@ def _reshape(
     shape[out_batch] = -1
     region.shapes[node] = tuple(shape)
     return landing
+
+
+# ---- attention written out operation by operation, run as one call
+
+MULTIPLY = {"mul", "__mul__", "__rmul__", "multiply"}
+DIVIDE = {"truediv", "div", "__truediv__", "true_divide", "divide"}
+ADD = {"add", "__add__", "__radd__"}
+
+
+@dataclass(frozen=True)
+class WrittenAttention:
+    """``softmax((q * a) @ k^T * b + mask, -1) @ v`` written out operation by operation (Hugging Face's eager
+    attention, timm's non-fused one): the operations from the scores ``q @ k^T`` to the result, in graph order, the
+    transpose of ``k`` and the scaled query (when the query is scaled) that the scores read, and what
+    ``F.scaled_dot_product_attention`` reads instead of them (the scale ``a * b``, the mask at ``mask_position`` of
+    the sum)."""
+
+    chain: tuple[fx.Node, ...]
+    key_transposed: fx.Node
+    query_scaled: fx.Node | None
+    scale: float
+    mask_position: int | None
+
+
+def written_attentions(capture: _Capture) -> list[WrittenAttention]:
+    """Every written-out attention of the capture whose intermediate values nothing else reads: q, k and v of one
+    floating dtype and rank, with the same leading axes; scales by numbers, an additive mask after them (of the
+    scores' dtype, broadcast to their shape); a softmax over the last axis (in the scores' dtype); Dropout in eval and
+    casts to the same dtype after it."""
+    return [found for node in capture.gm.graph.nodes if (found := _written(capture, node)) is not None]
+
+
+def _written(capture: _Capture, result: fx.Node) -> WrittenAttention | None:
+    if not _is_matmul(result) or result not in capture.dynamic:
+        return None
+    chain, node = [result], result.args[0]
+    while isinstance(node, fx.Node) and _passes_through(capture, node):
+        chain.append(node)
+        node = node.args[0]
+    if not isinstance(node, fx.Node) or _called(node) != "softmax" or not node.args or node not in capture.dynamic:
+        return None
+    scores = capture.seen[node]
+    dtype_position = 3 if node.target is F.softmax else 2  # F.softmax(input, dim, _stacklevel, dtype)
+    dim, dtype = capture.argument(node, "dim", 1), capture.argument(node, "dtype", dtype_position, None)
+    if not isinstance(dim, int) or dim % max(scores.rank, 1) != scores.rank - 1:
+        return None
+    if dtype is not None and dtype != scores.dtype:
+        return None
+    chain.append(node)
+    node, mask_position = node.args[0], None
+    if isinstance(node, fx.Node) and _called(node) in ADD and not node.kwargs and len(node.args) == 2:
+        mask_position = next((1 - i for i, a in enumerate(node.args) if _scales(capture, a) or _is_matmul(a)), None)
+        if mask_position is None or not _broadcast_mask(capture, node.args[mask_position], scores):
+            return None
+        chain.append(node)
+        node = node.args[1 - mask_position]
+    scale = 1.0
+    if _scales(capture, node):
+        scale = _factor(cast(fx.Node, node))
+        chain.append(cast(fx.Node, node))
+        node = next(a for a in cast(fx.Node, node).args if isinstance(a, fx.Node))
+    if not _is_matmul(node):
+        return None
+    scores_node = cast(fx.Node, node)
+    chain.append(scores_node)
+    query, transposed = scores_node.args
+    query_scaled = None
+    if _scales(capture, query):
+        query_scaled = cast(fx.Node, query)
+        scale *= _factor(query_scaled)
+        query = next(a for a in query_scaled.args if isinstance(a, fx.Node))
+    if not isinstance(transposed, fx.Node) or not _swaps_last_two(capture, transposed):
+        return None
+    key, value = transposed.args[0], result.args[1]
+    if not all(isinstance(t, fx.Node) and t in capture.dynamic for t in (query, key, value)):
+        return None
+    q, k, v = (capture.seen[cast(fx.Node, t)] for t in (query, key, value))
+    if not (q.tensor and k.tensor and v.tensor) or not q.rank == k.rank == v.rank >= 3 or q.dtype is None:
+        return None
+    if not q.dtype.is_floating_point or not q.dtype == k.dtype == v.dtype == scores.dtype:
+        return None
+    (qs, _), (ks, _), (vs, _) = q.shapes, k.shapes, v.shapes
+    if qs[:-2] != ks[:-2] or ks[:-2] != vs[:-2] or qs[-1] != ks[-1] or ks[-2] != vs[-2]:
+        return None
+    if any(len(n.users) != 1 for n in (*chain[1:], transposed, *([query_scaled] if query_scaled else []))):
+        return None
+    return WrittenAttention(tuple(reversed(chain)), transposed, query_scaled, scale, mask_position)
+
+
+def _factor(node: fx.Node) -> float:
+    """What a scale (``_scales``) multiplies its tensor by."""
+    number = cast(float, next(a for a in node.args if not isinstance(a, fx.Node)))
+    return 1 / number if _called(node) in DIVIDE else float(number)
+
+
+def _is_matmul(node: Any) -> bool:
+    return (
+        isinstance(node, fx.Node)
+        and node.op != "call_module"
+        and (node.target in MATMULS or _called(node) in MATMULS)
+        and len(node.args) == 2
+        and not node.kwargs
+    )
+
+
+def _passes_through(capture: _Capture, node: fx.Node) -> bool:
+    """Dropout in eval, or a cast to the dtype the value has."""
+    if node.op == "call_module":
+        return isinstance(capture.gm.get_submodule(str(node.target)), (*DROPOUT_TYPES, nn.Identity))
+    if node.target in DROPOUT_FUNCTIONS:
+        return capture.argument(node, "training", 2, True) is False
+    cast_call = node.op == "call_method" and node.target in ("to", "type")
+    if (cast_call or node.target is torch.ops.aten.to.dtype) and node.args and isinstance(node.args[0], fx.Node):
+        before, after = capture.seen.get(node.args[0]), capture.seen.get(node)
+        casts = [_value(capture, a) for a in (*node.args[1:], *node.kwargs.values()) if not isinstance(a, bool)]
+        return (
+            before is not None
+            and after is not None
+            and casts == [before.dtype]
+            and before.dtype == after.dtype
+            and before.shapes == after.shapes
+        )
+    return False
+
+
+def _value(capture: _Capture, argument: Any) -> Any:
+    """An argument's value: a constant, or a value read from the input that the probe saw the same at both batch
+    sizes (``q.dtype``)."""
+    if not isinstance(argument, fx.Node) or argument not in capture.dynamic:
+        return capture.constant(argument)
+    seen = capture.seen.get(argument)
+    return seen.values[0] if seen is not None and not seen.tensor and seen.values[0] == seen.values[1] else None
+
+
+def _scales(capture: _Capture, node: Any) -> bool:
+    """A product or quotient of one tensor by a number (the tensor first for a quotient)."""
+    if not isinstance(node, fx.Node) or node.kwargs or len(node.args) != 2 or node not in capture.dynamic:
+        return False
+    name = _called(node)
+    numbers = [isinstance(a, int | float) and not isinstance(a, bool) for a in node.args]
+    if name in DIVIDE:
+        return isinstance(node.args[0], fx.Node) and numbers[1] and bool(node.args[1] != 0)
+    return name in MULTIPLY and sum(numbers) == 1 and any(isinstance(a, fx.Node) for a in node.args)
+
+
+def _broadcast_mask(capture: _Capture, mask: Any, scores: _Seen) -> bool:
+    """An additive mask of the scores' dtype that broadcasts to their shape (at both probed batch sizes)."""
+    if not isinstance(mask, fx.Node):
+        return False
+    seen = capture.seen.get(mask)
+    if seen is not None and seen.tensor:
+        shapes, dtype = seen.shapes, seen.dtype
+    else:
+        constant = capture.constants.get(mask)
+        if not isinstance(constant, torch.Tensor):
+            return False
+        shapes, dtype = (tuple(constant.shape),) * 2, constant.dtype
+    return dtype == scores.dtype and all(
+        len(shape) <= len(target) and all(a in (1, b) for a, b in zip(reversed(shape), reversed(target), strict=False))
+        for shape, target in zip(shapes, scores.shapes, strict=True)
+    )
+
+
+def _swaps_last_two(capture: _Capture, node: fx.Node) -> bool:
+    """``k.transpose(-1, -2)`` (any spelling of the last two axes)."""
+    if _called(node) not in ("transpose", "swapaxes", "swapdims") or len(node.args) != 3 or node.kwargs:
+        return False
+    source = node.args[0]
+    if not isinstance(source, fx.Node) or source not in capture.seen:
+        return False
+    rank = capture.seen[source].rank
+    dims = node.args[1:]
+    return all(isinstance(d, int) for d in dims) and {d % rank for d in dims} == {rank - 1, rank - 2}  # type: ignore[operator]
+
+
+def fuse_written_attention(graph: fx.Graph, values: dict[str, fx.Node], attention: WrittenAttention) -> list[fx.Node]:
+    """Replace an emitted written-out attention by one ``F.scaled_dot_product_attention`` call, where the emitted
+    operations mirror the captured ones (each reads what its captured twin reads, and nothing else reads it); the
+    emitted operations it removed (none where it left them as they were)."""
+    feeds = [attention.key_transposed, *([attention.query_scaled] if attention.query_scaled else [])]
+    captured = [*feeds, *attention.chain]
+    emitted = {node: values.get(node.name) for node in captured}
+    for node in captured:
+        twin = emitted[node]
+        if twin is None or twin.op != node.op or (node.op != "call_module" and twin.target != node.target):
+            return []
+        if node is not attention.chain[-1] and len(twin.users) != 1:
+            return []
+        for a, b in zip(node.args, twin.args, strict=True):  # the captured operations it reads, as emitted
+            if isinstance(a, fx.Node) and a in emitted and b is not emitted[a]:
+                return []
+    scores, result = cast(fx.Node, emitted[attention.chain[0]]), cast(fx.Node, emitted[attention.chain[-1]])
+    transposed = cast(fx.Node, emitted[attention.key_transposed])
+    query = scores.args[0]
+    if attention.query_scaled is not None:
+        query = next(a for a in cast(fx.Node, emitted[attention.query_scaled]).args if isinstance(a, fx.Node))
+    mask = None
+    if attention.mask_position is not None:
+        added = next(emitted[node] for node in attention.chain if _called(node) in ADD)
+        mask = cast(fx.Node, added).args[attention.mask_position]
+    with graph.inserting_before(result):
+        fused = graph.call_function(
+            F.scaled_dot_product_attention,
+            (query, transposed.args[0], result.args[1]),
+            {"attn_mask": mask, "scale": attention.scale},
+        )
+    result.replace_all_uses_with(fused)
+    removed = [cast(fx.Node, emitted[node]) for node in reversed(captured)]
+    read = {a for node in removed for a in node.all_input_nodes}
+    for node, twin in zip(reversed(captured), removed, strict=True):
+        graph.erase_node(twin)
+        del values[node.name]
+    for node in read:  # queries only the removed operations read (``q.dtype`` for a cast)
+        if not node.users and (node.target is getattr or node.target in ("size", "dim")):
+            graph.erase_node(node)
+            removed.append(node)
+    values[attention.chain[-1].name] = fused
+    return removed

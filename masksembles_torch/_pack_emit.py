@@ -29,7 +29,7 @@ from masksembles_core.packing import (
 
 from . import _packed_ops as ops
 from ._layers import Masksembles
-from ._pack_attention import Fold, Region
+from ._pack_attention import Fold, Region, fuse_written_attention, written_attentions
 from ._pack_capture import (
     CONV_TYPES,
     ELEMENTWISE_FUNCTIONS,
@@ -73,6 +73,7 @@ class _Emitter:
         for step in program.steps:
             self.values[step.name] = self._step(step)
         self.macs = program_macs(program, self.costs)
+        self._fuse_attention()
         self._output(squeeze)
         self._in_place()
         self._member_major()
@@ -484,6 +485,15 @@ class _Emitter:
             self.costs[step.name] = Cost(positions, math.prod(op.weight.shape[2:]))
 
     # ---- in place where nothing else reads
+
+    def _fuse_attention(self) -> None:
+        """Attention written out operation by operation (``softmax(q @ k^T * scale + mask) @ v``) as one
+        ``F.scaled_dot_product_attention`` call, whose fused kernel reads the scores block by block instead of
+        writing them, and every step after them, whole: m times the single model's where the members are folded
+        into the heads."""
+        for attention in written_attentions(self.capture):
+            for node in fuse_written_attention(self.graph, self.values, attention):
+                self.same_shape.pop(node, None)
 
     def _in_place(self) -> None:
         """Run elementwise operations, BatchNorm maps and sums in place on tensors that this graph made and that

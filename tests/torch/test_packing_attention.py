@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import masksembles_torch as mt
@@ -189,4 +190,82 @@ def test_multihead_attention_across_the_batch_stays_one_call_per_member() -> Non
     assert "attention (MultiheadAttention)" in packed.fallbacks
     for batch in (4, 8):
         x = torch.randn(batch, 6)
+        assert relative_error(packed(x), mt.predict(model, x, N)) <= 1e-5
+
+
+class EagerAttention(nn.Module):
+    """Hugging Face's eager attention function on a token model: q, k, v Linear layers, ``matmul(q, k^T) *
+    scaling``, a causal + padding mask sliced to the keys and added, ``softmax(dim=-1, dtype=float32).to(q.dtype)``,
+    dropout by ``training``, ``matmul(weights, v)``. ``variant`` writes it so that a fused call would differ or
+    could not stand in: the weights also read by the output, the mask added before the scale, a softmax over the
+    queries."""
+
+    def __init__(self, variant: str = "", dim: int = 16, heads: int = 2, length: int = 8) -> None:
+        super().__init__()
+        self.variant, self.heads, self.scaling = variant, heads, (dim // heads) ** -0.5
+        self.words = nn.Embedding(50, dim)
+        self.query, self.key, self.value, self.out = (nn.Linear(dim, dim) for _ in range(4))
+        self.head = nn.Linear(dim, 2)
+        causal = torch.full((length, length), -1e4).triu(1)
+        self.register_buffer("causal", causal[None, None])
+
+    def split(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, dim = x.shape
+        return x.view(batch, length, self.heads, dim // self.heads).transpose(1, 2)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.words(tokens)
+        q, k, v = self.split(self.query(x)), self.split(self.key(x)), self.split(self.value(x))
+        mask = self.causal + (tokens == 0)[:, None, None, :].float() * -1e4
+        mask = mask[:, :, :, : k.shape[-2]]
+        if self.variant == "mask_before_scale":
+            weights = (torch.matmul(q, k.transpose(2, 3)) + mask) * self.scaling
+        else:
+            weights = torch.matmul(q, k.transpose(2, 3)) * self.scaling + mask
+        weights = F.softmax(weights, dim=-2 if self.variant == "softmax_over_queries" else -1, dtype=torch.float32)
+        weights = F.dropout(weights.to(q.dtype), p=0.1, training=self.training)
+        context = torch.matmul(weights, v).transpose(1, 2).flatten(2)
+        out = self.out(context)
+        if self.variant == "weights_read":
+            out = out + weights.mean((1, 3))[..., None]
+        return self.head(out.mean(1))
+
+
+def fused_calls(packed: nn.Module) -> int:
+    return str(packed.code).count("scaled_dot_product_attention(")
+
+
+@pytest.mark.parametrize("name", ["bert", "timm_vit", "eager"])
+def test_attention_written_out_runs_as_one_fused_call_equal_to_predict(name: str) -> None:
+    """BERT's ``q @ k^T / sqrt(d) + mask``, timm's ``(q * scale) @ k^T`` and Hugging Face's eager function (casts,
+    a sliced causal mask, functional dropout) each become one ``F.scaled_dot_product_attention`` call in the packed
+    program and in a member's: no softmax is left, and the results equal predict. BERT's and timm's attention are
+    folded into the heads; the eager one runs on the member-stacked batch (its mask is sliced by ``k.shape``)."""
+    torch.manual_seed(0)
+    if name == "timm_vit":
+        model, example = mt.insert(zoo.build("vit"), N, 2.0, seed=0).eval(), zoo.images
+        layers = sum(isinstance(m, zoo.Attention) for m in model.modules())
+    else:
+        model = bert() if name == "bert" else mt.insert(EagerAttention(), N, 2.0, seed=0).eval()
+        example, layers = zoo.tokens, 2 if name == "bert" else 1
+    packed = mt.pack(model, example(4), program="packed")
+    member = mt.extract_member(model, 2, example(4))
+    for program in (packed, member):
+        assert fused_calls(program) == layers and "softmax" not in str(program.code)
+    assert attention_fallbacks(packed) == []
+    for batch in (5, 8):
+        x = example(batch, seed=batch)
+        expected = mt.predict(model, x, N)
+        assert relative_error(packed(x), expected) <= 1e-5
+        assert relative_error(member(x), expected[2]) <= 1e-5
+
+
+@pytest.mark.parametrize("variant", ["weights_read", "mask_before_scale", "softmax_over_queries"])
+def test_attention_a_fused_call_would_change_stays_written_out(variant: str) -> None:
+    torch.manual_seed(0)
+    model = mt.insert(EagerAttention(variant), N, 2.0, seed=0).eval()
+    packed = mt.pack(model, zoo.tokens(4), program="packed")
+    assert fused_calls(packed) == 0 and "softmax" in str(packed.code)
+    for batch in (5, 8):
+        x = zoo.tokens(batch, seed=batch)
         assert relative_error(packed(x), mt.predict(model, x, N)) <= 1e-5

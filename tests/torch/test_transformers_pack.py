@@ -58,6 +58,25 @@ def test_pack_equals_predict_with_the_linear_layers_compacted_and_attention_fold
         assert_same_output(packed(**fewer), mt.predict(model, fewer))
 
 
+def programs_code(packed: nn.Module) -> str:
+    return "".join(str(module.code) for module in packed.modules() if isinstance(module, torch.fx.GraphModule))
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_eager_attention_runs_as_one_fused_call_per_layer_equal_to_predict(name: str) -> None:
+    """``attn_implementation="eager"`` (matmul, scale, mask, softmax in float32, cast, dropout, matmul, as
+    ``torch.export`` captures them) becomes one ``F.scaled_dot_product_attention`` call per layer."""
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    model.set_attn_implementation("eager")
+    model = mt.insert(model, N, 2.0, seed=0, example_input=inputs(name))
+    batch = natural(name)
+    packed = mt.pack(model, batch, program="packed")
+    code = programs_code(packed)
+    assert code.count("scaled_dot_product_attention(") == 2 and "softmax" not in code
+    assert_same_output(packed(**batch), mt.predict(model, batch))
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 def test_pack_auto_keeps_a_program_equal_to_predict_and_says_why(name: str) -> None:
     model = surgery(name, "insert")
