@@ -9,7 +9,9 @@ paper's recipe: before every Conv/Linear but the first), a MobileNetV3-like (dep
 hardswish) and a ConvNeXt-like (depthwise 7×7, channels-first LayerNorm, GELU MLP, layer scale) on 3×64×64 and a
 ViT-like (dim 96, 4 blocks, 4×4 patches) on 3×32×32, the same ViT as Hugging Face `transformers` builds it
 (``ViTForImageClassification`` from a config) and with torchvision's blocks (``nn.MultiheadAttention``), and a
-BERT-tiny-like (hidden 128, 2 layers, 2 heads) on 128 token ids with a padding mask; with dropouts converted by
+BERT-tiny-like (hidden 128, 2 layers, 2 heads) on 128 token ids with a padding mask, its attention written out as
+Hugging Face's BERT wrote it (which ``pack`` runs as one ``F.scaled_dot_product_attention`` call) and as that call
+in the single model too (SDPA); with dropouts converted by
 ``convert_dropout``, the BERT-tiny shape built from torch's own ``nn.TransformerEncoder``, with a padding mask and,
 GPT-like, with a causal mask (pre-norm, the last token classified); and the issue's case, a
 ResNet-50 (bottleneck blocks 3-4-6-3) on 3×32×32 with masks after every block. For each batch size (medians of
@@ -198,9 +200,9 @@ class BertLayer(nn.Module):
     """A BERT encoder layer as Hugging Face writes it: query/key/value Linear layers, heads by view + transpose, scores
     plus an additive padding mask, softmax, dropout, context, output Linear + LayerNorm, GELU MLP + LayerNorm."""
 
-    def __init__(self, dim: int, heads: int) -> None:
+    def __init__(self, dim: int, heads: int, fused: bool = False) -> None:
         super().__init__()
-        self.heads, self.head_dim = heads, dim // heads
+        self.heads, self.head_dim, self.fused = heads, dim // heads, fused
         self.query, self.key, self.value = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
         self.dense, self.norm1 = nn.Linear(dim, dim), nn.LayerNorm(dim, eps=1e-12)
         self.attention_dropout, self.dropout = nn.Dropout(0.1), nn.Dropout(0.1)
@@ -213,8 +215,11 @@ class BertLayer(nn.Module):
 
     def forward(self, x: Tensor, mask: Tensor) -> Tensor:
         q, k, v = self.split(self.query(x)), self.split(self.key(x)), self.split(self.value(x))
-        scores = q @ k.transpose(-1, -2) / self.head_dim**0.5 + mask
-        context = (self.attention_dropout(scores.softmax(-1)) @ v).transpose(1, 2)
+        if self.fused:
+            context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
+        else:
+            scores = q @ k.transpose(-1, -2) / self.head_dim**0.5 + mask
+            context = (self.attention_dropout(scores.softmax(-1)) @ v).transpose(1, 2)
         x = self.norm1(x + self.dropout(self.dense(context.flatten(2))))
         return self.norm2(x + self.dropout(self.output(F.gelu(self.intermediate(x)))))
 
@@ -224,12 +229,13 @@ class BertTiny(nn.Module):
     attention: embeddings + LayerNorm, encoder layers, tanh pooler on the first token, classifier."""
 
     def __init__(
-        self, vocabulary: int = 1000, dim: int = 128, depth: int = 2, heads: int = 2, length: int = 128
-    ) -> None:
+        self, vocabulary: int = 1000, dim: int = 128, depth: int = 2, heads: int = 2, length: int = 128,
+        fused: bool = False,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.words, self.positions = nn.Embedding(vocabulary, dim), nn.Parameter(torch.randn(1, length, dim) * 0.02)
         self.norm = nn.LayerNorm(dim, eps=1e-12)
-        self.layers = nn.ModuleList(BertLayer(dim, heads) for _ in range(depth))
+        self.layers = nn.ModuleList(BertLayer(dim, heads, fused) for _ in range(depth))
         self.pooler, self.classifier = nn.Linear(dim, dim), nn.Linear(dim, 2)
 
     def forward(self, tokens: Tensor) -> Tensor:
@@ -378,6 +384,7 @@ MODELS: dict[str, tuple[Callable[[bool], nn.Module], tuple[int, ...], tuple[int,
     "ViT (transformers)": (inserted(transformers_vit), (3, 32, 32), (1, 32, 256)),
     "ViT-like (nn.MultiheadAttention)": (inserted(torchvision_vit), (3, 32, 32), (1, 32, 256)),
     "BERT-tiny-like": (inserted(BertTiny), (128,), (1, 32, 256)),
+    "BERT-tiny-like (SDPA)": (inserted(lambda: BertTiny(fused=True)), (128,), (1, 32, 256)),
     "nn.TransformerEncoder (convert_dropout)": (converted(TextEncoder, tokens), (128,), (1, 32, 256)),
     "GPT-like causal nn.TransformerEncoder (convert_dropout)": (
         converted(CausalTextEncoder, tokens),
@@ -390,6 +397,7 @@ MODELS: dict[str, tuple[Callable[[bool], nn.Module], tuple[int, ...], tuple[int,
 
 INPUTS: dict[str, Callable[[int], Tensor]] = {  # the others: random images
     "BERT-tiny-like": tokens,
+    "BERT-tiny-like (SDPA)": tokens,
     "nn.TransformerEncoder (convert_dropout)": tokens,
     "GPT-like causal nn.TransformerEncoder (convert_dropout)": tokens,
 }
