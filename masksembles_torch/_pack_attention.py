@@ -256,7 +256,7 @@ def _rule(graph: _Graph, region: Region, node: fx.Node, op: _Op) -> Fold | tuple
         if not isinstance(dim, int) or dim % source.rank == first.axis or len(op.tensors) != 1:
             raise _Rejected(node)
         return first
-    if _identity(graph, node, op):
+    if _passes_through(graph.capture, node):
         return first
     if node.target in MATMULS or name in MATMULS or node.target is F.scaled_dot_product_attention:
         return _attention(graph, region, node, op)
@@ -266,14 +266,6 @@ def _rule(graph: _Graph, region: Region, node: fx.Node, op: _Op) -> Fold | tuple
     raise _Rejected(node)
 
 
-def _identity(graph: _Graph, node: fx.Node, op: _Op) -> bool:
-    """Dropout in eval, ``contiguous``, a dtype cast: the value as it is."""
-    if node.op == "call_module":
-        module = graph.capture.gm.get_submodule(str(node.target))
-        return isinstance(module, (*DROPOUT_TYPES, nn.Identity))
-    if node.target in DROPOUT_FUNCTIONS:
-        return graph.capture.argument(node, "training", 2, True) is False
-    return False
 
 
 def _right(fold: Fold, rank: int, out_rank: int) -> Fold:
@@ -469,7 +461,7 @@ def _is_matmul(node: Any) -> bool:
 
 
 def _passes_through(capture: _Capture, node: fx.Node) -> bool:
-    """Dropout in eval, or a cast to the dtype the value has."""
+    """The value as it is: Dropout in eval, ``nn.Identity``, a cast to the dtype the value has."""
     if node.op == "call_module":
         return isinstance(capture.gm.get_submodule(str(node.target)), (*DROPOUT_TYPES, nn.Identity))
     if node.target in DROPOUT_FUNCTIONS:

@@ -65,7 +65,8 @@ def programs_code(packed: nn.Module) -> str:
 @pytest.mark.parametrize("name", list(MODELS))
 def test_eager_attention_runs_as_one_fused_call_per_layer_equal_to_predict(name: str) -> None:
     """``attn_implementation="eager"`` (matmul, scale, mask, softmax in float32, cast, dropout, matmul, as
-    ``torch.export`` captures them) becomes one ``F.scaled_dot_product_attention`` call per layer."""
+    ``torch.export`` captures them) folds into the heads like the SDPA call (nothing in the blocks falls back) and
+    becomes one ``F.scaled_dot_product_attention`` call per layer."""
     torch.manual_seed(0)
     model = MODELS[name]()
     model.set_attn_implementation("eager")
@@ -74,6 +75,8 @@ def test_eager_attention_runs_as_one_fused_call_per_layer_equal_to_predict(name:
     packed = mt.pack(model, batch, program="packed")
     code = programs_code(packed)
     assert code.count("scaled_dot_product_attention(") == 2 and "softmax" not in code
+    assert packed.macs["fallback"] == 0
+    assert not [row for row in packed.fallbacks if re.search(r"\.(layer|h)\.\d+\.", row)], "nothing in the blocks"
     assert_same_output(packed(**batch), mt.predict(model, batch))
 
 
