@@ -266,8 +266,6 @@ def _rule(graph: _Graph, region: Region, node: fx.Node, op: _Op) -> Fold | tuple
     raise _Rejected(node)
 
 
-
-
 def _right(fold: Fold, rank: int, out_rank: int) -> Fold:
     """A fold seen from a result of rank ``out_rank`` that broadcasts a value of rank ``rank`` (aligned right)."""
     return Fold(fold.axis + out_rank - rank, fold.outer)
