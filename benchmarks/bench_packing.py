@@ -12,7 +12,9 @@ ViT-like (dim 96, 4 blocks, 4×4 patches) on 3×32×32, the same ViT as Hugging 
 BERT-tiny-like (hidden 128, 2 layers, 2 heads) on 128 token ids with a padding mask, its attention written out as
 Hugging Face's BERT wrote it (which ``pack`` runs as one ``F.scaled_dot_product_attention`` call) and as that call
 in the single model too (SDPA); with dropouts converted by
-``convert_dropout``, the BERT-tiny shape built from torch's own ``nn.TransformerEncoder``, with a padding mask and,
+``convert_dropout``, the BERT-tiny shape built from torch's own ``nn.TransformerEncoder``, with a padding mask (its
+single model skips the padded tokens with nested tensors; a second row runs it on every token, as the packed program
+and the MAC ratio count them) and,
 GPT-like, with a causal mask (pre-norm, the last token classified); and the issue's case, a
 ResNet-50 (bottleneck blocks 3-4-6-3) on 3×32×32 with masks after every block. For each batch size (medians of
 interleaved rounds, every ratio from the same run), ÷ one forward of the same network without Masksembles on the
@@ -315,6 +317,19 @@ def converted(factory: Callable[[], nn.Module], example: Callable[[int], Tensor]
     return build
 
 
+def every_token(factory: Callable[[bool], nn.Module]) -> Callable[[bool], nn.Module]:
+    """The model, its single (unmasked) copy run on every token: its encoder's nested tensors off, so that it computes
+    the padded positions as the packed program does (torch's fused path still runs it)."""
+
+    def build(masks: bool) -> nn.Module:
+        model = factory(masks)
+        if not masks:
+            model.encoder.use_nested_tensor = False  # type: ignore[union-attr]
+        return model
+
+    return build
+
+
 def transformers_vit() -> nn.Module:
     """ViT-like's shape as Hugging Face ``transformers`` writes it (``ViTForImageClassification``, SDPA attention),
     built from a config: nothing is downloaded."""
@@ -386,6 +401,11 @@ MODELS: dict[str, tuple[Callable[[bool], nn.Module], tuple[int, ...], tuple[int,
     "BERT-tiny-like": (inserted(BertTiny), (128,), (1, 32, 256)),
     "BERT-tiny-like (SDPA)": (inserted(lambda: BertTiny(fused=True)), (128,), (1, 32, 256)),
     "nn.TransformerEncoder (convert_dropout)": (converted(TextEncoder, tokens), (128,), (1, 32, 256)),
+    "nn.TransformerEncoder (convert_dropout), single on every token": (
+        every_token(converted(TextEncoder, tokens)),
+        (128,),
+        (1, 32, 256),
+    ),
     "GPT-like causal nn.TransformerEncoder (convert_dropout)": (
         converted(CausalTextEncoder, tokens),
         (128,),
@@ -399,6 +419,7 @@ INPUTS: dict[str, Callable[[int], Tensor]] = {  # the others: random images
     "BERT-tiny-like": tokens,
     "BERT-tiny-like (SDPA)": tokens,
     "nn.TransformerEncoder (convert_dropout)": tokens,
+    "nn.TransformerEncoder (convert_dropout), single on every token": tokens,
     "GPT-like causal nn.TransformerEncoder (convert_dropout)": tokens,
 }
 
