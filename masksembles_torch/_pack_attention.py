@@ -366,20 +366,21 @@ ADD = {"add", "__add__", "__radd__"}
 class WrittenAttention:
     """``softmax((q * a) @ k^T * b + mask, -1) @ v`` written out operation by operation (Hugging Face's eager
     attention, timm's non-fused one): the operations from the scores ``q @ k^T`` to the result, in graph order, the
-    transpose of ``k`` and the scaled query (when the query is scaled) that the scores read, and what
-    ``F.scaled_dot_product_attention`` reads instead of them (the scale ``a * b``, the mask at ``mask_position`` of
-    the sum)."""
+    transpose of ``k`` and the scaled query (when the query is scaled) that the scores read, the operations that
+    scale with the position of their factor (the factors give ``F.scaled_dot_product_attention`` its ``scale``), and
+    where the mask is in the sum."""
 
     chain: tuple[fx.Node, ...]
     key_transposed: fx.Node
     query_scaled: fx.Node | None
-    scale: float
+    scales: tuple[tuple[fx.Node, int], ...]
     mask_position: int | None
 
 
 def written_attentions(capture: _Capture) -> list[WrittenAttention]:
     """Every written-out attention of the capture whose intermediate values nothing else reads: q, k and v of one
-    floating dtype and rank, with the same leading axes; scales by numbers, an additive mask after them (of the
+    floating dtype and rank, with the same leading axes; scales by numbers (constants, or sizes such as
+    ``q.shape[-1] ** -0.5``), an additive mask after them (of the
     scores' dtype, broadcast to their shape); a softmax over the last axis (in the scores' dtype); Dropout in eval and
     casts to the same dtype after it."""
     return [found for node in capture.gm.graph.nodes if (found := _written(capture, node)) is not None]
@@ -409,11 +410,12 @@ def _written(capture: _Capture, result: fx.Node) -> WrittenAttention | None:
             return None
         chain.append(node)
         node = node.args[1 - mask_position]
-    scale = 1.0
+    scales: list[tuple[fx.Node, int]] = []
     if _scales(capture, node):
-        scale = _factor(cast(fx.Node, node))
-        chain.append(cast(fx.Node, node))
-        node = next(a for a in cast(fx.Node, node).args if isinstance(a, fx.Node))
+        scaled = cast(fx.Node, node)
+        scales.append((scaled, _factor_position(capture, scaled)))
+        chain.append(scaled)
+        node = scaled.args[1 - scales[-1][1]]
     if not _is_matmul(node):
         return None
     scores_node = cast(fx.Node, node)
@@ -422,8 +424,8 @@ def _written(capture: _Capture, result: fx.Node) -> WrittenAttention | None:
     query_scaled = None
     if _scales(capture, query):
         query_scaled = cast(fx.Node, query)
-        scale *= _factor(query_scaled)
-        query = next(a for a in query_scaled.args if isinstance(a, fx.Node))
+        scales.append((query_scaled, _factor_position(capture, query_scaled)))
+        query = query_scaled.args[1 - scales[-1][1]]
     if not isinstance(transposed, fx.Node) or not _swaps_last_two(capture, transposed):
         return None
     key, value = transposed.args[0], result.args[1]
@@ -439,13 +441,7 @@ def _written(capture: _Capture, result: fx.Node) -> WrittenAttention | None:
         return None
     if any(len(n.users) != 1 for n in (*chain[1:], transposed, *([query_scaled] if query_scaled else []))):
         return None
-    return WrittenAttention(tuple(reversed(chain)), transposed, query_scaled, scale, mask_position)
-
-
-def _factor(node: fx.Node) -> float:
-    """What a scale (``_scales``) multiplies its tensor by."""
-    number = cast(float, next(a for a in node.args if not isinstance(a, fx.Node)))
-    return 1 / number if _called(node) in DIVIDE else float(number)
+    return WrittenAttention(tuple(reversed(chain)), transposed, query_scaled, tuple(scales), mask_position)
 
 
 def _is_matmul(node: Any) -> bool:
@@ -488,14 +484,24 @@ def _value(capture: _Capture, argument: Any) -> Any:
 
 
 def _scales(capture: _Capture, node: Any) -> bool:
-    """A product or quotient of one tensor by a number (the tensor first for a quotient)."""
+    """A product or quotient of one tensor by a number, a constant or one read from the model (the tensor first for
+    a quotient)."""
     if not isinstance(node, fx.Node) or node.kwargs or len(node.args) != 2 or node not in capture.dynamic:
         return False
     name = _called(node)
-    numbers = [isinstance(a, int | float) and not isinstance(a, bool) for a in node.args]
-    if name in DIVIDE:
-        return isinstance(node.args[0], fx.Node) and numbers[1] and bool(node.args[1] != 0)
-    return name in MULTIPLY and sum(numbers) == 1 and any(isinstance(a, fx.Node) for a in node.args)
+    if name not in MULTIPLY and name not in DIVIDE:
+        return False
+    tensors = [isinstance(a, fx.Node) and a in capture.seen and capture.seen[a].tensor for a in node.args]
+    if tensors.count(True) != 1 or (name in DIVIDE and not tensors[0]):
+        return False
+    factor = _value(capture, node.args[tensors.index(False)])
+    return isinstance(factor, int | float) and not isinstance(factor, bool) and factor != 0
+
+
+def _factor_position(capture: _Capture, node: fx.Node) -> int:
+    """Where a scale (``_scales``) has its factor."""
+    first = node.args[0]
+    return 0 if not (isinstance(first, fx.Node) and first in capture.seen and capture.seen[first].tensor) else 1
 
 
 def _broadcast_mask(capture: _Capture, mask: Any, scores: _Seen) -> bool:
@@ -554,10 +560,20 @@ def fuse_written_attention(graph: fx.Graph, values: dict[str, fx.Node], attentio
         added = next(emitted[node] for node in attention.chain if _called(node) in ADD)
         mask = cast(fx.Node, added).args[attention.mask_position]
     with graph.inserting_before(result):
+        scale: Any = 1.0
+        for node, position in attention.scales:  # the factors as emitted: numbers, or the sizes they are computed from
+            factor = cast(fx.Node, emitted[node]).args[position]
+            divide = _called(node) in DIVIDE
+            if isinstance(factor, int | float) and isinstance(scale, float):
+                scale = scale / factor if divide else scale * factor
+            elif not divide and isinstance(scale, float) and scale == 1.0:
+                scale = factor
+            else:
+                scale = graph.call_function(operator.truediv if divide else operator.mul, (scale, factor))
         fused = graph.call_function(
             F.scaled_dot_product_attention,
             (query, transposed.args[0], result.args[1]),
-            {"attn_mask": mask, "scale": attention.scale},
+            {"attn_mask": mask, "scale": scale},
         )
     result.replace_all_uses_with(fused)
     removed = [cast(fx.Node, emitted[node]) for node in reversed(captured)]

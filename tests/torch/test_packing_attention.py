@@ -10,6 +10,7 @@ from torch import nn
 
 import masksembles_torch as mt
 from tests.torch import zoo
+from tests.torch.generated_models import Attention
 
 N = 4
 
@@ -269,3 +270,30 @@ def test_attention_a_fused_call_would_change_stays_written_out(variant: str) -> 
     for batch in (5, 8):
         x = zoo.tokens(batch, seed=batch)
         assert relative_error(packed(x), mt.predict(model, x, N)) <= 1e-5
+
+
+class TwoWrittenAttentions(nn.Module):
+    """Two single-head attentions scaled by ``q.shape[-1] ** -0.5`` (a size read at run time), a mean over the
+    tokens and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second, self.head = Attention(16), Attention(16), nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.second(self.first(x)).mean(1))
+
+
+def test_a_scale_read_from_the_sizes_is_computed_as_the_model_computes_it() -> None:
+    """The fused call's ``scale`` is the size expression itself, not the number it had on the example: other sequence
+    lengths and a dynamic batch under ``torch.export`` give predict's values."""
+    torch.manual_seed(0)
+    model = mt.insert(TwoWrittenAttentions(), N, 2.0, seed=0).eval()
+    packed = mt.pack(model, torch.randn(5, 7, 16), program="packed")
+    assert fused_calls(packed) == 2 and "softmax" not in str(packed.code) and "** -0.5" in str(packed.code)
+    for batch, length in ((3, 9), (8, 7)):
+        x = torch.randn(batch, length, 16, generator=torch.Generator().manual_seed(batch))
+        assert relative_error(packed(x), mt.predict(model, x, N)) <= 1e-5
+    exported = torch.export.export(packed, (torch.randn(8, 7, 16),), dynamic_shapes=({0: torch.export.Dim("batch")},))
+    x = torch.randn(6, 7, 16)
+    assert relative_error(exported.module()(x), mt.predict(model, x, N)) <= 1e-5
