@@ -30,10 +30,7 @@ class PaddedMean(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         hidden = self.masks(torch.relu(self.fc(self.embed(tokens))))
-        if self.mask == "padding":
-            mask = (tokens != 0).float()[..., None]
-        else:
-            mask = hidden.norm(dim=-1, keepdim=True)
+        mask = (tokens != 0).float()[..., None] if self.mask == "padding" else hidden.norm(dim=-1, keepdim=True)
         hidden = self.proj(hidden * mask)
         return self.head(hidden.sum(1) / mask.sum(1).clamp_min(1.0))
 
