@@ -10,7 +10,10 @@ From there this module does the rest the same way for every framework:
 
 - ``solve_axes``: the channel axis of every compacted value; an operation whose axis cannot agree with its
   neighbours', or whose layout the program cannot keep (its batch not on exactly one axis, or on the channels'),
-  becomes a fallback and the axes are solved again;
+  becomes a fallback and the axes are solved again; an operand of an elementwise combine that broadcasts along the
+  channels (size 1 on the solved channel axis, or no such axis after right-aligned broadcasting, where the result
+  has the channels) is marked ``broadcast`` instead: it no longer takes the combine's axis, and the axes are solved
+  again (the planner reads it as it is, or runs the combine as a fallback where the operand is not shared);
 - ``graph_nodes``: the ``GraphNode`` list ``plan_program`` reads, with zero maps, flatten layouts, concatenation parts,
   and the fallbacks that must run per member (``per_member_fallbacks``).
 """
@@ -70,7 +73,8 @@ class CapturedOp(Generic[K]):
     ``"none"`` (a fallback). ``batch_in``/``batch_out``: the axis the operation needs the batch on, in what it reads
     and what it writes (-1: any). ``keeps_zeros``: zero-preserving without evaluating it (a view). ``masks``: a
     Masksembles layer's (n, C) masks. ``batch_dependent``: a fallback that runs per member (it reads the batch).
-    ``folded``/``broadcast``: a fallback that runs on the members' channel blocks (``GraphNode``).
+    ``folded``/``broadcast``: a fallback that runs on the members' channel blocks (``GraphNode``); ``broadcast`` of a
+    combine: its operands broadcast along the channels (``solve_axes`` finds them).
     """
 
     key: K
@@ -95,6 +99,11 @@ class CapturedOp(Generic[K]):
     @property
     def compacted(self) -> bool:
         return self.kind != "fallback"
+
+    @property
+    def channel_operands(self) -> list[K]:
+        """The operands that hold the channels on the same axis as the value (all but the ``broadcast`` ones)."""
+        return [t for i, t in enumerate(self.tensors) if i not in self.broadcast]
 
 
 Op = TypeVar("Op", bound=CapturedOp)  # type: ignore[type-arg]  # an adapter's CapturedOp subclass
@@ -148,9 +157,9 @@ class CapturedGraph(Protocol[K, Op]):
 
 def solve_axes(graph: CapturedGraph[K, Op]) -> dict[K, int]:
     """The channel axis of every compacted value and of what it reads, written to each op's ``axis``. Operations that
-    cannot agree become fallbacks (``graph.fallback``) and the axes are solved again; elementwise operations that
-    read only fallbacks become fallbacks first (the plan runs them at full width anyway, and so their axes constrain
-    nothing)."""
+    cannot agree become fallbacks (``graph.fallback``) and the axes are solved again; so are they once the operands
+    of a combine that broadcast along the channels are marked; elementwise operations that read only fallbacks become
+    fallbacks first (the plan runs them at full width anyway, and so their axes constrain nothing)."""
     maps: dict[tuple[K, int], int | None] = {}
     while True:
         _demote_dense(graph)
@@ -159,6 +168,8 @@ def solve_axes(graph: CapturedGraph[K, Op]) -> dict[K, int]:
         except AxisConflict as conflict:
             key = cast(K, conflict.node)
             graph.ops[key] = graph.fallback(key)
+            continue
+        if _mark_broadcasts(graph, axis):
             continue
         for key, op in graph.ops.items():
             op.axis = axis.get(key, -1)
@@ -203,7 +214,8 @@ def _checked_axes(graph: CapturedGraph[K, Op], maps: dict[tuple[K, int], int | N
         if any(graph.probed(key).rank == 0 for key in (op.key, *op.tensors)):
             raise AxisConflict(op.key)  # a 0-d value (a sum of everything) has neither batch nor channel axis
         mapped = functools.partial(mapped_axis, graph, op, maps=maps) if op.rule == "map" else None
-        rules.append(AxisRule(op.key, tuple(op.tensors), op.rule, op.fixed_in, op.fixed_out, op.concat_dim, mapped))
+        inputs = tuple(_aligned_operands(graph, op))
+        rules.append(AxisRule(op.key, inputs, op.rule, op.fixed_in, op.fixed_out, op.concat_dim, mapped))
     axis = cast(dict[K, int], channel_axes(rules, lambda key: graph.probed(cast(K, key)).rank))
     for op in compact:  # a flattened value that no other rule reads (the input): channels first, as nn.Flatten
         if op.kind == "flatten" and op.tensors[0] not in axis:
@@ -216,16 +228,65 @@ def _checked_axes(graph: CapturedGraph[K, Op], maps: dict[tuple[K, int], int | N
         if op.rule == "concat":  # along the channels, or along another axis (then channel c of every part)
             op.kind = "concat" if axis[op.key] == op.concat_dim else "combine"
         if op.rule == "same" or op.kind == "combine":
-            width = graph.probed(op.key).shape[axis[op.key]]
-            if any(graph.probed(t).shape[axis[t]] != width for t in op.tensors):
-                raise AxisConflict(op.key)  # an operand broadcast along the channels (a size-1 axis): full width
+            width, aligned = graph.probed(op.key).shape[axis[op.key]], _aligned_operands(graph, op)
+            mismatch = any(t not in aligned or graph.probed(t).shape[axis[t]] != width for t in op.channel_operands)
+            if (mismatch or op.broadcast) and not _broadcasting(graph, op, axis[op.key]):
+                raise AxisConflict(op.key)  # an operand of other channels, or a move of them: full width
     return axis
+
+
+def _aligned_operands(graph: CapturedGraph[K, Op], op: Op) -> list[K]:
+    """The operands whose channel axis is the value's: of its rank (right-aligned broadcasting puts a lower-rank
+    operand's axes elsewhere) where an elementwise combine reads them, and not ``broadcast``."""
+    operands = op.channel_operands
+    if op.kind != "combine" or op.rule != "same":
+        return operands
+    rank = graph.probed(op.key).rank
+    return [t for t in operands if graph.probed(t).rank == rank]
+
+
+def _broadcasting(graph: CapturedGraph[K, Op], op: Op, channel_axis: int) -> list[int]:
+    """The positions of the operands of an elementwise combine that broadcast along its channels: size 1 on the
+    channel axis, or no such axis, right-aligned, while the value has more channels. Empty unless every other operand
+    is of the value's rank and channels, not marked ``broadcast``, and there is one."""
+    if op.kind != "combine" or op.rule != "same":
+        return []
+    out = graph.probed(op.key)
+    width = out.shape[channel_axis]
+    found, wide = [], 0
+    for position, tensor in enumerate(op.tensors):
+        probed = graph.probed(tensor)
+        at = channel_axis - (out.rank - probed.rank)
+        if width > 1 and (at < 0 or probed.shape[at] == 1):
+            found.append(position)
+        elif position not in op.broadcast and probed.rank == out.rank and probed.shape[at] == width:
+            wide += 1
+        else:
+            return []
+    return found if wide else []
+
+
+def _mark_broadcasts(graph: CapturedGraph[K, Op], axis: Mapping[K, int]) -> bool:
+    """Mark the operands of each elementwise combine that broadcast along its channels (``_broadcasting``), where
+    some are not marked yet; whether any were (the axes are then solved again, without them)."""
+    marked = False
+    for op in graph.ops.values():
+        if op.compacted and op.key in axis:
+            found = tuple(_broadcasting(graph, op, axis[op.key]))
+            if found and found != op.broadcast:
+                op.broadcast = found
+                marked = True
+    return marked
 
 
 def _check_layout(graph: CapturedGraph[K, Op], op: Op, axis: Mapping[K, int]) -> None:
     """Every value a compacted operation touches has its batch on exactly one axis, not the channels', and where the
-    operation needs it (``batch_in``/``batch_out``); a flatten reads its channels first or last."""
-    for key in (op.key, *op.tensors):
+    operation needs it (``batch_in``/``batch_out``); a flatten reads its channels first or last. An operand read
+    as it is (``broadcast``, or not of the value's rank) needs its batch on one exact axis, or none."""
+    for key in op.tensors:
+        if key not in _aligned_operands(graph, op) and not array_repeatable(graph.probed(key)):
+            raise AxisConflict(op.key)
+    for key in (op.key, *_aligned_operands(graph, op)):
         probed = graph.probed(key)
         needed = op.batch_out if key == op.key else op.batch_in
         if probed.batch_axis < 0 or probed.batch_axis == axis[key] or needed not in (-1, probed.batch_axis):
@@ -257,8 +318,9 @@ def graph_nodes(graph: CapturedGraph[K, Op], axis: Mapping[K, int]) -> tuple[lis
             nodes.append(GraphNode(name(key), op.kind, names, size, zero_preserving=zero, groups=op.groups))
         elif op.kind == "combine":
             op.zero_rule, op.zero_inputs = graph.zero_rule(op)
+            rule, inputs, broadcast = op.zero_rule, op.zero_inputs, op.broadcast
             nodes.append(
-                GraphNode(name(key), "combine", names, size, zero_rule=op.zero_rule, zero_inputs=op.zero_inputs)
+                GraphNode(name(key), "combine", names, size, zero_rule=rule, zero_inputs=inputs, broadcast=broadcast)
             )
         elif op.kind == "concat":
             nodes.append(GraphNode(name(key), "concat", names, size, parts=tuple(channels(t) for t in op.tensors)))

@@ -17,7 +17,12 @@ Kinds (what output channel ``c`` reads; ``channels`` is the size of the node's c
   along another axis); ``zero_rule``: ``"all"`` (zero when every input is zero: sums, concatenations), ``"any"``
   (zero when one input is zero: products of finite values) or ``"never"``; ``"add"`` is a combine with rule "all";
   ``zero_inputs``: the positions of the inputs the rule reads (default: all of them), e.g. the two values of a
-  ``select(predicate, a, b)``, which is zero where both are, whatever the predicate;
+  ``select(predicate, a, b)``, which is zero where both are, whatever the predicate. The inputs at ``broadcast``
+  positions have size 1 on the channel axis (a padding mask broadcast along the channels, ``x * mask[..., None]``):
+  every channel reads their one value, so they are read as they are, every channel of their own, by every member's
+  block. That is exact only for a *shared* one (below); a combine whose broadcast input is not shared runs as a
+  fallback. The rule reads the other inputs: a product is zero where one of them is (the broadcast value, finite,
+  cannot make a zero nonzero), a sum never known zero where its rule would read a broadcast input;
 - ``"concat"``: the inputs' channels one after the other (``parts``: channels of each input);
 - ``"norm"``: every input channel, zeros counted (LayerNorm, GroupNorm over the channels): after it every channel is
   live again;
@@ -37,14 +42,15 @@ Kinds (what output channel ``c`` reads; ``channels`` is the size of the node's c
 
 Rules, per member:
 
-- *needed*: the output needs every channel; mixing, norm and fallback nodes need every input channel; grouped nodes
-  the input channels of the groups they keep; channelwise, combine, concat and flatten nodes the input channels of
-  their needed outputs; Masksembles only the needed channels its mask keeps.
+- *needed*: the output needs every channel; mixing, norm and fallback nodes need every input channel, and so does a
+  combine of its broadcast inputs; grouped nodes the input channels of the groups they keep; channelwise, combine,
+  concat and flatten nodes the input channels of their needed outputs; Masksembles only the needed channels its mask
+  keeps.
 - *zero*: a channel is known to be zero after Masksembles drops it and stays zero through zero-preserving channelwise
   and grouped nodes, flatten, concatenation and combines by their rule; nothing else is assumed zero.
-- *kept*: needed, and not (zero and dropped by every consumer). Mixing, grouped, norm and fallback consumers drop zero
-  inputs (they contribute nothing, or the move that feeds them writes the zero); any other consumer drops what it
-  does not keep itself.
+- *kept*: needed, and not (zero and dropped by every consumer). Mixing, grouped, norm and fallback consumers, and
+  combines reading it at a broadcast position, drop zero inputs (they contribute nothing, or the move that feeds them
+  writes the zero); any other consumer drops what it does not keep itself.
 
 Placement: a node computed only from the input (before any Masksembles) is *shared*: every member computes the same
 values, so the union of the members' kept channels is computed once. Every other node holds, per member, its kept
@@ -241,17 +247,24 @@ def _check(nodes: Sequence[GraphNode], output: str) -> dict[str, GraphNode]:
         missing = [name for name in node.inputs if name not in by_name]
         if missing:
             raise ValueError(f"node {node.name!r} reads {missing} before they are defined")
-        sources = [by_name[name] for name in node.inputs]
+        sources = [by_name[name] for i, name in enumerate(node.inputs) if i not in node.broadcast]
         if node.kind in ("combine", "add", "channelwise", "masks") and any(
             s.channels != node.channels for s in sources
         ):
             raise ValueError(f"{node.kind} node {node.name!r} has {node.channels} channels; its inputs must too")
         if node.kind == "combine" and node.zero_rule not in ZERO_RULES:
             raise ValueError(f"node {node.name!r}: zero_rule must be one of {ZERO_RULES}; received {node.zero_rule!r}")
-        if (node.folded or node.broadcast) and (
-            node.kind != "fallback" or not all(0 <= i < len(node.inputs) for i in node.broadcast)
+        if node.folded and node.kind != "fallback":
+            raise ValueError(f"node {node.name!r}: only a fallback folds")
+        if node.broadcast and (
+            node.kind not in ("fallback", "combine", "add")
+            or not all(0 <= i < len(node.inputs) for i in node.broadcast)
+            or (node.kind != "fallback" and not sources)
         ):
-            raise ValueError(f"node {node.name!r}: only a fallback folds; broadcast {node.broadcast} must be inputs")
+            raise ValueError(
+                f"node {node.name!r}: broadcast {node.broadcast} must be inputs of a fallback, or of a combine that "
+                "has an input of its channels"
+            )
         if node.zero_inputs and (
             node.kind != "combine" or not all(0 <= i < len(node.inputs) for i in node.zero_inputs)
         ):
@@ -282,10 +295,11 @@ def _zeros(nodes: Sequence[GraphNode], member: int) -> dict[str, BoolArray]:
             zero[node.name] = sources[0] & node.zero_map()
         elif node.kind in ("combine", "add"):
             rule = "all" if node.kind == "add" else node.zero_rule
-            if rule == "never":
-                zero[node.name] = np.zeros(node.channels, dtype=bool)
+            positions = node.zero_inputs or tuple(range(len(sources)))
+            deciding = [sources[i] for i in positions if i not in node.broadcast]
+            if rule == "never" or not deciding or (rule == "all" and len(deciding) < len(positions)):
+                zero[node.name] = np.zeros(node.channels, dtype=bool)  # a broadcast summand need not be zero
             else:
-                deciding = [sources[i] for i in node.zero_inputs] if node.zero_inputs else sources
                 zero[node.name] = (np.logical_and if rule == "all" else np.logical_or).reduce(deciding)
         elif node.kind == "concat":
             zero[node.name] = np.concatenate(sources)
@@ -320,14 +334,14 @@ def kept_channels(nodes: Sequence[GraphNode], output: str, member: int) -> dict[
             elif user.kind == "concat":
                 start = int(user.offsets()[position])
                 tolerant &= ~kept[user.name][start : start + node.channels]
-            elif user.kind not in ZERO_FILLING:
+            elif user.kind not in ZERO_FILLING and position not in user.broadcast:
                 tolerant &= ~kept[user.name]
         if node.kind == "flatten":
             required[node.name] = ~tolerant
         kept[node.name] = demand & ~(zero[node.name] & tolerant)
         for position, name in enumerate(node.inputs):
             source = needed[name]
-            if node.kind in ("mixing", "norm", "fallback"):
+            if node.kind in ("mixing", "norm", "fallback") or position in node.broadcast:
                 source |= bool(demand.any())
             elif node.kind == "grouped":
                 used = kept[node.name].reshape(node.groups, -1).any(axis=1)
@@ -575,8 +589,11 @@ def moves_between(
 
 
 def plan_program(nodes: Sequence[GraphNode], output: str, members: Sequence[int]) -> Program:
-    """The packed program of ``members`` (indices into the masks): placements, moves and fallbacks of every node."""
-    by_name = _check(nodes, output)
+    """The packed program of ``members`` (indices into the masks): placements, moves and fallbacks of every node
+    (a combine whose broadcast input is not shared among them)."""
+    _check(nodes, output)
+    nodes = _unshared_broadcasts_as_fallbacks(nodes)
+    by_name = {node.name: node for node in nodes}
     chosen = tuple(int(k) for k in members)
     m = len(chosen)
     kept = tuple(kept_channels(nodes, output, k) for k in chosen)
@@ -623,7 +640,8 @@ def plan_program(nodes: Sequence[GraphNode], output: str, members: Sequence[int]
             width = max(int(k.sum()) for k in member_kept)
             placement = Placement(False, tuple(_padded(k, width) for k in member_kept))
         if node.kind in ("channelwise", "combine", "add", "masks") and not placement.dense:
-            reads = [placement] * len(node.inputs)
+            reads = [_broadcast_read(by_name[name], sources[i], m) if i in node.broadcast else placement
+                     for i, name in enumerate(node.inputs)]  # fmt: skip
         elif node.kind == "mixing":  # reads its input as it is, a dense one with its channels side by side
             reads = [Placement(source.shared, source.layouts) for source in sources]
         edges = []
@@ -639,6 +657,24 @@ def plan_program(nodes: Sequence[GraphNode], output: str, members: Sequence[int]
     return Program(tuple(steps), output, chosen, kept)
 
 
+def _unshared_broadcasts_as_fallbacks(nodes: Sequence[GraphNode]) -> list[GraphNode]:
+    """``nodes`` with every combine whose broadcast input is not shared (computed per member: each member's block
+    would need its own value) turned into a fallback, which runs it on the member-stacked batch."""
+    shared: dict[str, bool] = {}
+    result = []
+    for node in nodes:
+        if node.kind in ("combine", "add") and not all(shared[node.inputs[i]] for i in node.broadcast):
+            node = GraphNode(node.name, "fallback", node.inputs, node.channels)
+        shared[node.name] = node.kind != "masks" and not node.batch_dependent and all(shared[n] for n in node.inputs)
+        result.append(node)
+    return result
+
+
+def _broadcast_read(source: GraphNode, placed: Placement, members: int) -> Placement:
+    """How a node reads a broadcast input (a shared one): once, with every channel, as it is placed."""
+    return Placement(True, _full(source.channels, True, members).layouts, dense=placed.dense)
+
+
 def _folded_read(node: GraphNode, position: int, source: GraphNode, placed: Placement, members: int) -> Placement:
     """How a folded node reads its input at ``position``: a broadcast one once, with every channel, as it is placed
     (it must be shared), any other one with every channel in member blocks."""
@@ -646,7 +682,7 @@ def _folded_read(node: GraphNode, position: int, source: GraphNode, placed: Plac
         return _full(source.channels, False, members)
     if not placed.shared:
         raise FoldConflict(node.name)
-    return Placement(True, _full(source.channels, True, members).layouts, dense=placed.dense)
+    return _broadcast_read(source, placed, members)
 
 
 def _group_inputs(layout: IntArray, out_size: int, in_size: int) -> IntArray:

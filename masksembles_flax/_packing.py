@@ -149,7 +149,8 @@ class _Step:
       operand position);
     - ``bind``: an elementwise operation, reduction or move on compacted arrays, with ``operands``; its output
       (``out_shape`` at the first probe batch size) has the batch on ``batch_axis`` and the channels on ``axis``, its
-      input on ``in_axes``;
+      input ``wide`` (laid out like it; an operand broadcast along the channels is shared, one copy read by every
+      copy) on ``in_axes``;
     - ``concat`` (on ``axis``), ``flatten``;
     - ``dense``: output ``output`` of ``eqn`` at full width, ``params`` and ``operands`` templates of the batch size,
       on the member-stacked batch when ``member_frame``; ``masks``: a Masksembles layer at full width (masks ``key``);
@@ -170,6 +171,7 @@ class _Step:
     batch_axis: int = -1
     out_shape: tuple[int, ...] = ()
     in_axes: tuple[int, int] = (-1, -1)  # a compacted move's input batch and channel axes
+    wide: int = 0  # bind: the edge laid out like the output
     member_frame: bool = False
     depthwise: bool = False  # a conv with one input and one output channel per group (``_depthwise`` on CPU)
 
@@ -420,7 +422,10 @@ class _Run:
                 capture_module.bind(eqn, [xk, self.weight(step.key, k)], params)[0] for k, xk in enumerate(inputs[0])
             )
         if step.how == "bind":
-            return tuple(self.bind(step, [value[k] for value in inputs], k) for k in range(step.copies))
+            per_copy = [
+                [value[k] if len(value) == step.copies else value[0] for value in inputs] for k in range(step.copies)
+            ]
+            return tuple(self.bind(step, tensors, k) for k, tensors in enumerate(per_copy))
         if step.how == "concat":
             parts = [value for value in inputs if value[0].shape[step.axis] > 0]
             return tuple(jnp.concatenate([part[k] for part in parts], axis=step.axis) for k in range(step.copies))
@@ -451,16 +456,17 @@ class _Run:
         eqn = cast(Eqn, step.eqn)
         params = dict(cast(dict[str, Any], step.params))
         batch_in, channel_in = step.in_axes
-        width = tensors[0].shape[channel_in] if channel_in >= 0 else 0
+        source = tensors[step.wide]
+        width = source.shape[channel_in] if channel_in >= 0 else 0
         shape = list(step.out_shape)
-        shape[step.batch_axis] = tensors[0].shape[batch_in]
+        shape[step.batch_axis] = source.shape[batch_in]
         if step.axis >= 0:
             shape[step.axis] = width
         for key in SHAPE_PARAMS.get(eqn.name, ()):
             if key == "limit_indices":
                 limits = list(params[key])
                 for a in (batch_in, channel_in):
-                    limits[a] = tensors[0].shape[a]
+                    limits[a] = source.shape[a]
                 params[key] = tuple(limits)
             else:
                 params[key] = tuple(shape)
@@ -690,10 +696,11 @@ class _Emitter:
                     for a, size in enumerate(seen.shape)
                 )
                 operands.append(_Operand("constant", key=key, shape=shape))
-        source = capture.values[op.tensors[0]]
-        in_axes = (source.batch_axis, self.axis.get(op.tensors[0], -1))
+        wide = op.channel_operands[0]
+        in_axes = (capture.values[wide].batch_axis, self.axis.get(wide, -1))
         return _Step(step.name, "bind", edges, copies, op.eqn, operands=tuple(operands), params=dict(op.eqn.params[0]),
-                     axis=op.axis, batch_axis=out.batch_axis, out_shape=out.shape, in_axes=in_axes)  # fmt: skip
+                     axis=op.axis, batch_axis=out.batch_axis, out_shape=out.shape, in_axes=in_axes,
+                     wide=op.tensors.index(wide))  # fmt: skip
 
     def _lay_out(
         self, value: np.ndarray, axis: int, channels: int, placement: Placement, copies: int

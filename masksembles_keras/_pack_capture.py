@@ -57,9 +57,10 @@ BINARY_OPS = {
     "FloorDivide",
 }
 MOVE_OPS = {
-    "GetItem", "Reshape", "Transpose", "ExpandDims", "Squeeze", "Moveaxis", "Swapaxes", "Mean", "Max", "Min", "Amax",
-    "Amin", "Flip",
+    "GetItem", "Reshape", "Transpose", "ExpandDims", "Squeeze", "Moveaxis", "Swapaxes", "Mean", "Sum", "Max", "Min",
+    "Amax", "Amin", "Flip",
 }  # fmt: skip
+REDUCTION_OPS = {"Mean", "Sum", "Max", "Min", "Amax", "Amin"}  # whether they keep zeros is evaluated
 CONV_TYPES = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D)
 DEPTHWISE_TYPES = (keras.layers.DepthwiseConv1D, keras.layers.DepthwiseConv2D)
 IDENTITY_TYPES = (  # at inference
@@ -550,8 +551,8 @@ class Capture:
         if name in MOVE_OPS and len(tensors) == 1 and len(_leaves(call)) == 1:
             role = "reshape" if name == "Reshape" else "call"
             batch = 0 if role == "reshape" else -1
-            return _Op(key, "channelwise", tensors, rule="map", keeps_zeros=name not in ("Mean", "Max", "Min", "Amax",
-                       "Amin"), batch_in=batch, batch_out=batch, call=call, role=role)  # fmt: skip
+            return _Op(key, "channelwise", tensors, rule="map", keeps_zeros=name not in REDUCTION_OPS, batch_in=batch,
+                       batch_out=batch, call=call, role=role)  # fmt: skip
         if name == "Concatenate" and len(tensors) == len(_leaves(call)):
             return _Op(key, "concat", tensors, rule="concat", concat_dim=config["axis"] % rank, call=call)
         return None
@@ -600,13 +601,16 @@ def _close(a: np.ndarray, b: np.ndarray) -> bool:
 
 
 def _whole_axis(out: np.ndarray, size: int) -> int | None:
-    """The axis of ``out`` holding 0..size-1 in order, the same along every other axis."""
+    """The axis of ``out`` holding 0..size-1 in order, times one positive factor (a sum over other axes), the same
+    along every other axis."""
+    factor = float(np.max(out)) / (size - 1) if size > 1 and out.size else 1.0
     for axis in range(out.ndim):
         if out.shape[axis] != size:
             continue
         view = [1] * out.ndim
         view[axis] = size
-        if np.array_equal(out, np.broadcast_to(np.arange(size, dtype=np.float64).reshape(view), out.shape)):
+        ids = np.arange(size, dtype=np.float64).reshape(view) * factor
+        if factor > 0 and np.array_equal(out, np.broadcast_to(ids, out.shape)):
             return axis
     return None
 

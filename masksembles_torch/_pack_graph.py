@@ -73,7 +73,8 @@ def _axis_map(capture: _Capture, op: _Op, source_axis: int) -> int | None:
     """The axis of ``op``'s value that holds, whole and in order, what its first input holds on ``source_axis``.
 
     Evaluated, not read from the operation's name: the operation runs on a tensor holding each position's index
-    along ``source_axis``, and the result must hold those indices whole, in order, on one axis."""
+    along ``source_axis``, and the result must hold those indices whole, in order, on one axis (times one positive
+    factor: a sum over other axes)."""
     node, source = op.node, op.tensors[0]
     seen = capture.seen[source]
     shape = seen.shapes[0]
@@ -114,15 +115,18 @@ def _takes_whole(index: Any, rank: int, axes: Sequence[int]) -> bool:
 
 
 def _whole_axis(out: Any, ids: Tensor) -> int | None:
-    """The axis of ``out`` that holds ``ids`` in order, constant along every other axis; None if none does."""
+    """The axis of ``out`` that holds ``ids`` (0, 1, ...) in order, times one positive factor, constant along every
+    other axis; None if none does."""
     if not isinstance(out, Tensor):
         return None
+    values = out.double()
+    factor = float(values.max()) / float(ids[-1]) if len(ids) > 1 and values.numel() else 1.0
     for a in range(out.dim()):
         if out.shape[a] != len(ids):
             continue
         view = [1] * out.dim()
         view[a] = len(ids)
-        if torch.equal(out.double(), ids.view(view).expand(out.shape)):
+        if factor > 0 and torch.equal(values, ids.view(view).expand(out.shape) * factor):
             return a
     return None
 

@@ -138,14 +138,44 @@ def test_elementwise_operations_that_read_only_fallbacks_become_fallbacks() -> N
     assert graph.ops["fc2"].kind == "mixing"
 
 
-def test_an_operand_broadcast_along_the_channels_falls_back() -> None:
+def broadcast_sum(source: str, shape: tuple[int, ...] = (B, 1), batch: int | None = 0) -> Graph:
+    """mlp with ``fc1 + s`` for its relu, ``s`` reduced from ``source`` (a fallback of ``shape``)."""
     graph = mlp(relu=lambda: op("relu", "combine", "fc1", "s"))
-    graph.ops = {"s": op("s", "channelwise", "x", rule="map"), **graph.ops}
-    graph.values["s"] = value(B, 1)  # x.sum(1, keepdim=True)
+    ops = graph.ops
+    graph.ops = {"m": ops["m"], "fc1": ops["fc1"], "s": op("s", "channelwise", source, rule="map"), **ops}
+    graph.values["s"] = value(*shape, batch=batch)  # e.g. x.sum(1, keepdim=True)
     graph.maps = {("s", 0): 0}  # the batch stays; the channels are reduced away
-    solve_axes(graph)
+    return graph
+
+
+def test_an_operand_broadcast_along_the_channels_is_marked_and_read_as_it_is() -> None:
+    graph = broadcast_sum("x")
+    axis = solve_axes(graph)
     assert graph.ops["s"].kind == "fallback"  # no axis holds x's channels whole
-    assert graph.ops["relu"].kind == "fallback"  # (B, 6) + (B, 1): the operand broadcasts along the channels
+    assert graph.ops["relu"].kind == "combine" and graph.ops["relu"].broadcast == (1,)
+    assert axis["relu"] == 1 and "s" not in axis, "(B, 6) + (B, 1): the operand takes no channel axis"
+    nodes, output = graph_nodes(graph, axis)
+    relu = next(node for node in nodes if node.name == "relu")
+    assert relu.broadcast == (1,) and [node.channels for node in nodes if node.name == "s"] == [1]
+    program = plan_program(nodes, output, [0, 1, 2])
+    assert program.fallbacks == ("s",) and not program.step("relu").placement.dense
+
+
+def test_an_operand_without_the_channel_axis_broadcasts_and_one_of_other_channels_falls_back() -> None:
+    graph = broadcast_sum("x", (1,), batch=None)  # right-aligned, (1,) lies on the channel axis of (B, 6)
+    solve_axes(graph)
+    assert graph.ops["relu"].kind == "combine" and graph.ops["relu"].broadcast == (1,)
+    graph = broadcast_sum("x", (6,), batch=None)  # six channels, but of another rank: not laid out like fc1's
+    solve_axes(graph)
+    assert graph.ops["relu"].kind == "fallback"
+
+
+def test_a_combine_whose_broadcast_operand_is_computed_per_member_falls_back_in_the_plan() -> None:
+    graph = broadcast_sum("m")  # a norm of the masked value: one per member
+    axis = solve_axes(graph)
+    assert graph.ops["relu"].broadcast == (1,)
+    program = plan_program(*graph_nodes(graph, axis), [0, 1, 2])
+    assert program.fallbacks == ("s", "relu") and program.step("relu").placement.dense
 
 
 def test_a_move_takes_the_axis_its_evaluation_gives_and_keeps_the_batch() -> None:

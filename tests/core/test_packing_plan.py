@@ -267,6 +267,86 @@ def test_combine_rule_reads_only_its_zero_inputs() -> None:
         kept_channels([*nodes[:5], GraphNode("select", "combine", ("predicate", "m"), 6, zero_inputs=(3,))], "m", 0)
 
 
+def padding_mask_graph(mask_source: str, rule: str = "any", hidden: str = "m") -> list[GraphNode]:
+    """``(hidden * mask) -> Linear``, the mask (one channel, broadcast along the six) computed from ``mask_source``:
+    the input (a padding mask from the token ids) or a masked value."""
+    return [
+        GraphNode("x", "input", (), 3),
+        GraphNode("fc", "mixing", ("x",), 6),
+        GraphNode("m", "masks", ("fc",), 6, masks=DISJOINT),
+        GraphNode("mask", "fallback", (mask_source,), 1),
+        GraphNode("masked", "combine", (hidden, "mask"), 6, zero_rule=rule, broadcast=(1,)),
+        GraphNode("out", "mixing", ("masked",), 2),
+    ]
+
+
+def test_a_shared_operand_broadcast_along_the_channels_is_read_as_it_is_by_every_member() -> None:
+    program = plan_program(padding_mask_graph("x"), "out", range(3))
+    assert program.fallbacks == ("mask",)
+    step = program.step("masked")
+    assert step.node.kind == "combine" and not step.placement.dense
+    assert layouts(step.placement) == [[0, 1], [2, 3], [4, 5]], "a product is zero where the masked value is"
+    hidden, mask = step.edges
+    assert layouts(hidden.placement) == [[0, 1], [2, 3], [4, 5]] and hidden.moves == ()
+    assert mask.placement.shared and mask.placement.dense and layouts(mask.placement) == [[0]]
+    assert mask.moves == (), "the mask is read once, as the input's program computed it"
+    costs = {"fc": Cost(1), "out": Cost(1)}
+    without = [*padding_mask_graph("x")[:3], GraphNode("out", "mixing", ("m",), 2)]
+    assert program_macs(program, costs) == program_macs(plan_program(without, "out", range(3)), costs), (
+        "the layers around the product compact as they do without it"
+    )
+
+
+def test_a_combine_whose_broadcast_operand_is_not_shared_falls_back() -> None:
+    """A mask computed from a masked value (its norm over the channels) differs per member: each member's block
+    cannot read one value, so the product runs on the member-stacked batch."""
+    program = plan_program(padding_mask_graph("m"), "out", range(3))
+    assert program.fallbacks == ("mask", "masked")
+    step = program.step("masked")
+    assert step.node.kind == "fallback" and step.placement.dense and not step.placement.shared
+    assert [[m.kind for m in edge.moves] for edge in step.edges] == [["select", "to_batch"], []]
+    assert kept_channels(padding_mask_graph("m"), "out", 0)["m"].tolist() == DISJOINT[0].tolist()
+
+
+@pytest.mark.parametrize("rule,zero_after", [("any", True), ("all", False), ("never", False)])
+def test_a_broadcast_operand_is_not_read_by_the_zero_rule(rule: str, zero_after: bool) -> None:
+    """``x * mask`` is zero where x is, whatever the mask; ``x + mask`` is not."""
+    kept = kept_channels(padding_mask_graph("x", rule), "out", 1)
+    assert kept["masked"].tolist() == (DISJOINT[1].tolist() if zero_after else [True] * 6)
+    assert kept["mask"].tolist() == [True], "the broadcast operand is needed whole"
+
+
+def test_channel_wide_operands_follow_the_combine_rules_beside_a_broadcast_one() -> None:
+    nodes = [
+        *padding_mask_graph("x")[:4],
+        GraphNode("gate", "mixing", ("x",), 6),
+        GraphNode("sum", "combine", ("m", "mask", "gate"), 6, zero_rule="all", broadcast=(1,)),
+        GraphNode("product", "combine", ("m", "mask", "gate"), 6, zero_rule="any", broadcast=(1,)),
+        GraphNode("select", "combine", ("mask", "m", "m"), 6, zero_rule="all", zero_inputs=(1, 2), broadcast=(0,)),
+        GraphNode("only", "combine", ("m", "mask"), 6, zero_rule="any", zero_inputs=(1,), broadcast=(1,)),
+        GraphNode("cat", "concat", ("sum", "product", "select", "only"), 24, parts=(6, 6, 6, 6)),
+        GraphNode("out", "mixing", ("cat",), 2),
+    ]
+    kept = kept_channels(nodes, "out", 2)
+    assert kept["sum"].all(), "gate is not zero off the mask"
+    assert kept["product"].tolist() == DISJOINT[2].tolist(), "zero where the masked value is"
+    assert kept["select"].tolist() == DISJOINT[2].tolist(), "both values read by the rule are zero"
+    assert kept["only"].all(), "a rule that reads only the broadcast operand knows no zero"
+
+
+def test_broadcast_positions_must_be_inputs_of_a_fallback_or_a_combine_of_channel_wide_inputs() -> None:
+    x = GraphNode("x", "input", (), 3)
+    for node in (
+        GraphNode("relu", "channelwise", ("x",), 3, broadcast=(0,)),
+        GraphNode("c", "combine", ("x", "x"), 3, broadcast=(2,)),
+        GraphNode("c", "combine", ("x",), 3, broadcast=(0,)),
+    ):
+        with pytest.raises(ValueError, match="must be inputs of a fallback, or of a combine"):
+            plan_program([x, node], node.name, [0])
+    with pytest.raises(ValueError, match="combine node 'c' has 3 channels"):
+        plan_program([x, GraphNode("one", "fallback", ("x",), 1), GraphNode("c", "combine", ("x", "one"), 3)], "c", [0])
+
+
 def test_concat_lays_parts_out_one_after_another() -> None:
     nodes = [
         GraphNode("x", "input", (), 3),
