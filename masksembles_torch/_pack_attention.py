@@ -380,9 +380,8 @@ class WrittenAttention:
 def written_attentions(capture: _Capture) -> list[WrittenAttention]:
     """Every written-out attention of the capture whose intermediate values nothing else reads: q, k and v of one
     floating dtype and rank, with the same leading axes; scales by numbers (constants, or sizes such as
-    ``q.shape[-1] ** -0.5``), an additive mask after them (of the
-    scores' dtype, broadcast to their shape); a softmax over the last axis (in the scores' dtype); Dropout in eval and
-    casts to the same dtype after it."""
+    ``q.shape[-1] ** -0.5``), an additive mask after them (of the scores' dtype, broadcast to their shape); a softmax
+    over the last axis (in the scores' dtype); Dropout in eval and casts to the same dtype after it."""
     return [found for node in capture.gm.graph.nodes if (found := _written(capture, node)) is not None]
 
 
@@ -553,8 +552,9 @@ def fuse_written_attention(graph: fx.Graph, values: dict[str, fx.Node], attentio
     scores, result = cast(fx.Node, emitted[attention.chain[0]]), cast(fx.Node, emitted[attention.chain[-1]])
     transposed = cast(fx.Node, emitted[attention.key_transposed])
     query = scores.args[0]
-    if attention.query_scaled is not None:
-        query = next(a for a in cast(fx.Node, emitted[attention.query_scaled]).args if isinstance(a, fx.Node))
+    for node, position in attention.scales:
+        if node is attention.query_scaled:  # the query it scales, as emitted (its factor may be a node too)
+            query = cast(fx.Node, emitted[node]).args[1 - position]
     mask = None
     if attention.mask_position is not None:
         added = next(emitted[node] for node in attention.chain if _called(node) in ADD)

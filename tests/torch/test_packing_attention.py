@@ -272,13 +272,26 @@ def test_attention_a_fused_call_would_change_stays_written_out(variant: str) -> 
         assert relative_error(packed(x), mt.predict(model, x, N)) <= 1e-5
 
 
+class QueryScaledBySize(nn.Module):
+    """Single-head attention whose query is scaled before the product, the factor first:
+    ``(q.shape[-1] ** -0.5 * q) @ k^T``."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.qkv, self.proj = nn.Linear(channels, 3 * channels), nn.Linear(channels, channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        return self.proj(((q.shape[-1] ** -0.5 * q) @ k.transpose(-2, -1)).softmax(-1) @ v)
+
+
 class TwoWrittenAttentions(nn.Module):
-    """Two single-head attentions scaled by ``q.shape[-1] ** -0.5`` (a size read at run time), a mean over the
-    tokens and a head."""
+    """Two single-head attentions scaled by ``q.shape[-1] ** -0.5`` (a size read at run time), the scores in the
+    first, the query in the second; a mean over the tokens and a head."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.first, self.second, self.head = Attention(16), Attention(16), nn.Linear(16, 3)
+        self.first, self.second, self.head = Attention(16), QueryScaledBySize(16), nn.Linear(16, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.second(self.first(x)).mean(1))
