@@ -183,16 +183,13 @@ class ChannelSelect(keras.layers.Layer):  # type: ignore[misc]  # keras is untyp
         return {**super().get_config(), **config, "blocks": self.blocks}
 
 
-APART_ROWS = 128  # on JAX, the fewest rows (samples times positions) the members' Dense layers run one per member
-
-
-def runs_members_apart(rows: int | None) -> bool:
-    """Whether this backend runs the members' Dense layers one per member on ``rows`` rows (None: not known), on
-    static slices of their side-by-side channels, concatenated: TensorFlow runs that faster than one batched matmul
-    over the members (3.6 against 5.8 ms at batch 256); JAX too from ``APART_ROWS`` rows on (the shapes are static
-    under ``jit``; at batch 1 and 32 the batched matmul is faster), and torch runs the batched matmul as fast."""
-    backend = str(keras.backend.backend())
-    return backend == "tensorflow" or (backend == "jax" and rows is not None and rows >= APART_ROWS)
+def runs_members_apart() -> bool:
+    """Whether this backend runs the members' Dense layers one per member, on static slices of their side-by-side
+    channels, concatenated: TensorFlow runs that faster than one batched matmul over the members (3.6 against 5.8 ms
+    at batch 256); JAX and torch run the batched matmul as fast or faster (JAX, the Keras packing benchmark's
+    Transformer at batch 32 and 256: 2.7x and 1.8x the single model batched against 4.1x and 2.5x apart, its MLP, CNNs
+    alike either way)."""
+    return str(keras.backend.backend()) == "tensorflow"
 
 
 def convolution_pieces(groups: int, members: int, window: int) -> int:
@@ -514,8 +511,7 @@ class MemberDense(keras.layers.Layer):  # type: ignore[misc]
     def call(self, x: Any) -> Any:
         if on_torch():
             return self.activation(_torch_member_matmul(ops.convert_to_tensor(x), self.kernel, self.bias))
-        rows = None if None in x.shape[:-1] else int(np.prod(x.shape[:-1]))
-        if runs_members_apart(rows):
+        if runs_members_apart():
             width = int(x.shape[-1]) // self.members
             parts = [ops.matmul(x[..., k * width : (k + 1) * width], self.kernel[k]) for k in range(self.members)]
             y = ops.concatenate(parts, axis=-1)

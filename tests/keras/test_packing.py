@@ -378,20 +378,20 @@ def test_a_chain_of_member_dense_layers_is_each_layer_in_turn() -> None:
         assert len(chains) == 1 and all(isinstance(step, _packed_layers.MemberDense) for step in chains[0].steps)
 
 
-def test_member_dense_agrees_one_matmul_per_member_or_batched(monkeypatch: pytest.MonkeyPatch) -> None:
-    """3 members of 4 -> 5 channels on 12 rows, run with the members apart from 1 row on (JAX; TensorFlow always) and
-    from more rows than there are (JAX, torch): each member's block through its own kernel."""
+@pytest.mark.parametrize("apart", [True, False], ids=["members-apart", "batched"])
+def test_member_dense_agrees_one_matmul_per_member_or_batched(apart: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """3 members of 4 -> 5 channels on 12 rows, one matmul per member (TensorFlow's form) or one batched matmul
+    (JAX's; torch has its own): each member's block through its own kernel."""
     rng = np.random.default_rng(0)
     x = rng.standard_normal((4, 3, 12)).astype("float32")
     kernel, bias = rng.standard_normal((3, 4, 5)).astype("float32"), rng.standard_normal(15).astype("float32")
     expected = np.concatenate([x[..., 4 * k : 4 * k + 4] @ kernel[k] for k in range(3)], axis=-1) + bias
-    for rows in (1, 13):
-        monkeypatch.setattr(_packed_layers, "APART_ROWS", rows)
-        layer = _packed_layers.MemberDense(3, 5)
-        layer.build(x.shape)
-        layer.kernel.assign(kernel)
-        layer.bias.assign(bias)
-        np.testing.assert_allclose(ops.convert_to_numpy(layer(x)), expected, rtol=0, atol=1e-5)
+    monkeypatch.setattr(_packed_layers, "runs_members_apart", lambda: apart)
+    layer = _packed_layers.MemberDense(3, 5)
+    layer.build(x.shape)
+    layer.kernel.assign(kernel)
+    layer.bias.assign(bias)
+    np.testing.assert_allclose(ops.convert_to_numpy(layer(x)), expected, rtol=0, atol=1e-5)
 
 
 def no_pieces(groups: int, members: int, window: int) -> int:
