@@ -356,6 +356,23 @@ def array_repeatable(probed: Probed) -> bool:
     return not (probed.batch_axes and probed.batch_axis < 0)
 
 
+def whole_axis(result: np.ndarray, size: int) -> int | None:
+    """The axis of ``result`` that holds 0, 1, ..., size-1 in order, times one positive factor (a sum over other
+    axes), the same along every other axis; None if none does. ``result`` is an operation's output on an input that
+    holds each position's index along the axis asked about (an adapter's ``axis_map``)."""
+    values = np.asarray(result, dtype=np.float64)
+    factor = float(values.max()) / (size - 1) if size > 1 and values.size else 1.0
+    for axis in range(values.ndim):
+        if values.shape[axis] != size:
+            continue
+        view = [1] * values.ndim
+        view[axis] = size
+        ids = np.arange(size, dtype=np.float64).reshape(view) * factor
+        if factor > 0 and np.array_equal(values, np.broadcast_to(ids, values.shape)):
+            return axis
+    return None
+
+
 def zero_channels(result: np.ndarray, axis: int) -> BoolArray:
     """Per index of ``axis``, whether ``result`` (an operation's output on zero inputs, as a bool "is zero" array or
     as values) is zero everywhere along the other axes."""

@@ -23,7 +23,7 @@ from keras import ops
 
 import masksembles_core.adapter as mca
 from masksembles_core import captured
-from masksembles_core.captured import CapturedOp, Probed, array_repeatable
+from masksembles_core.captured import CapturedOp, Probed, array_repeatable, whole_axis
 
 from ._inference import _no_autograd
 from ._layers import Masksembles
@@ -416,8 +416,8 @@ class Capture:
                    batch_dependent=self._reads_the_batch(call, key))  # fmt: skip
 
     def axis_map(self, op: _Op, source_axis: int) -> int | None:
-        result = self.answers[_Question(op.key, "index", axis=source_axis)].astype(np.float64)
-        return _whole_axis(result, self.seen[op.tensors[0]].shape[source_axis])
+        result = self.answers[_Question(op.key, "index", axis=source_axis)]
+        return whole_axis(result, self.seen[op.tensors[0]].shape[source_axis])
 
     def zero_map(self, op: _Op) -> np.ndarray:
         zero = np.ones(self.seen[op.key].shape[op.axis], dtype=bool)
@@ -598,21 +598,6 @@ def _close(a: np.ndarray, b: np.ndarray) -> bool:
         return bool(np.array_equal(a, b))
     scale = float(np.max(np.abs(b), initial=0.0)) or 1.0
     return bool(np.allclose(a, b, rtol=0.0, atol=1e-5 * scale, equal_nan=True))
-
-
-def _whole_axis(out: np.ndarray, size: int) -> int | None:
-    """The axis of ``out`` holding 0..size-1 in order, times one positive factor (a sum over other axes), the same
-    along every other axis."""
-    factor = float(np.max(out)) / (size - 1) if size > 1 and out.size else 1.0
-    for axis in range(out.ndim):
-        if out.shape[axis] != size:
-            continue
-        view = [1] * out.ndim
-        view[axis] = size
-        ids = np.arange(size, dtype=np.float64).reshape(view) * factor
-        if factor > 0 and np.array_equal(out, np.broadcast_to(ids, out.shape)):
-            return axis
-    return None
 
 
 def spatial_size(shape: Sequence[int], batch_axis: int, channel_axis: int) -> int:

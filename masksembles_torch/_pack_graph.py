@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, fx
 
 from masksembles_core import captured
-from masksembles_core.captured import Probed, zero_channels
+from masksembles_core.captured import Probed, whole_axis, zero_channels
 from masksembles_core.packing import BoolArray
 
 from ._pack_capture import _Capture, _evaluate, _Op, _Seen, _target_name
@@ -87,7 +87,7 @@ def _axis_map(capture: _Capture, op: _Op, source_axis: int) -> int | None:
         out = _evaluate(capture, node, {source: ids.view(view).expand(shape).contiguous()})
     except Exception:  # the operation does not apply to this tensor as given
         return None
-    return _whole_axis(out, ids)
+    return whole_axis(out.detach().double().cpu().numpy(), len(ids)) if isinstance(out, Tensor) else None
 
 
 def _solve_axes(capture: _Capture) -> tuple[_Graph, dict[fx.Node, int]]:
@@ -112,23 +112,6 @@ def _takes_whole(index: Any, rank: int, axes: Sequence[int]) -> bool:
             positions.append(e)
     positions.extend([slice(None)] * (rank - len(positions)))
     return all(positions[a] == slice(None) for a in axes)
-
-
-def _whole_axis(out: Any, ids: Tensor) -> int | None:
-    """The axis of ``out`` that holds ``ids`` (0, 1, ...) in order, times one positive factor, constant along every
-    other axis; None if none does."""
-    if not isinstance(out, Tensor):
-        return None
-    values = out.double()
-    factor = float(values.max()) / float(ids[-1]) if len(ids) > 1 and values.numel() else 1.0
-    for a in range(out.dim()):
-        if out.shape[a] != len(ids):
-            continue
-        view = [1] * out.dim()
-        view[a] = len(ids)
-        if factor > 0 and torch.equal(values, ids.view(view).expand(out.shape) * factor):
-            return a
-    return None
 
 
 def _leaves(value: Any) -> list[fx.Node]:

@@ -8,7 +8,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from masksembles_core.captured import CapturedOp, Probed, array_repeatable, graph_nodes, solve_axes, zero_channels
+from masksembles_core.captured import (
+    CapturedOp,
+    Probed,
+    array_repeatable,
+    graph_nodes,
+    solve_axes,
+    whole_axis,
+    zero_channels,
+)
 from masksembles_core.packing import OUTPUT, GraphNode, plan_program
 
 B = 4  # the probe batch: every value is seen at B and B + 1
@@ -267,3 +275,16 @@ def test_zero_channels_reduces_over_every_other_axis() -> None:
     assert zero_channels(result, 1).tolist() == [True, True, False]
     assert zero_channels(result == 0, 2).tolist() == [False, True, True, True]
     assert zero_channels(np.array([0.0, 1.0]), 0).tolist() == [True, False]
+
+
+def test_whole_axis_finds_the_indices_in_order_times_one_positive_factor() -> None:
+    """An operation evaluated on each position's index along the axis asked about: a move keeps the indices, a sum
+    over other axes multiplies them by one factor; a reversal, a mix of factors or a negative factor is no map."""
+    ids = np.arange(4.0)
+    assert whole_axis(np.broadcast_to(ids, (2, 3, 4)), 4) == 2
+    assert whole_axis(np.broadcast_to(ids[:, None], (2, 4, 3)), 4) == 1
+    assert whole_axis(np.broadcast_to(ids * 7, (2, 4)), 4) == 1, "a sum over 7 positions"
+    assert whole_axis(np.broadcast_to(ids[::-1], (2, 4)), 4) is None
+    assert whole_axis(np.stack([ids, 2 * ids]), 4) is None
+    assert whole_axis(np.broadcast_to(-ids, (2, 4)), 4) is None
+    assert whole_axis(np.zeros((2, 3)), 4) is None
