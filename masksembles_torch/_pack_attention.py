@@ -404,27 +404,30 @@ def _written(capture: _Capture, result: fx.Node) -> WrittenAttention | None:
     chain.append(node)
     node, mask_position = node.args[0], None
     if isinstance(node, fx.Node) and _called(node) in ADD and not node.kwargs and len(node.args) == 2:
-        mask_position = next((1 - i for i, a in enumerate(node.args) if _scales(capture, a) or _is_matmul(a)), None)
+        mask_position = next(
+            (1 - i for i, a in enumerate(node.args) if _factor_position(capture, a) is not None or _is_matmul(a)), None
+        )
         if mask_position is None or not _broadcast_mask(capture, node.args[mask_position], scores):
             return None
         chain.append(node)
         node = node.args[1 - mask_position]
     scales: list[tuple[fx.Node, int]] = []
-    if _scales(capture, node):
+    position = _factor_position(capture, node)
+    if position is not None:
         scaled = cast(fx.Node, node)
-        scales.append((scaled, _factor_position(capture, scaled)))
+        scales.append((scaled, position))
         chain.append(scaled)
-        node = scaled.args[1 - scales[-1][1]]
+        node = scaled.args[1 - position]
     if not _is_matmul(node):
         return None
     scores_node = cast(fx.Node, node)
     chain.append(scores_node)
     query, transposed = scores_node.args
-    query_scaled = None
-    if _scales(capture, query):
+    query_scaled, position = None, _factor_position(capture, query)
+    if position is not None:
         query_scaled = cast(fx.Node, query)
-        scales.append((query_scaled, _factor_position(capture, query_scaled)))
-        query = query_scaled.args[1 - scales[-1][1]]
+        scales.append((query_scaled, position))
+        query = query_scaled.args[1 - position]
     if not isinstance(transposed, fx.Node) or not _swaps_last_two(capture, transposed):
         return None
     key, value = transposed.args[0], result.args[1]
@@ -482,25 +485,20 @@ def _value(capture: _Capture, argument: Any) -> Any:
     return seen.values[0] if seen is not None and not seen.tensor and seen.values[0] == seen.values[1] else None
 
 
-def _scales(capture: _Capture, node: Any) -> bool:
-    """A product or quotient of one tensor by a number, a constant or one read from the model (the tensor first for
-    a quotient)."""
+def _factor_position(capture: _Capture, node: Any) -> int | None:
+    """Where a product or quotient of one tensor by a number (a constant, or one read from the model; the tensor
+    first for a quotient) has its factor; None for any other value."""
     if not isinstance(node, fx.Node) or node.kwargs or len(node.args) != 2 or node not in capture.dynamic:
-        return False
+        return None
     name = _called(node)
     if name not in MULTIPLY and name not in DIVIDE:
-        return False
+        return None
     tensors = [isinstance(a, fx.Node) and a in capture.seen and capture.seen[a].tensor for a in node.args]
     if tensors.count(True) != 1 or (name in DIVIDE and not tensors[0]):
-        return False
-    factor = _value(capture, node.args[tensors.index(False)])
-    return isinstance(factor, int | float) and not isinstance(factor, bool) and factor != 0
-
-
-def _factor_position(capture: _Capture, node: fx.Node) -> int:
-    """Where a scale (``_scales``) has its factor."""
-    first = node.args[0]
-    return 0 if not (isinstance(first, fx.Node) and first in capture.seen and capture.seen[first].tensor) else 1
+        return None
+    position = tensors.index(False)
+    factor = _value(capture, node.args[position])
+    return position if isinstance(factor, int | float) and not isinstance(factor, bool) and factor != 0 else None
 
 
 def _broadcast_mask(capture: _Capture, mask: Any, scores: _Seen) -> bool:
