@@ -506,7 +506,8 @@ def chained(outputs: Sequence[Any], select: Callable[[Any], bool] = lambda layer
     """``outputs`` computed again with every run of two or more layers that ``Chain`` can run (``_chainable``, one
     dtype policy) and ``select`` takes, each reading only the one before it and read only by the one after it, as
     one ``Chain`` layer: torch's eager Keras pays each layer call (about 0.1 ms), the compiled backends do not; on
-    TensorFlow a ``Chain`` runs the members' Dense layers laid out members first (``runs_member_dense_members_major``).
+    TensorFlow and JAX a ``Chain`` runs the members' Dense layers laid out members first
+    (``runs_member_dense_members_major``).
     """
     nodes = _nodes(outputs)
     reads: dict[int, int] = {}

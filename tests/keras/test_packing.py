@@ -352,8 +352,8 @@ def test_chain_runs_its_layers_in_inference_and_saves(tmp_path: Path) -> None:
 
 def test_a_chain_of_member_dense_layers_is_each_layer_in_turn() -> None:
     """Three members' Dense layers (3 members, bias, relu) on tokens (B, L, 3*4) as one Chain equal the layers one
-    after the other; on TensorFlow the Chain runs them laid out members first, and pack makes the packed MLP's run
-    of them one Chain."""
+    after the other; on TensorFlow and JAX the Chain runs them laid out members first, and pack makes the packed
+    MLP's run of them one Chain."""
     rng = np.random.default_rng(0)
     x = rng.standard_normal((5, 2, 12)).astype("float32")
     steps = []
@@ -366,7 +366,7 @@ def test_a_chain_of_member_dense_layers_is_each_layer_in_turn() -> None:
     for layer in steps:
         expected = ops.convert_to_numpy(layer(expected))
     major = _packed_layers.runs_member_dense_members_major()
-    assert major == (keras.backend.backend() == "tensorflow")
+    assert major == (keras.backend.backend() in ("tensorflow", "jax"))
     assert _packed_layers.member_dense_spans(steps) == ([(0, 3)] if major else [(0, 1), (1, 2), (2, 3)])
     np.testing.assert_allclose(ops.convert_to_numpy(_packed_layers.Chain(steps)(x)), expected, rtol=0, atol=1e-5)
     keras.utils.set_random_seed(0)
