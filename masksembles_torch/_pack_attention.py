@@ -1,8 +1,9 @@
 """Attention at packed speed: the members folded into the attention heads.
 
-An attention region (the operations between the query/key/value Linear layers and the projection that reads their
-result: reshapes that split or merge the channels as (heads, head_dim), moves, ``unbind``, ``q @ k^T``, softmax, a
-scale, an additive mask, Dropout in eval, ``F.scaled_dot_product_attention``) falls back: nothing compacts it. Where
+An attention region (the operations between the query/key/value Linear layers, or elementwise operations computed
+per member after them (``q_proj(x) * scaling``), and the projection that reads their result: reshapes that split or
+merge the channels as (heads, head_dim), moves, ``unbind``, ``q @ k^T``, softmax, a scale, an additive mask, Dropout
+in eval, ``F.scaled_dot_product_attention``) falls back: nothing compacts it. Where
 every member reads every channel of those Linear layers, the members' blocks side by side on the channel axis are
 one wider layer's output with ``m`` times the heads, and every operation of the region treats heads apart: the region
 runs once on (B, m*heads, L, d) and gives its result back in member blocks, (B, L, m*C), with no move in or out.
@@ -37,6 +38,7 @@ MOVES = {"transpose", "permute", "movedim", "swapaxes", "swapdims", "contiguous"
 MOVE_FUNCTIONS = {torch.transpose, torch.permute, torch.movedim, torch.swapaxes}
 SOFTMAX = {"softmax", "log_softmax"}
 MATMULS = {torch.matmul, operator.matmul, "matmul", "__matmul__"}
+ELEMENTWISE_ENTRIES = ("channelwise", "combine", "add")  # computed per member, like a Linear layer's output
 
 
 @dataclass(frozen=True)
@@ -72,7 +74,7 @@ def fold_regions(graph: _Graph, axis: dict[fx.Node, int]) -> list[Region]:
     their ``broadcast`` inputs)."""
     capture = graph.capture
     fallbacks = [key for key, op in graph.ops.items() if op.kind == "fallback" and not capture.calls_masks(key)]
-    entries = [key for key, op in graph.ops.items() if op.kind == "mixing" and op.how == "linear"]
+    entries = [key for key, op in graph.ops.items() if _is_linear(op) or op.kind in ELEMENTWISE_ENTRIES]
     found = []
     for component in _components(graph, set(fallbacks), entries):
         region = _fold(graph, axis, component)
@@ -147,9 +149,15 @@ def _fold(graph: _Graph, axis: dict[fx.Node, int], component: Component) -> Regi
     return None
 
 
+def _is_linear(op: _Op) -> bool:
+    return op.kind == "mixing" and op.how == "linear"
+
+
 def _split_outers(graph: _Graph, entry: fx.Node, inside: set[fx.Node]) -> list[int]:
-    """Where an entry's member index may sit: 1, and, when only the region reads it, inside each leading factor of
-    the reshape that splits its channels (3 of (3, heads, head_dim))."""
+    """Where an entry's member index may sit: 1, and, for a Linear layer only the region reads, inside each leading
+    factor of the reshape that splits its channels (3 of (3, heads, head_dim))."""
+    if not _is_linear(graph.ops[entry]):
+        return [1]
     if any(user not in inside for user in entry.users if user in graph.ops) or len(entry.users) != 1:
         return [1]
     (user,) = entry.users

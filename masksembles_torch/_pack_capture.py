@@ -315,8 +315,11 @@ class _Seen:
 
     @property
     def per_sample(self) -> int:
-        """Elements per sample of a tensor with one batch-proportional axis."""
-        return math.prod(self.shapes[0]) // self.shapes[0][self.batch_axes[0]]
+        """Elements per sample of a tensor with one batch-proportional axis: the second probe's one more sample adds
+        its rows there (one on the batch axis, L where each sample's L tokens are rows, (B*L, C))."""
+        axis = self.batch_axes[0]
+        before, after = self.shapes[0][axis], self.shapes[1][axis]
+        return math.prod(self.shapes[0]) // before * (after - before)
 
     @property
     def batch_axis(self) -> int:

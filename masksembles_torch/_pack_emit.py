@@ -741,8 +741,9 @@ class _Emitter:
 
 
 def _fallback_macs(op: _Op, capture: _Capture, per_sample: int) -> int:
-    """Multiply-adds per sample of one dense model's fallback node, where it is a Linear, a convolution, an
-    nn.MultiheadAttention (projections and attention products), ``F.scaled_dot_product_attention`` or a matmul."""
+    """Multiply-adds per sample of one dense model's fallback node, where it is a Linear (module or ``F.linear``), a
+    convolution, an nn.MultiheadAttention (projections and attention products), ``F.scaled_dot_product_attention``
+    or a matmul."""
     node = op.node
     if node.op == "call_module":
         module = capture.gm.get_submodule(str(node.target))
@@ -755,6 +756,8 @@ def _fallback_macs(op: _Op, capture: _Capture, per_sample: int) -> int:
             tokens, keys = (capture.seen[value].per_sample // width for value in (query, key))
             return int(tokens * 4 * width * width + 2 * tokens * keys * width)
         return 0
+    if node.target is F.linear:  # a torch.export capture's Linear layer
+        return per_sample * capture.seen[_argument(node, 1, "weight")].shapes[0][-1]
     output = capture.seen[node].shapes[0]
     if node.target is F.scaled_dot_product_attention:
         q, k, v = (capture.seen[_argument(node, i, n)].shapes[0] for i, n in enumerate(("query", "key", "value")))

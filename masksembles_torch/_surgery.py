@@ -32,6 +32,7 @@ from typing import Any, cast
 import torch
 import torch.nn.functional as F
 from torch import Tensor, fx, nn
+from torch.fx.experimental.symbolic_shapes import has_guarding_hint
 from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
 
 import masksembles_core.adapter as mca
@@ -736,14 +737,23 @@ def _exported_path(node: fx.Node) -> str:
     return "" if path == WRAPPED else path.removeprefix(f"{WRAPPED}.")
 
 
-def _shape(node: object) -> tuple[int, ...] | None:
+def _shape(node: object) -> tuple[int | None, ...] | None:
+    """The shape of a tensor node (None for anything else), a size only the data decides (the tokens a boolean mask
+    picks, in a torch.export graph) None."""
     if not isinstance(node, fx.Node):
         return None
     meta = node.meta.get("tensor_meta")
-    if isinstance(meta, TensorMetadata):
-        return tuple(meta.shape)
     value = node.meta.get("val")  # torch.export's fake tensor
-    return tuple(int(size) for size in value.shape) if isinstance(value, Tensor) else None
+    sizes = meta.shape if isinstance(meta, TensorMetadata) else value.shape if isinstance(value, Tensor) else None
+    return None if sizes is None else tuple(int(size) if has_guarding_hint(size) else None for size in sizes)
+
+
+def _known(shape: tuple[int | None, ...] | None) -> bool:
+    return shape is not None and None not in shape
+
+
+def _sort_key(shape: Sequence[int | None]) -> tuple[int, ...]:
+    return tuple(-1 if size is None else size for size in shape)
 
 
 def _kind(node: fx.Node, modules: dict[str, nn.Module]) -> int | str | None:
@@ -805,14 +815,14 @@ def _producers(node: object, modules: dict[str, nn.Module]) -> set[int | str]:
         kind = _kind(current, modules)
         shape = _shape(current)
         if kind == "through":
-            stack += [(arg, last_only) for arg in current.all_input_nodes if shape is not None and _shape(arg) == shape]
+            stack += [(arg, last_only) for arg in current.all_input_nodes if _known(shape) and _shape(arg) == shape]
         elif kind == RESHAPED:
             source = current.args[0] if current.args else None
             before = _shape(source)
             if isinstance(source, fx.Node) and shape is not None and before is not None:
-                if before == shape:
+                if _known(shape) and before == shape:
                     stack.append((source, last_only))
-                elif len(before) >= 2 and len(shape) >= 2 and before[-1] == shape[-1]:
+                elif len(before) >= 2 and len(shape) >= 2 and before[-1] is not None and before[-1] == shape[-1]:
                     stack.append((source, True))
         elif kind is not None and (not last_only or kind in (-1, SOFTMAX)):
             found.add(kind)
@@ -938,9 +948,11 @@ def _decide(site: _Site, traced: _Traced, channel_axis: int | None) -> Candidate
                 notes.add(f"axis {axis} from the input's rank ({rank}-D): {source}")
         if not (-rank <= axis < rank) or axis % rank == 0:
             return left(f"channel_axis={axis} is not a channel axis of its {rank}-D input")
+        if shape[axis] is None:
+            return left(f"its channel axis {axis} has a size only the data decides")
         choices.add((shape[axis], axis))
     if len(choices) > 1:
-        return left(f"called on inputs with different channels: {sorted(set(site.shapes))}")
+        return left(f"called on inputs with different channels: {sorted(set(site.shapes), key=_sort_key)}")
     ((channels, axis),) = choices
     return Candidate(site.path, site.layer, channels, axis, note="; ".join(sorted(notes)))
 

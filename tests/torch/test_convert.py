@@ -327,3 +327,30 @@ def test_insert_rules_apply_too_few_channels_and_the_input_dropout() -> None:
     included = mt.convert_dropout(Model(), x, 3, 2.0, seed=0, include_first=True)
     assert [row.path for row in included.masksembles_report.changed] == ["input_drop", "narrow_drop", "drop", "dropout"]
     assert isinstance(included.input_drop, mt.Masksembles) and included.input_drop.channels == 6
+
+
+def test_a_dropout_after_a_data_dependent_size_is_converted_unless_it_is_the_channels() -> None:
+    """A head on the tokens a boolean mask picks (as ``BartForSequenceClassification`` picks its <eos> tokens): the
+    size only the data decides, which torch.fx cannot trace, is unknown in the torch.export graph; the dropout before
+    it is converted all the same, one on channels that such a mask picks is left."""
+
+    class Selected(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(6, 8)
+            self.drop = nn.Dropout(0.1)
+            self.head = nn.Linear(8, 3)
+            self.picked_channels = nn.Dropout(0.1)
+
+        def forward(self, x: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            hidden = self.drop(self.proj(x))
+            picked = hidden[keep]
+            torch._check(picked.shape[0] >= 1)  # data-dependent: torch.fx cannot trace it
+            return self.head(self.drop(picked)), self.picked_channels(hidden[:, :, hidden[0, 0] > 0]).sum(-1)
+
+    keep = torch.tensor([[True, False, False], [False, True, False]])
+    converted = mt.convert_dropout(Selected(), {"x": torch.randn(2, 3, 6), "keep": keep}, N, 2.0, seed=0)
+    assert decisions(converted) == {
+        "drop": (CONVERTED, 8, -1, ""),
+        "picked_channels": (LEFT, None, None, "its channel axis -1 has a size only the data decides"),
+    }

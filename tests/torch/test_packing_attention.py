@@ -62,6 +62,43 @@ def test_bert_with_a_padding_mask_folds_its_attention() -> None:
         assert relative_error(member(x), mt.predict(model, x, N)[k]) <= 1e-5
 
 
+class ScaledQuery(nn.Module):
+    """Whisper's and OPT's attention in ``transformers``: the query scaled right after its Linear layer,
+    ``q_proj(x) * scaling``, before the heads split, and ``F.scaled_dot_product_attention(..., scale=1.0)``."""
+
+    def __init__(self, dim: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.heads, self.scaling = heads, (dim // heads) ** -0.5
+        self.words = nn.Embedding(50, dim)
+        self.query, self.key, self.value, self.out = (nn.Linear(dim, dim) for _ in range(4))
+        self.head = nn.Linear(dim, 2)
+
+    def split(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, dim = x.shape
+        return x.view(batch, length, self.heads, dim // self.heads).transpose(1, 2)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.words(tokens)
+        q, k, v = self.split(self.query(x) * self.scaling), self.split(self.key(x)), self.split(self.value(x))
+        context = F.scaled_dot_product_attention(q, k, v, scale=1.0).transpose(1, 2).flatten(2)
+        return self.head(self.out(context).mean(1))
+
+
+def test_a_query_scaled_after_its_linear_layer_folds_into_the_heads() -> None:
+    """The scaled query is computed per member like the Linear layer's output, and the region reads it in member
+    blocks as it reads the key and value: the attention folds (before, it ran at full width on the member-stacked
+    batch)."""
+    torch.manual_seed(0)
+    model = mt.insert(ScaledQuery(), N, 2.0, seed=0).eval()
+    packed = mt.pack(model, zoo.tokens(4), program="packed")
+    assert not [row for row in packed.fallbacks if "scaled_dot_product_attention" in row]
+    assert packed.macs["fallback"] == 0 < packed.macs["packed"] < packed.macs["dense"]
+    check_equal_to_predict(model, packed)
+    member = mt.extract_member(model, 1, zoo.tokens(4))
+    x = zoo.tokens(5, seed=5)
+    assert relative_error(member(x), mt.predict(model, x, N)[1]) <= 1e-5
+
+
 def test_grouped_query_attention_stays_exact() -> None:
     """Keys and values with 1 head repeated for 2 query heads: folded or not, the result equals predict."""
     model = bert(kv_heads=1)

@@ -177,3 +177,32 @@ def test_a_view_of_the_member_stacked_batch_exports_with_a_dynamic_batch(after: 
     for samples in (3, 9):
         other = torch.randn(samples, *x.shape[1:])
         torch.testing.assert_close(exported(other), mt.predict(model, other, N), rtol=1e-5, atol=1e-5)
+
+
+class TokensAsRows(nn.Module):
+    """OPT's feed-forward: every sample's tokens as rows, (B*L, C), through two Linear layers that ``insert`` masks
+    (a Masksembles layer on rows that are not the batch: per member, at full width)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.fc1, self.fc2 = nn.Linear(4, 8), nn.Linear(8, 16), nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, _ = x.shape
+        rows = self.embed(x).relu().reshape(-1, 8)
+        return self.fc2(self.fc1(rows).relu()).view(batch, length, 3)
+
+
+@pytest.mark.parametrize("capture", ["torch.fx", "torch.export"])
+def test_macs_count_every_token_of_a_linear_layer_on_tokens_as_rows(capture: str) -> None:
+    """``packed.macs`` per sample: the fallback Linear layers on (B*L, C) rows count L rows per sample (before, one),
+    and a torch.export capture's ``F.linear`` fallback counts at all (before, nothing)."""
+    torch.manual_seed(0)
+    model = mt.insert(TokensAsRows(), N, 2.0, seed=0).eval()
+    x, tokens = torch.randn(6, 5, 4), 5
+    packed = mt.pack(model, x if capture == "torch.fx" else {"x": x}, program="packed")
+    assert packed.macs["dense"] == N * tokens * (4 * 8 + 8 * 16 + 16 * 3)
+    assert packed.macs["fallback"] == N * tokens * (8 * 16 + 16 * 3), "fc1 and fc2, per member at full width"
+    torch.testing.assert_close(
+        packed(x) if capture == "torch.fx" else packed(x=x), mt.predict(model, x), rtol=1e-5, atol=1e-6
+    )
