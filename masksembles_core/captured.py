@@ -9,11 +9,12 @@ with its own arguments, the two questions the core cannot: where an axis of an o
 From there this module does the rest the same way for every framework:
 
 - ``solve_axes``: the channel axis of every compacted value; an operation whose axis cannot agree with its
-  neighbours', or whose layout the program cannot keep (its batch not on exactly one axis, or on the channels'),
-  becomes a fallback and the axes are solved again; an operand of an elementwise combine that broadcasts along the
-  channels (size 1 on the solved channel axis, or no such axis after right-aligned broadcasting, where the result
-  has the channels) is marked ``broadcast`` instead: it no longer takes the combine's axis, and the axes are solved
-  again (the planner reads it as it is, or runs the combine as a fallback where the operand is not shared);
+  neighbours', or whose layout the program cannot keep (its batch not on exactly one axis, or on the channels'; rows
+  that fold the tokens into the batch only where each sample's rows stay together, in order), becomes a fallback
+  and the axes are solved again; an operand of an elementwise combine that broadcasts along the channels (size 1 on
+  the solved channel axis, or no such axis after right-aligned broadcasting, where the result has the channels) is
+  marked ``broadcast`` instead: it no longer takes the combine's axis, and the axes are solved again (the planner
+  reads it as it is, or runs the combine as a fallback where the operand is not shared);
 - ``graph_nodes``: the ``GraphNode`` list ``plan_program`` reads, with zero maps, flatten layouts, concatenation parts,
   and the fallbacks that must run per member (``per_member_fallbacks``).
 """
@@ -63,6 +64,22 @@ class Probed:
         sizes = list(range(self.batch, self.batch + len(self.shapes)))
         return axes[0] if len(axes) == 1 and [shape[axes[0]] for shape in self.shapes] == sizes else -1
 
+    @property
+    def rows_per_sample(self) -> int:
+        """Rows per sample of the one axis that follows the batch, where every probe gives each sample the same
+        number of rows there (1 on an exact batch axis, L where each sample's L tokens are rows, (B*L, C)); else 0."""
+        axes = self.batch_axes
+        if len(axes) != 1 or len(self.shapes) < 2:
+            return 0
+        sizes = [shape[axes[0]] for shape in self.shapes]
+        rows = sizes[1] - sizes[0]
+        return rows if rows > 0 and sizes == [rows * (self.batch + i) for i in range(len(sizes))] else 0
+
+    @property
+    def rows_axis(self) -> int:
+        """The axis of ``rows_per_sample`` (the batch axis when it is exactly the batch), else -1."""
+        return self.batch_axes[0] if self.rows_per_sample else -1
+
 
 @dataclass(eq=False)
 class CapturedOp(Generic[K]):
@@ -74,7 +91,9 @@ class CapturedOp(Generic[K]):
     and what it writes (-1: any). ``keeps_zeros``: zero-preserving without evaluating it (a view). ``masks``: a
     Masksembles layer's (n, C) masks. ``batch_dependent``: a fallback that runs per member (it reads the batch).
     ``folded``/``broadcast``: a fallback that runs on the members' channel blocks (``GraphNode``); ``broadcast`` of a
-    combine: its operands broadcast along the channels (``solve_axes`` finds them).
+    combine: its operands broadcast along the channels (``solve_axes`` finds them). ``regroups_rows``: a reshape the
+    adapter proved to regroup the batch's rows with the axes after them and to keep each sample's rows together, in
+    sample order (``(B, L, C) -> (B*L, C)`` and back: its rows per sample may differ from its input's).
     """
 
     key: K
@@ -94,6 +113,7 @@ class CapturedOp(Generic[K]):
     batch_dependent: bool = False
     folded: bool = False
     broadcast: tuple[int, ...] = ()
+    regroups_rows: bool = False
     axis: int = -1  # the solved channel axis of its value (-1: none)
 
     @property
@@ -190,9 +210,9 @@ def mapped_axis(
     graph: CapturedGraph[K, Op], op: Op, source_axis: int, maps: dict[tuple[K, int], int | None]
 ) -> int | None:
     """Where a move or reduction puts the channels its input holds on ``source_axis``: None unless they come out whole
-    and the input's batch lands on the output's batch axis."""
+    and the input's batch rows land, whole and in order, on the output's."""
     source = graph.probed(op.tensors[0])
-    batch = source.batch_axis
+    batch = source.rows_axis
     if source_axis == batch or batch < 0:
         return None
 
@@ -201,7 +221,7 @@ def mapped_axis(
             maps[(op.key, axis)] = graph.axis_map(op, axis)
         return maps[(op.key, axis)]
 
-    if landing(batch) != graph.probed(op.key).batch_axis:
+    if landing(batch) != graph.probed(op.key).rows_axis:
         return None
     return landing(source_axis)
 
@@ -280,16 +300,26 @@ def _mark_broadcasts(graph: CapturedGraph[K, Op], axis: Mapping[K, int]) -> bool
 
 
 def _check_layout(graph: CapturedGraph[K, Op], op: Op, axis: Mapping[K, int]) -> None:
-    """Every value a compacted operation touches has its batch on exactly one axis, not the channels', and where the
-    operation needs it (``batch_in``/``batch_out``); a flatten reads its channels first or last. An operand read
-    as it is (``broadcast``, or not of the value's rank) needs its batch on one exact axis, or none."""
+    """Every value a compacted operation touches has its batch's rows on exactly one axis, not the channels', and
+    where the operation needs it (``batch_in``/``batch_out``); a flatten reads its channels first or last. An operand
+    read as it is (``broadcast``, or not of the value's rank) needs its batch on one exact axis, or none.
+
+    Rows that fold the tokens into the batch ((B*L, C): ``rows_per_sample`` above 1) are the dense model's member
+    blocks on the member-stacked batch only where each sample's rows are together, in sample order: so the operation
+    keeps the rows per sample of what it reads (or ``regroups_rows``, proven by the adapter), and an operand with
+    more than one row per sample is itself compacted (a fallback's rows are not proven to be in sample order)."""
     for key in op.tensors:
         if key not in _aligned_operands(graph, op) and not array_repeatable(graph.probed(key)):
             raise AxisConflict(op.key)
+    rows = graph.probed(op.key).rows_per_sample
     for key in (op.key, *_aligned_operands(graph, op)):
         probed = graph.probed(key)
         needed = op.batch_out if key == op.key else op.batch_in
-        if probed.batch_axis < 0 or probed.batch_axis == axis[key] or needed not in (-1, probed.batch_axis):
+        if probed.rows_axis < 0 or probed.rows_axis == axis[key] or needed not in (-1, probed.rows_axis):
+            raise AxisConflict(op.key)
+        if key != op.key and probed.rows_per_sample != rows and not op.regroups_rows:
+            raise AxisConflict(op.key)
+        if key != op.key and probed.rows_per_sample > 1 and (key not in graph.ops or not graph.ops[key].compacted):
             raise AxisConflict(op.key)
     if op.kind == "flatten":
         source = graph.probed(op.tensors[0])

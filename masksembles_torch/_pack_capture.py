@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, fx, nn
 from torch.fx.graph import _PyTreeInfo
 
-from masksembles_core.captured import CapturedOp
+from masksembles_core.captured import CapturedOp, Probed
 from masksembles_core.packing import (
     norm_affine,
 )
@@ -330,6 +330,13 @@ class _Seen:
         return -1
 
     @property
+    def rows_axis(self) -> int:
+        """The one axis that follows the batch (its rows: the batch, or (B*L, C) where tokens fold into it; the core's
+        ``Probed.rows_per_sample`` says which are whole samples), else -1."""
+        axes = self.batch_axes
+        return axes[0] if len(axes) == 1 else -1
+
+    @property
     def batch_dependent(self) -> bool:
         if self.tensor:
             return bool(self.batch_axes)
@@ -402,7 +409,7 @@ class _Op(CapturedOp[fx.Node]):
     (a view, Dropout in eval) keeps zeros without being evaluated."""
 
     module: nn.Module | None = None
-    how: str = "call"  # call (the model's own operation), identity, affine, prelu, linear, conv, norm, flatten
+    how: str = "call"  # call (the model's own operation), identity, affine, prelu, linear, conv, norm, flatten, rows
     weight: Tensor | None = None
     bias: Tensor | None = None
     conv: dict[str, Any] = field(default_factory=dict)
@@ -680,6 +687,10 @@ class _Capture:
             return self.fallback(node)
         if self._flatten_call(node, tensors[0]):
             return _Op(node, "flatten", tensors, rule="flatten", how="flatten")
+        if self._regroups_rows(node, tensors):
+            last = (self.seen[tensors[0]].rank - 1, self.seen[node].rank - 1)
+            return _Op(node, "channelwise", tensors, rule="fixed", fixed_in=last[0], fixed_out=last[1], batch_in=0,
+                       batch_out=0, keeps_zeros=True, regroups_rows=True, how="rows")  # fmt: skip
         if self.batch_args(node) or node.op == "get_attr":
             return self.fallback(node)
         op = self._module(node, tensors) if node.op == "call_module" else self._function(node, tensors)
@@ -806,6 +817,21 @@ class _Capture:
         values = self.seen[first].values if isinstance(first, fx.Node) and first in self.seen else (first, first)
         return tuple(values) == (seen.shapes[0][0], seen.shapes[1][0])
 
+    def _regroups_rows(self, node: fx.Node, tensors: list[fx.Node]) -> bool:
+        """``x.reshape(-1, C)``, ``x.view(B, L, C)``: a reshape that keeps the last axis and the batch's rows first,
+        before and after (rows per sample may change: (B, L, C) -> (B*L, C) and back, Swin's windows). Row-major
+        order then keeps each sample's rows together, in sample order, and channel ``c`` of every position in
+        channel ``c``; with compacted channels it is the same reshape, the last axis as wide as the input's."""
+        reshape = (node.op == "call_method" and node.target in ("view", "reshape")) or (
+            node.op == "call_function" and node.target is torch.reshape
+        )
+        if not reshape or node.kwargs or len(tensors) != 1 or node.args[0] is not tensors[0] or _dtype_view(node):
+            return False
+        source, result = self.seen[tensors[0]], self.seen[node]
+        batch = self.seen[self.input].shapes[0][0]
+        rows = [Probed(seen.shapes, batch).rows_axis for seen in (source, result)]
+        return rows == [0, 0] and min(source.rank, result.rank) >= 2 and source.shapes[0][-1] == result.shapes[0][-1]
+
     def _linear(self, node: fx.Node, tensors: list[fx.Node], weight: Any, bias: Any) -> _Op | None:
         if not isinstance(weight, Tensor) or (bias is not None and not isinstance(bias, Tensor)):
             return None
@@ -874,6 +900,11 @@ class _Capture:
             ):
                 return None
         return _Op(node, "channelwise", tensors, rule="fixed", fixed_in=1, fixed_out=1, module=module)
+
+
+def _dtype_view(node: fx.Node) -> bool:
+    """``x.view(torch.float16)``: a reinterpretation of the bits, not a reshape."""
+    return any(isinstance(a, torch.dtype) for a in (*node.args[1:], *node.kwargs.values()))
 
 
 def _random_like(seen: _Seen, device: torch.device, generator: torch.Generator) -> Tensor:

@@ -37,6 +37,7 @@ from ._pack_capture import (
     IN_PLACE_OPERATORS,
     METADATA,
     _Capture,
+    _dtype_view,
     _in_place,
     _Op,
     _target_name,
@@ -185,12 +186,12 @@ class _Emitter:
                 return self.graph.call_function(ops.tile_parts, (value, self.m, axes))
             if not seen.tensor or not seen.batch_axes:
                 return value  # the same for every member
-            return self.graph.call_function(ops.tile, (value, self.m, seen.batch_axis))
+            return self.graph.call_function(ops.tile, (value, self.m, seen.rows_axis))
         axis = self.axis[source] if source in self.axis else self._input_axis()
         if move.kind in ("to_batch", "to_channels"):
             function = ops.to_batch if move.kind == "to_batch" else ops.to_channels
-            frame = self.graph.call_function(function, (value, self.m, seen.batch_axis, axis))
-            if seen.batch_axis == 0 and axis == seen.rank - 1:  # batch first, channels last: see _member_major
+            frame = self.graph.call_function(function, (value, self.m, seen.rows_axis, axis))
+            if seen.rows_axis == 0 and axis == seen.rank - 1:  # batch first, channels last: see _member_major
                 self.last_axis_frames[frame] = seen.shapes[0][axis]
             return frame
         assert move.index is not None and move.scale is not None
@@ -315,6 +316,10 @@ class _Emitter:
         member = not placement.shared and self.m > 1
         if kind == "masks" or op.how == "identity":
             return inputs[0]
+        if op.how == "rows":  # the batch's rows first (any number), the sizes between as given, the channels as held
+            shape = self.capture.seen[op.node].shapes[0][1:-1]
+            channels = self.graph.call_method("size", (inputs[0], -1))
+            return self.graph.call_method("reshape", (inputs[0], (-1, *shape, channels)))
         if kind in ("mixing", "grouped"):
             return self._mixing(step, op, inputs[0])
         if op.how == "affine":
@@ -818,11 +823,6 @@ INPLACE_KEYWORD = {F.relu, F.relu6, F.silu, F.hardswish, F.hardsigmoid, F.leaky_
 # views whose strides the packed program does not keep as the dense model has them (channels-last convolutions, the
 # member-stacked batch): reshapes give the same values, copying where a view cannot
 RESHAPING_VIEWS = {"view": "reshape", "view_as": "reshape_as"}
-
-
-def _dtype_view(node: fx.Node) -> bool:
-    """``x.view(torch.float16)``: a reinterpretation of the bits, not a reshape."""
-    return any(isinstance(a, torch.dtype) for a in (*node.args[1:], *node.kwargs.values()))
 
 
 def _activation(module: nn.Module | None) -> bool:

@@ -172,6 +172,8 @@ def _layers_as_modules(gm: fx.GraphModule, model: nn.Module) -> None:
 # ATen views whose result may be the tensor itself: then the batch size they read changes nothing
 SAME_SHAPE_VIEWS = {ATEN.view.default, ATEN.reshape.default, ATEN._unsafe_view.default, ATEN.expand.default}
 
+ZERO_PADS = {ATEN.pad.default, ATEN.constant_pad_nd.default}  # pads as the first argument after the tensor
+
 
 def _batch_identities(gm: fx.GraphModule) -> None:
     """Drop the reads of the batch size that change nothing (``transformers``' padding and causal masks read it):
@@ -186,12 +188,14 @@ def _batch_identities(gm: fx.GraphModule) -> None:
 
     Each is an identity, proven from the graph; what they leave reads no batch size, so ``_pack_capture`` can show
     it keeps the samples apart (a mask from ``attention_mask`` alone is then computed once, on the batch, for every
-    member)."""
+    member). A pad of 0 on every side (Swin's ``maybe_pad`` where the windows fit the image) is the tensor itself
+    too, dropped so that the window partition after it is not read from a fallback."""
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
             continue
         source = node.args[0]
-        if node.target in SAME_SHAPE_VIEWS and _same_shape(_shape(source), _shape(node)):
+        same = node.target in SAME_SHAPE_VIEWS and _same_shape(_shape(source), _shape(node))
+        if same or (node.target in ZERO_PADS and len(node.args) > 1 and all(pad == 0 for pad in node.args[1])):
             node.replace_all_uses_with(source)
         elif node.target is ATEN.expand.default and _shape(source) is not None and len(node.args) == 2:
             before, sizes = cast(tuple[Any, ...], _shape(source)), list(cast(list[Any], node.args[1]))

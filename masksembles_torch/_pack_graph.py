@@ -50,11 +50,12 @@ class _Graph:
         return _axis_map(self.capture, op, source_axis)
 
     def zero_map(self, op: _Op) -> BoolArray:
-        """Evaluated on +0 and on -0, with the operation's own arguments (a per-sample zero input, the batch of one)."""
+        """Evaluated on +0 and on -0, with the operation's own arguments (a per-sample zero input: the batch of one,
+        its rows where tokens fold into the batch)."""
         source = op.tensors[0]
         seen = self.capture.seen[source]
         shape = list(seen.shapes[0])
-        shape[seen.batch_axis] = 1
+        shape[seen.rows_axis] = self.probed(source).rows_per_sample or 1
         zero = np.ones(self.capture.seen[op.node].shapes[0][op.axis], dtype=bool)
         for sign in (0.0, -0.0):
             value = torch.full(shape, sign, dtype=seen.dtype, device=self.capture.device)

@@ -180,8 +180,9 @@ def test_a_view_of_the_member_stacked_batch_exports_with_a_dynamic_batch(after: 
 
 
 class TokensAsRows(nn.Module):
-    """OPT's feed-forward: every sample's tokens as rows, (B*L, C), through two Linear layers that ``insert`` masks
-    (a Masksembles layer on rows that are not the batch: per member, at full width)."""
+    """Every sample's tokens as rows through two Linear layers that ``insert`` masks, folded tokens first, (L*B, C):
+    the rows of a sample are not together, so those Masksembles layers run per member, at full width (OPT's
+    sample-major (B*L, C) rows compact: ``test_packing_folded_rows.py``)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -189,8 +190,8 @@ class TokensAsRows(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, length, _ = x.shape
-        rows = self.embed(x).relu().reshape(-1, 8)
-        return self.fc2(self.fc1(rows).relu()).view(batch, length, 3)
+        rows = self.embed(x).relu().transpose(0, 1).reshape(-1, 8)
+        return self.fc2(self.fc1(rows).relu()).view(length, batch, 3).transpose(0, 1)
 
 
 @pytest.mark.parametrize("capture", ["torch.fx", "torch.export"])

@@ -2,10 +2,10 @@
 config (nothing downloaded), called as it is called (keyword tensors, padding in ``attention_mask``, a batch of 6
 that n does not divide): ``insert`` and ``convert_dropout``, then ``predict`` with the output structure kept, and
 ``pack`` and ``extract_member`` equal to it; a training step on the converted model. ``FOLDED`` lists the models
-whose multiply-adds all run packed (attention folded into the heads); the others keep their attention at full width
-on the member-stacked batch, exactly (rotary embeddings, a per-head position bias, DeBERTa's disentangled attention,
-GPT-Neo's ``torch.where`` causal mask), or layers on tokens folded into the batch (OPT's feed-forward, Swin's
-windows)."""
+whose multiply-adds all run packed (attention folded into the heads; OPT's feed-forward on its tokens folded into
+the batch, (B*L, C) rows); the others keep their attention at full width on the member-stacked batch, exactly (rotary
+embeddings, a per-head position bias, DeBERTa's disentangled attention, GPT-Neo's ``torch.where`` causal mask), and
+Swin its output projection on the windows after it."""
 
 from __future__ import annotations
 
@@ -104,8 +104,8 @@ ARCHITECTURES: dict[str, tuple[str, str, str, str, dict[str, Any]]] = {
                 "image_size": 16, "patch_size": 4, "hidden_dropout_prob": 0.1}),
     "whisper": ("audio", "classes", "WhisperForAudioClassification", "WhisperConfig", WHISPER),
 }  # fmt: skip
-FOLDED = {"roberta", "albert", "electra", "xlm-roberta", "bart", "deit", "convnext", "resnet", "clip-vision", "dinov2",
-          "whisper"}  # fmt: skip
+FOLDED = {"roberta", "albert", "electra", "xlm-roberta", "bart", "opt", "deit", "convnext", "resnet", "clip-vision",
+          "dinov2", "whisper"}  # fmt: skip
 # a dropout module on the hidden states (OPT's, Whisper's and BART's others are F.dropout calls, which a model read
 # with torch.export keeps; Llama, Mistral, Qwen2, Gemma, CLIP, ResNet, ConvNeXt have none)
 DROPOUTS = ["roberta", "albert", "electra", "deberta-v2", "xlm-roberta", "mpnet", "bart", "t5-encoder", "gpt-neo",
@@ -230,3 +230,17 @@ def test_eager_attention_packs_as_the_sdpa_one(name: str) -> None:
     members = mt.predict(eager, batch)
     assert_same_output(members, mt.predict(sdpa, batch))
     check_pack(eager, batch, name, members, name in FOLDED)
+
+
+@pytest.mark.slow
+def test_swin_windows_compact_around_their_attention() -> None:
+    """Swin's window partition (a zero pad where the windows fit, views and a transpose to (B*windows, tokens, C))
+    keeps each sample's windows together: the query, key and value projections on the windows compact. The attention
+    (a per-head position bias) and the output projection that reads it run on the member-stacked batch."""
+    batch = inputs("swin")
+    model = mt.insert(build("swin"), N, 2.0, seed=0, example_input=batch)
+    packed = mt.pack(model, batch, program="packed")
+    assert not any(reason.startswith("verification") for reason in packed.fallbacks), packed.fallbacks[:1]
+    assert not [reason for reason in packed.fallbacks if any(p in reason for p in ("q_proj", "k_proj", "v_proj"))]
+    assert packed.macs["fallback"] / packed.macs["packed"] < 0.25, packed.macs
+    assert_same_output(packed(**batch), mt.predict(model, batch))
