@@ -129,7 +129,7 @@ def qwen() -> tuple[keras.Model, Any]:
 
 def resnet_backbone() -> keras.Model:
     return hub.ResNetBackbone(
-        input_conv_filters=[16], input_conv_kernel_sizes=[3], stackwise_num_filters=[64, 32],
+        input_conv_filters=[64], input_conv_kernel_sizes=[3], stackwise_num_filters=[64, 32],
         stackwise_num_blocks=[1, 1], stackwise_num_strides=[1, 2], block_type="basic_block", image_shape=(32, 32, 3),
     )  # fmt: skip
 
