@@ -223,9 +223,17 @@ MODELS: dict[str, Callable[[], tuple[keras.Model, Any]]] = {
 }  # fmt: skip
 SKIPPED = {("gemma", "insert"), ("mobilenet", "convert_dropout"), ("vgg", "insert")}  # module docstring
 DEFAULT = {("gpt2", "insert"), ("vgg", "convert_dropout"), ("electra", "convert_dropout")}
+# keras-hub's own warning when a model is built (and copied through its config): Keras cannot trace Swin's stages
+SWIN_BUILD = pytest.mark.filterwarnings("ignore:Layer 'stage_.*looks like it has unbuilt state:UserWarning")
 CASES = [
     pytest.param(
-        name, operation, id=f"{name}-{operation}", marks=() if (name, operation) in DEFAULT else pytest.mark.slow
+        name,
+        operation,
+        id=f"{name}-{operation}",
+        marks=[
+            *(() if (name, operation) in DEFAULT else [pytest.mark.slow]),
+            *([SWIN_BUILD] if name == "swin" else []),
+        ],
     )
     for name in MODELS
     for operation in ("convert_dropout", "insert")
