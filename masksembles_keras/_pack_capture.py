@@ -236,6 +236,11 @@ class _Graph:
             # insert's wrapper (inside custom layers, in a model whose class builds its graph): its two calls
             (masked,) = self._call(operation.masksembles, args, {}, 1, prefix)
             return self._call(operation.layer, (_Ref(masked),), {}, 1, prefix)
+        training = kwargs.get("training", True) if isinstance(operation, keras.layers.Layer) else True
+        if training is False or training is None:
+            # the inference ``training`` Keras writes into a node (a Dropout's default False): not an argument of
+            # the computation (``Call.run`` passes training=False), so a dropout reads as the identity it is there
+            kwargs = {key: value for key, value in kwargs.items() if key != "training"}
         keys = [f"v{self.count + i}" for i in range(outputs)]
         self.count += outputs
         self.calls.append(Call(operation, tuple(args), dict(kwargs), tuple(keys), f"{prefix}{operation.name}"))
@@ -260,6 +265,13 @@ def _scalar(value: Any) -> bool:
         or isinstance(value, bool | int | float | str)
         or (np.ndim(value) == 0 and not isinstance(value, keras.Variable))
     )
+
+
+def _static_index(value: Any) -> bool:
+    """A constant of a static index (``x[:, 0]``'s key: GetItem's argument): an int, a slice of ints, None, ``...``."""
+    if isinstance(value, slice):
+        return all(part is None or isinstance(part, int) for part in (value.start, value.stop, value.step))
+    return value is None or value is Ellipsis or isinstance(value, int)
 
 
 def _activation(function: Any) -> bool:
@@ -548,7 +560,12 @@ class Capture:
             if name in BINARY_OPS and len(tensors) == 2 and not constants:
                 return _Op(key, "combine", tensors, call=call)
             return None
-        if name in MOVE_OPS and len(tensors) == 1 and len(_leaves(call)) == 1:
+        if (
+            name in MOVE_OPS
+            and len(tensors) == 1
+            and len(_leaves(call)) == len(constants) + 1
+            and all(_static_index(leaf) for leaf in constants)
+        ):
             role = "reshape" if name == "Reshape" else "call"
             batch = 0 if role == "reshape" else -1
             return _Op(key, "channelwise", tensors, rule="map", keeps_zeros=name not in REDUCTION_OPS, batch_in=batch,

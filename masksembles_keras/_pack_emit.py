@@ -96,6 +96,7 @@ class Emitter:
         self.m = len(program.members)
         self.macs = {"dense": 0, "packed": 0, "fallback": 0, "moves": 0}
         self.copies: list[tuple[Any, Any]] = []
+        self.copy_of: dict[int, Any] = {}  # a layer's copy by the layer's id (None: the model's own), for each call
         self.results: dict[int, list[Any]] = {}  # a fallback call with several outputs: run once
         self.inputs = {
             key: keras.Input(shape=shape, dtype=str(x.dtype), name="input" if len(capture.inputs) == 1 else tensor.name)
@@ -234,6 +235,9 @@ class Emitter:
         does not rebuild it (raises, or builds other weights: a custom layer whose inner layers ``insert`` or
         ``convert_dropout`` replaced, as in keras-hub's), which the packed model then shares with the model."""
         operation = call.operation
+        if id(operation) in self.copy_of:  # a layer the model calls at several places (a tied embedding): one copy
+            return call.run(values, self.copy_of[id(operation)])
+        self.copy_of[id(operation)] = None
         try:
             copy = (
                 _copy(operation)
@@ -248,6 +252,7 @@ class Emitter:
             return call.run(values)
         if weights:
             self.copies.append((operation, copy))
+        self.copy_of[id(operation)] = copy
         return outputs
 
     def _dense(self, op: _Op, edges: list[Any]) -> Any:

@@ -6,9 +6,9 @@ cannot describe is changed here, in a copy of the model: a layer a custom layer 
 functional model whose class builds its own graph in ``__init__`` (keras-hub's ``BertBackbone`` and tasks), which a
 rebuilt graph would turn into a plain ``Functional``. ``replace`` swaps one layer object for another where its holder
 keeps it: attributes (lists, tuples and dicts of layers too), the holder's tracked layers and, for a functional
-holder, the graph nodes that call it. This reads Keras internals (``_tracker``, ``_layers``, ``_nodes_by_depth``,
-``_operations``, ``_keras_history``), which Keras has no public API for; the Keras tests run every path on the three
-backends.
+holder, the graph nodes that call it (for a Sequential holder, its layer list and the graph it runs). This reads
+Keras internals (``_tracker``, ``_layers``, ``_functional``, ``_nodes_by_depth``, ``_operations``,
+``_keras_history``), which Keras has no public API for; the Keras tests run every path on the three backends.
 
 A model changed that way no longer equals what its class builds from its config, so its class becomes a subclass
 (``rewired_class``: same name, same methods) whose config holds the class's own config and the list of changes;
@@ -151,6 +151,10 @@ def replace(holder: Any, old: Any, new: Any) -> None:
                         value[key] = new
         if isinstance(holder, keras.Function):
             _replace_in_graph(holder, old, new)
+        if isinstance(holder, keras.Sequential):  # its layer list, and the graph it runs once built
+            holder._layers[:] = [new if layer is old else layer for layer in holder._layers]
+            if holder._functional is not None:
+                _replace_in_graph(holder._functional, old, new)
 
 
 def apply_change(root: Any, change: dict[str, Any]) -> None:

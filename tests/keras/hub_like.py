@@ -10,6 +10,7 @@ keras-hub installed.
   dict; ``from_config`` is ``cls(**config)``.
 - ``Classifier``: a task holding a backbone (``classifier.backbone``), a dropout and a ``Dense`` head on the pooled
   output; its config serializes the backbone.
+- ``HeadClassifier``: a task whose head is a nested ``Sequential`` (keras-hub's ``VGGImageClassifier``).
 """
 
 from __future__ import annotations
@@ -173,6 +174,39 @@ class Classifier(keras.Model):  # type: ignore[misc]
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> Classifier:
+        config = dict(config)
+        config["backbone"] = keras.saving.deserialize_keras_object(config["backbone"])
+        return cls(**config)
+
+
+@keras.saving.register_keras_serializable(package=PACKAGE)
+class HeadClassifier(keras.Model):  # type: ignore[misc]
+    """A task whose head is a nested ``Sequential`` (a Dense, a dropout, the logits), as keras-hub's
+    ``VGGImageClassifier`` builds its ``head``, on the backbone's pooled output."""
+
+    def __init__(self, backbone: Backbone, num_classes: int = 3, dropout: float = 0.1, **kwargs: Any) -> None:
+        head = keras.Sequential(
+            [
+                layers.Dense(backbone.hidden_dim, activation="relu", name="fc"),
+                layers.Dropout(dropout, name="head_dropout"),
+                layers.Dense(num_classes, name="predictions"),
+            ],
+            name="head",
+        )
+        inputs = backbone.input
+        super().__init__(inputs=inputs, outputs=head(backbone(inputs)["pooled_output"]), **kwargs)
+        self.backbone, self.head, self.num_classes, self.dropout = backbone, head, num_classes, dropout
+
+    def get_config(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "backbone": keras.saving.serialize_keras_object(self.backbone),
+            "num_classes": self.num_classes,
+            "dropout": self.dropout,
+        }
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> HeadClassifier:
         config = dict(config)
         config["backbone"] = keras.saving.deserialize_keras_object(config["backbone"])
         return cls(**config)

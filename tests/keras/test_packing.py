@@ -103,6 +103,15 @@ def raw_ops() -> keras.Model:
     return keras.Model(inputs, layers.Dense(3)(x), name="raw_ops")
 
 
+def token_head() -> keras.Model:
+    """A sequence model's head: the first token (``x[:, 0]``, a GetItem whose key is its argument) and a Dropout
+    (whose node Keras writes with training=False) between masked layers."""
+    inputs = keras.Input((5, 6))
+    x = masks("m1", 0)(layers.Dense(12)(inputs))[:, 0]
+    x = layers.Dropout(0.2)(layers.Dense(12, activation="relu")(x))
+    return keras.Model(inputs, layers.Dense(3)(masks("m2", 1)(x)), name="token_head")
+
+
 @keras.saving.register_keras_serializable(package="masksembles_tests")
 class Scaled(layers.Layer):  # type: ignore[misc]
     """A custom layer: nothing in pack knows it."""
@@ -152,6 +161,7 @@ MODELS: dict[str, Callable[[], keras.Model]] = {
     "concat": concat,
     "flatten_head": flatten_head,
     "raw_ops": raw_ops,
+    "token_head": token_head,
     "custom_layer": custom_layer,
     "batch_reader": batch_reader,
     "inserted": inserted,
@@ -223,7 +233,7 @@ def test_fallbacks_name_what_runs_at_full_width() -> None:
     assert mk.pack(reader, example(reader, 5), program="packed").fallbacks == ("center (Lambda)",)
 
 
-@pytest.mark.parametrize("name", ["mlp", "cnn", "mobilenet", "raw_ops", "flatten_head"])
+@pytest.mark.parametrize("name", ["mlp", "cnn", "mobilenet", "raw_ops", "flatten_head", "token_head"])
 def test_packed_model_is_smaller_where_nothing_falls_back(name: str) -> None:
     model = build(name)
     packed = mk.pack(model, example(model, 5), program="packed")

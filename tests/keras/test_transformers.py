@@ -20,7 +20,7 @@ import masksembles_keras as mk
 from masksembles_core.insertion import CONVERTED, INSERTED, LEFT
 from tests.backends import requested_backends
 from tests.keras.common import masks_of, run
-from tests.keras.hub_like import Backbone, Classifier, Encoder
+from tests.keras.hub_like import Backbone, Classifier, Encoder, HeadClassifier
 
 N = 4
 BATCH = 5  # not a multiple of N
@@ -197,9 +197,47 @@ def test_pack_and_extract_member_equal_predict_called_as_the_model_is(name: str,
     member = mk.extract_member(result, 1, x)
     np.testing.assert_allclose(member.predict(x, verbose=0), members[1], rtol=1e-5, atol=1e-6)
     assert any(f.endswith("(Encoder)") or "encoder" in f.lower() for f in packed.fallbacks), packed.fallbacks
-    if operation == "insert":
-        assert not [f for f in packed.fallbacks if "Masked" in f], "the head compacts"
-        assert packed.macs["packed"] < packed.macs["dense"]
+    # the task's graph compacts: the masks convert_dropout put in a dropout's node (which holds training=False), a
+    # layer insert wrapped
+    assert not [f for f in packed.fallbacks if f.endswith(("(Masksembles1D)", "(Masked)"))], packed.fallbacks
+    assert packed.macs["packed"] < packed.macs["dense"]
+
+
+def test_a_dropout_in_a_nested_sequential_head_is_converted_where_the_head_runs_it(tmp_path: Path) -> None:
+    """A task whose class builds its graph, with a Sequential head (keras-hub's VGGImageClassifier): the masks
+    replace the dropout in the head's layers and in the graph the head runs, so the members differ."""
+    keras.utils.set_random_seed(0)
+    model, x = HeadClassifier(Backbone(dropout=0.0, name="backbone"), name="classifier"), text_batch()
+    converted = mk.convert_dropout(model, N, 2.0, seed=0)
+    assert [row.path for row in converted.masksembles_report.changed] == ["head/head_dropout"]
+    assert isinstance(converted, HeadClassifier) and type(converted.head.layers[1]) is mk.Masksembles1D
+    members = mk.predict(converted, x)
+    assert not np.allclose(members[0], members[1]), "the head's masks run"
+    packed = mk.pack(converted, x, program="packed")
+    np.testing.assert_allclose(np.moveaxis(packed.predict(x, verbose=0), 1, 0), members, rtol=1e-5, atol=1e-6)
+    converted.save(tmp_path / "model.keras")
+    loaded = keras.saving.load_model(tmp_path / "model.keras")
+    assert type(loaded.head.layers[1]) is mk.Masksembles1D
+    np.testing.assert_array_equal(mk.predict(loaded, x), members)
+
+
+def test_a_tied_embedding_the_graph_calls_twice_packs() -> None:
+    """A ReversibleEmbedding called on the tokens and again as the output projection (keras-hub's causal LMs):
+    one copy of it in the packed model, called at both places, equal to predict."""
+    keras.utils.set_random_seed(0)
+    tokens = keras.Input((None,), dtype="int32", name="token_ids")
+    embedding = keras.layers.ReversibleEmbedding(50, 16, name="token_embedding")
+    x = keras.layers.Dense(16, activation="gelu", name="hidden")(embedding(tokens))
+    model = keras.Model(tokens, embedding(keras.layers.Dropout(0.1, name="drop")(x), reverse=True))
+    x = text_batch()["token_ids"]
+    for result in (mk.insert(model, N, 2.0, seed=0), mk.convert_dropout(model, N, 2.0, seed=0)):
+        members = mk.predict(result, x)
+        packed = mk.pack(result, x, program="packed")
+        np.testing.assert_allclose(np.moveaxis(packed.predict(x, verbose=0), 1, 0), members, rtol=1e-5, atol=1e-6)
+        copies = [layer for layer in packed._flatten_layers() if isinstance(layer, keras.layers.ReversibleEmbedding)]
+        assert len(copies) == 1, "one copy, called twice"
+        member = mk.extract_member(result, 2, x)
+        np.testing.assert_allclose(member.predict(x, verbose=0), members[2], rtol=1e-5, atol=1e-6)
 
 
 def test_a_keras_hub_task_keeps_its_task_api(tmp_path: Path) -> None:
