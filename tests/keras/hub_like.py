@@ -15,7 +15,7 @@ keras-hub installed.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Self
 
 import keras
 from keras import layers, ops
@@ -153,16 +153,12 @@ class Backbone(keras.Model):  # type: ignore[misc]
         return cls(**config)
 
 
-@keras.saving.register_keras_serializable(package=PACKAGE)
-class Classifier(keras.Model):  # type: ignore[misc]
-    """A text classifier task: the backbone's pooled output, a dropout and a Dense head of ``num_classes`` logits."""
+class Task(keras.Model):  # type: ignore[misc]
+    """A task on a ``Backbone`` whose config holds the backbone, as keras-hub's tasks hold theirs."""
 
-    def __init__(self, backbone: Backbone, num_classes: int = 3, dropout: float = 0.1, **kwargs: Any) -> None:
-        inputs = backbone.input
-        x = layers.Dropout(dropout, name="classifier_dropout")(backbone(inputs)["pooled_output"])
-        outputs = layers.Dense(num_classes, name="logits")(x)
-        super().__init__(inputs=inputs, outputs=outputs, **kwargs)
-        self.backbone, self.num_classes, self.dropout = backbone, num_classes, dropout
+    backbone: Backbone
+    num_classes: int
+    dropout: float
 
     def get_config(self) -> dict[str, Any]:
         return {
@@ -173,14 +169,26 @@ class Classifier(keras.Model):  # type: ignore[misc]
         }
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> Classifier:
+    def from_config(cls, config: dict[str, Any]) -> Self:
         config = dict(config)
         config["backbone"] = keras.saving.deserialize_keras_object(config["backbone"])
         return cls(**config)
 
 
 @keras.saving.register_keras_serializable(package=PACKAGE)
-class HeadClassifier(keras.Model):  # type: ignore[misc]
+class Classifier(Task):
+    """A text classifier task: the backbone's pooled output, a dropout and a Dense head of ``num_classes`` logits."""
+
+    def __init__(self, backbone: Backbone, num_classes: int = 3, dropout: float = 0.1, **kwargs: Any) -> None:
+        inputs = backbone.input
+        x = layers.Dropout(dropout, name="classifier_dropout")(backbone(inputs)["pooled_output"])
+        outputs = layers.Dense(num_classes, name="logits")(x)
+        super().__init__(inputs=inputs, outputs=outputs, **kwargs)
+        self.backbone, self.num_classes, self.dropout = backbone, num_classes, dropout
+
+
+@keras.saving.register_keras_serializable(package=PACKAGE)
+class HeadClassifier(Task):
     """A task whose head is a nested ``Sequential`` (a Dense, a dropout, the logits), as keras-hub's
     ``VGGImageClassifier`` builds its ``head``, on the backbone's pooled output."""
 
@@ -196,17 +204,3 @@ class HeadClassifier(keras.Model):  # type: ignore[misc]
         inputs = backbone.input
         super().__init__(inputs=inputs, outputs=head(backbone(inputs)["pooled_output"]), **kwargs)
         self.backbone, self.head, self.num_classes, self.dropout = backbone, head, num_classes, dropout
-
-    def get_config(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "backbone": keras.saving.serialize_keras_object(self.backbone),
-            "num_classes": self.num_classes,
-            "dropout": self.dropout,
-        }
-
-    @classmethod
-    def from_config(cls, config: dict[str, Any]) -> HeadClassifier:
-        config = dict(config)
-        config["backbone"] = keras.saving.deserialize_keras_object(config["backbone"])
-        return cls(**config)
