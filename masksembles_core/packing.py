@@ -43,9 +43,10 @@ Kinds (what output channel ``c`` reads; ``channels`` is the size of the node's c
 Rules, per member:
 
 - *needed*: the output needs every channel; mixing, norm and fallback nodes need every input channel, and so does a
-  combine of its broadcast inputs; grouped nodes the input channels of the groups they keep; channelwise, combine,
-  concat and flatten nodes the input channels of their needed outputs; Masksembles only the needed channels its mask
-  keeps.
+  combine of its broadcast inputs; a ``batch_dependent`` node needs them even where the member needs none of its
+  output (it reads every member's rows of the member-stacked batch, so another member's output can depend on them);
+  grouped nodes the input channels of the groups they keep; channelwise, combine, concat and flatten nodes the input
+  channels of their needed outputs; Masksembles only the needed channels its mask keeps.
 - *zero*: a channel is known to be zero after Masksembles drops it and stays zero through zero-preserving channelwise
   and grouped nodes, flatten, concatenation and combines by their rule; nothing else is assumed zero.
 - *kept*: needed, and not (zero and dropped by every consumer). Mixing, grouped, norm and fallback consumers, and
@@ -341,7 +342,9 @@ def kept_channels(nodes: Sequence[GraphNode], output: str, member: int) -> dict[
         kept[node.name] = demand & ~(zero[node.name] & tolerant)
         for position, name in enumerate(node.inputs):
             source = needed[name]
-            if node.kind in ("mixing", "norm", "fallback") or position in node.broadcast:
+            if node.batch_dependent:  # it mixes the members' rows (predict's batch): others may need this member's
+                source[:] = True
+            elif node.kind in ("mixing", "norm", "fallback") or position in node.broadcast:
                 source |= bool(demand.any())
             elif node.kind == "grouped":
                 used = kept[node.name].reshape(node.groups, -1).any(axis=1)

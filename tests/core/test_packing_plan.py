@@ -409,6 +409,20 @@ def test_shared_fallback_and_batch_dependent_fallback() -> None:
     assert kinds == [["select", "to_batch"], [], ["tile"]]
 
 
+def test_a_batch_dependent_node_needs_the_input_of_a_member_that_needs_none_of_its_output() -> None:
+    # x - x.mean(0) in predict averages every member's rows: member 0 needs none of its output (m2 drops every
+    # channel of member 0), but members 1 and 2 read member 0's rows through the mean
+    nodes = [
+        GraphNode("x", "input", (), 4),
+        GraphNode("m1", "masks", ("x",), 4, masks=MASKS),
+        GraphNode("centred", "fallback", ("m1",), 4, batch_dependent=True),
+        GraphNode("m2", "masks", ("centred",), 4, masks=np.array([[0, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 1]], bool)),
+        GraphNode("out", "mixing", ("m2",), 2),
+    ]
+    assert not kept_channels(nodes, "out", 0)["centred"].any()
+    assert kept_channels(nodes, "out", 0)["m1"].tolist() == MASKS[0].tolist()
+
+
 def folded_region(mask_source: str) -> list[GraphNode]:
     """q/k/v Linear layers after masks, an attention region folded over them (the mask read as it is), its output
     read by a masked projection."""

@@ -387,3 +387,25 @@ def test_member_out_of_range(member: object) -> None:
     model, _ = build("mlp", 2.0, 0)
     with pytest.raises(ValueError, match=rf"member must be an integer in \[0, 4\); received {member!r}"):
         extract_member(model, member, jnp.zeros((2, 12)))  # type: ignore[arg-type]
+
+
+def test_a_batch_mean_reads_the_rows_of_a_member_that_needs_none_of_them() -> None:
+    """The masks after ``x - x.mean(0)`` keep none of member 0's channels (``third``'s first mask is the complement of
+    ``second``'s): member 0 needs nothing of its own rows, but in predict's member-stacked batch the mean reads them
+    for every other member."""
+    first = np.array([[0, 0, 0, 1, 1, 1, 1, 0], [0, 0, 1, 0, 1, 1, 0, 1], [1, 1, 0, 1, 0, 0, 0, 1],
+                      [1, 0, 0, 1, 0, 1, 0, 1]])  # fmt: skip
+    second = np.array([[0, 1, 0, 0, 1, 0, 1, 1], [1, 0, 1, 1, 0, 0, 0, 1], [1, 0, 0, 0, 1, 1, 0, 1],
+                       [0, 0, 1, 0, 1, 0, 1, 1]])  # fmt: skip
+    third = np.concatenate([1 - second[:1], np.ones((3, 8), int)])
+    model = nnx.Sequential(
+        linear(6, 8, nnx.Rngs(0)),
+        Masksembles(8, N, 2.0, masks=first),
+        lambda v: v - v.mean(0, keepdims=True),
+        Masksembles(8, N, 2.0, masks=second),
+        Masksembles(8, N, 2.0, masks=third),
+        linear(8, 3, nnx.Rngs(1)),
+    )
+    x = random_input((8, 6), 0)
+    packed = pack(model, x, program="packed")
+    assert relative_error(packed(x), mf.predict(model, x, N)) <= 1e-5

@@ -139,6 +139,21 @@ def batch_reader() -> keras.Model:
     return keras.Model(inputs, layers.Dense(3)(x), name="batch_reader")
 
 
+def batch_reader_of_a_dead_member() -> keras.Model:
+    """A mean over the batch between masks, and the masks after it keep none of member 0's channels: member 0 needs
+    nothing of its own rows, but in predict's member-stacked batch the mean reads them for every other member."""
+    first = np.array([[0, 0, 0, 1, 1, 1, 1, 0], [0, 0, 1, 0, 1, 1, 0, 1], [1, 1, 0, 1, 0, 0, 0, 1],
+                      [1, 0, 0, 1, 0, 1, 0, 1]])  # fmt: skip
+    second = np.array([[0, 1, 0, 0, 1, 0, 1, 1], [1, 0, 1, 1, 0, 0, 0, 1], [1, 0, 0, 0, 1, 1, 0, 1],
+                       [0, 0, 1, 0, 1, 0, 1, 1]])  # fmt: skip
+    third = np.concatenate([1 - second[:1], np.ones((3, 8), int)])
+    inputs = keras.Input((6,))
+    x = mk.Masksembles(masks=first, name="m1")(layers.Dense(8)(inputs))
+    x = layers.Lambda(lambda v: v - ops.mean(v, axis=0, keepdims=True), name="center")(x)
+    x = mk.Masksembles(masks=third, name="m3")(mk.Masksembles(masks=second, name="m2")(x))
+    return keras.Model(inputs, layers.Dense(3)(x), name="batch_reader_of_a_dead_member")
+
+
 def inserted() -> keras.Model:
     """``insert`` with its defaults on a model not written for these tests (keras.applications' MobileNetV3 style)."""
     model = architectures.mobilenet_v3_like()
@@ -164,6 +179,7 @@ MODELS: dict[str, Callable[[], keras.Model]] = {
     "token_head": token_head,
     "custom_layer": custom_layer,
     "batch_reader": batch_reader,
+    "batch_reader_of_a_dead_member": batch_reader_of_a_dead_member,
     "inserted": inserted,
 }
 

@@ -207,3 +207,29 @@ def test_macs_count_every_token_of_a_linear_layer_on_tokens_as_rows(capture: str
     torch.testing.assert_close(
         packed(x) if capture == "torch.fx" else packed(x=x), mt.predict(model, x), rtol=1e-5, atol=1e-6
     )
+
+
+class CentredOnTheBatch(nn.Module):
+    """``x - x.mean(0)`` between masks, and the masks after it keep none of member 0's channels (``masks3``'s first
+    mask is the complement of ``masks2``'s): member 0 needs nothing of its own rows, but in predict's member-stacked
+    batch the mean reads them for every other member (found by the generated models, seed 30288: ``pack`` fell back
+    to the dense program on verification)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        first = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 0], [0, 0, 1, 0, 1, 1, 0, 1], [1, 1, 0, 1, 0, 0, 0, 1],
+                              [1, 0, 0, 1, 0, 1, 0, 1]])  # fmt: skip
+        second = torch.tensor([[0, 1, 0, 0, 1, 0, 1, 1], [1, 0, 1, 1, 0, 0, 0, 1], [1, 0, 0, 0, 1, 1, 0, 1],
+                               [0, 0, 1, 0, 1, 0, 1, 1]])  # fmt: skip
+        self.masks1, self.masks2 = mt.Masksembles1D(masks=first), mt.Masksembles1D(masks=second)
+        self.masks3 = mt.Masksembles1D(masks=torch.cat([1 - second[:1], torch.ones(3, 8, dtype=torch.long)]))
+        self.fc = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.masks1(x)
+        return self.fc(self.masks3(self.masks2(x - x.mean(0, keepdim=True))))
+
+
+def test_a_batch_mean_reads_the_rows_of_a_member_that_needs_none_of_them() -> None:
+    torch.manual_seed(0)
+    assert_packs_like_predict(CentredOnTheBatch(), torch.randn(8, 8))
