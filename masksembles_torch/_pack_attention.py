@@ -29,8 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from masksembles_core.captured import Probed
+
 from ._pack_capture import DROPOUT_FUNCTIONS, DROPOUT_TYPES, _Capture, _Op, _Seen, _target_name
-from ._pack_graph import _Graph
+from ._pack_graph import _Graph, _takes_whole
 
 RESHAPES = {"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as"}
 RESHAPE_FUNCTIONS = {torch.reshape, torch.flatten}
@@ -52,8 +54,8 @@ class Fold:
 @dataclass
 class Region:
     """One folded region: its operations, the Linear layers it reads (and the ``outer`` each one writes), the fold of
-    each value, the folded shape (batch axis -1, per member) of each reshape, and the equal parts of each split of a
-    fold's axis (GPT-2's fused qkv split into q, k and v)."""
+    each value, the folded shape (batch axis -1, per member) of each reshape and expand, and the equal parts of each
+    split of a fold's axis (GPT-2's fused qkv split into q, k and v)."""
 
     ops: list[fx.Node]
     entries: dict[fx.Node, int]
@@ -204,11 +206,12 @@ def _propagate(graph: _Graph, axis: dict[fx.Node, int], region: Region) -> None:
         folds[entry] = Fold(axis[entry], outer)
     for node in region.ops:
         op = graph.ops[node]
-        if graph.capture.batch_args(node) and not _is_reshape(node):
+        if graph.capture.batch_args(node) and not (_is_reshape(node) or is_expand(node)):
             raise _Rejected(node)
         folds[node] = _rule(graph, region, node, op)
-    for node in region.ops:  # exits: read outside the region, in member blocks on their channel axis
-        readers = [user for user in node.users if user not in inside]
+    for node in region.ops:  # exits: read outside the region, in member blocks on their channel axis (the sizes
+        # read from a region value, ``x.shape[-1] // 2`` in ``rotate_half``, are answered as the dense model's)
+        readers = [user for user in node.users if user not in inside and not graph.capture.is_query(user)]
         fold = folds[node]
         if readers and (not isinstance(fold, Fold) or fold.outer != 1 or axis.get(node) != fold.axis):
             raise _Rejected(node)
@@ -217,6 +220,11 @@ def _propagate(graph: _Graph, axis: dict[fx.Node, int], region: Region) -> None:
 
 def _is_reshape(node: fx.Node) -> bool:
     return _called(node) in RESHAPES or node.target in RESHAPE_FUNCTIONS
+
+
+def is_expand(node: fx.Node) -> bool:
+    """``x.expand(...)``: a folded one is emitted with its folded sizes, as a reshape is."""
+    return _called(node) == "expand"
 
 
 def _rule(graph: _Graph, region: Region, node: fx.Node, op: _Op) -> Fold | tuple[Fold, ...]:
@@ -254,6 +262,14 @@ def _rule(graph: _Graph, region: Region, node: fx.Node, op: _Op) -> Fold | tuple
         dim %= source.rank
         part = Fold(first.axis - (dim < first.axis), first.outer)
         return tuple(part for _ in range(source.shape[dim]))
+    if is_expand(node) and len(op.tensors) == 1:
+        return _expand(region, node, first, source, probed)
+    if (node.target is operator.getitem or name == "unsqueeze") and len(op.tensors) == 1:
+        return _indexed(graph, node, first, source)
+    if node.target in (torch.cat, torch.concat):
+        return _concat(graph, region, node)
+    if name == "repeat_interleave" and len(op.tensors) == 1:
+        return _repeat_interleave(graph, node, first, source)
     if name in MOVES or node.target in MOVE_FUNCTIONS:
         landing = graph.axis_map(op, first.axis) if len(op.tensors) == 1 else None
         if landing is None:
@@ -272,6 +288,97 @@ def _rule(graph: _Graph, region: Region, node: fx.Node, op: _Op) -> Fold | tuple
     if classified is not None and classified.kind in ("channelwise", "combine") and classified.rule == "same":
         return _elementwise(graph, region, node, op)
     raise _Rejected(node)
+
+
+def _indexed(graph: _Graph, node: fx.Node, fold: Fold, source: Probed) -> Fold:
+    """A basic index (slices, ints, None, one Ellipsis) or ``unsqueeze`` copies each element of the fold's axis, and
+    of the batch's, to its own place when it takes both whole (``rotate_half``'s ``q[..., : d // 2]`` slices the head
+    dimension, ``k[:, :, None]`` adds an axis): the fold moves to where that axis lands."""
+    if node.target is operator.getitem:
+        index = node.args[1]
+    else:  # unsqueeze(dim): a None before the axis at dim of the result
+        dim = graph.capture.argument(node, "dim", 1)
+        if not isinstance(dim, int):
+            raise _Rejected(node)
+        index = (*[slice(None)] * (dim % (source.rank + 1)), None)
+    landing = _index_axes(index, source.rank)
+    if landing is None or source.batch_axis < 0 or not _takes_whole(index, source.rank, [fold.axis, source.batch_axis]):
+        raise _Rejected(node)
+    return Fold(landing[fold.axis], fold.outer)
+
+
+def _index_axes(index: Any, rank: int) -> list[int] | None:
+    """Where a basic index puts each axis of a tensor of ``rank`` it keeps (an int removes its axis: -1); None for
+    any other index."""
+    entries = index if isinstance(index, tuple) else (index,)
+    if any(not isinstance(e, (slice, int, type(None), type(Ellipsis))) or isinstance(e, bool) for e in entries):
+        return None
+    consumed = sum(e is not None and e is not Ellipsis for e in entries)
+    if sum(e is Ellipsis for e in entries) > 1 or consumed > rank:
+        return None
+    axes: list[int] = []
+    out = 0
+    for e in entries:
+        if e is None:
+            out += 1
+        elif e is Ellipsis:
+            for _ in range(rank - consumed):
+                axes.append(out)
+                out += 1
+        elif isinstance(e, int):
+            axes.append(-1)
+        else:
+            axes.append(out)
+            out += 1
+    return axes + list(range(out, out + rank - len(axes)))
+
+
+def _expand(region: Region, node: fx.Node, fold: Fold, source: Probed, out: Probed) -> Fold:
+    """An expand that repeats neither the fold's axis nor the batch (``k[:, :, None].expand(B, kv, groups, L, d)``
+    of grouped-query attention's ``repeat_kv``) repeats each member's values within its own block: the fold moves by
+    the axes it adds in front; it is emitted with the folded sizes, the batch's left as it is (-1)."""
+    added = out.rank - source.rank
+    landing = fold.axis + added
+    if added < 0 or source.batch_axis < 0 or out.batch_axis != source.batch_axis + added:
+        raise _Rejected(node)
+    if out.shape[landing] != source.shape[fold.axis]:  # the fold's axis is not repeated
+        raise _Rejected(node)
+    shape = list(out.shape)
+    shape[out.batch_axis] = -1
+    region.shapes[node] = tuple(shape)
+    return Fold(landing, fold.outer)
+
+
+def _repeat_interleave(graph: _Graph, node: fx.Node, fold: Fold, source: Probed) -> Fold:
+    """``repeat_interleave(r, dim)`` with a number ``r``: along another axis than the fold's and the batch's it keeps
+    the fold; along the fold's axis (grouped-query keys repeated for their query heads) it sends position o*m*w + i*w
+    + j of (outer, members, w) to o*m*w*r + i*w*r + j*r + t, (outer, members, w*r): each member's block stays its own,
+    the same fold."""
+    capture = graph.capture
+    repeats, dim = capture.argument(node, "repeats", 1), capture.argument(node, "dim", 2)
+    if not isinstance(repeats, int) or not isinstance(dim, int) or capture.argument(node, "output_size", 3) is not None:
+        raise _Rejected(node)
+    if source.batch_axis < 0 or dim % source.rank == source.batch_axis:
+        raise _Rejected(node)
+    return fold
+
+
+def _concat(graph: _Graph, region: Region, node: fx.Node) -> Fold:
+    """``torch.cat`` of region values with one fold, along another axis than the fold's and the batch's
+    (``rotate_half``'s ``cat((-x2, x1), dim=-1)``): each member's block of the fold's axis gathers its own blocks."""
+    tensors = node.args[0] if node.args else node.kwargs.get("tensors")
+    dim = graph.capture.argument(node, "dim", 1, 0)
+    if not isinstance(tensors, (tuple, list)) or not isinstance(dim, int):
+        raise _Rejected(node)
+    folds = {region.folds.get(t) if isinstance(t, fx.Node) else None for t in tensors}
+    ranks = {graph.probed(t).rank for t in tensors if isinstance(t, fx.Node)}
+    fold = folds.pop() if len(folds) == 1 else None
+    probed = graph.probed(node)
+    if not isinstance(fold, Fold) or ranks != {probed.rank} or probed.batch_axis < 0:
+        raise _Rejected(node)
+    if dim % probed.rank in (fold.axis, probed.batch_axis):
+        raise _Rejected(node)
+    return fold
 
 
 def _right(fold: Fold, rank: int, out_rank: int) -> Fold:
@@ -309,14 +416,20 @@ def _elementwise(graph: _Graph, region: Region, node: fx.Node, op: _Op) -> Fold:
 
 def _attention(graph: _Graph, region: Region, node: fx.Node, op: _Op) -> Fold:
     """A matmul of two region values or ``scaled_dot_product_attention``: the fold on the same batch-like axis of
-    every operand (not the last two, which the products mix); an attention mask outside the region broadcasts."""
+    every operand (not the last two, which the products mix); an attention mask outside the region broadcasts.
+    With ``enable_gqa`` (query head h reads key/value head h // (Hq / Hkv)), the fold is the heads axis with the
+    members' blocks outermost: query head i*Hq + h of member i reads (i*Hq + h) // (Hq / Hkv) = i*Hkv + h // (Hq /
+    Hkv), member i's own key/value head for h."""
     rank = graph.probed(node).rank
     sdpa = node.target is F.scaled_dot_product_attention
     operands = [t for t in op.tensors if t in region.folds]
+    grouped = False
     if sdpa:
         capture = graph.capture
-        if capture.argument(node, "dropout_p", 4, 0.0) != 0.0 or capture.argument(node, "enable_gqa", 7, False):
+        gqa = capture.argument(node, "enable_gqa", 7, False)
+        if capture.argument(node, "dropout_p", 4, 0.0) != 0.0 or not isinstance(gqa, bool):
             raise _Rejected(node)
+        grouped = gqa
         mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
         if isinstance(mask, fx.Node) and mask in region.folds:
             operands = [t for t in operands]  # a mask from the region is folded like q, k and v
@@ -333,6 +446,8 @@ def _attention(graph: _Graph, region: Region, node: fx.Node, op: _Op) -> Fold:
     fold = unique.pop()
     assert isinstance(fold, Fold)
     if fold.axis >= rank - 2 or not _side_broadcasts(graph, [t for t in op.tensors if t not in folds], fold, rank):
+        raise _Rejected(node)
+    if grouped and (fold.axis != rank - 3 or fold.outer != 1):
         raise _Rejected(node)
     return fold
 

@@ -29,7 +29,7 @@ from masksembles_core.packing import (
 
 from . import _packed_ops as ops
 from ._layers import Masksembles
-from ._pack_attention import Fold, Region, fuse_written_attention, written_attentions
+from ._pack_attention import Fold, Region, fuse_written_attention, is_expand, written_attentions
 from ._pack_capture import (
     CONV_TYPES,
     ELEMENTWISE_FUNCTIONS,
@@ -227,11 +227,11 @@ class _Emitter:
         self._count(step, op)
         if step.placement.dense and op.kind == "flatten":  # (B, ...) -> (B, features) on the frame's batch, which
             return self.graph.call_function(torch.flatten, (inputs[0], 1))  # the model's view(B, -1) does not know
-        if node in self.fold_shapes:  # a reshape of a folded region: the members' blocks on its fold's axis
+        if node in self.fold_shapes:  # a reshape or expand of a folded region: the members' blocks on its fold's axis
             members = 1 if step.placement.shared else self.m
             fold = cast(Fold, self.folds[node])
             shape = [size * members if a == fold.axis else size for a, size in enumerate(self.fold_shapes[node])]
-            return self.graph.call_method("reshape", (inputs[0], shape))
+            return self.graph.call_method("expand" if is_expand(node) else "reshape", (inputs[0], shape))
         if node in self.fold_chunks:  # a split of a folded region's axis: equal parts, whatever its width
             return self.graph.call_function(torch.chunk, (inputs[0], *self.fold_chunks[node]))
         read = op.batch_size_read if step.placement.shared else None

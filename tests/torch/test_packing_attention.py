@@ -347,3 +347,88 @@ def test_a_scale_read_from_the_sizes_is_computed_as_the_model_computes_it() -> N
     exported = torch.export.export(packed, (torch.randn(8, 7, 16),), dynamic_shapes=({0: torch.export.Dim("batch")},))
     x = torch.randn(6, 7, 16)
     assert relative_error(exported.module()(x), mt.predict(model, x, N)) <= 1e-5
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RotaryAttention(nn.Module):
+    """Llama's attention written by hand: q/k/v Linear layers, heads by view + transpose, rotary position embeddings
+    (cos/sin of the positions, (L, d), shared by every head and sample; ``rotate_half`` slices, negates and
+    concatenates the head dimension), keys and values with fewer heads repeated for the query heads (grouped-query
+    attention) as ``repeat_kv`` (``k[:, :, None].expand(...).reshape(...)``), ``repeat_interleave`` or SDPA's
+    ``enable_gqa``, a causal + padding mask. ``"rotary_on_some_heads"``: the rotation only on the first query heads
+    (a slice of the heads axis, as models that mix heads with and without positions do), which must not fold."""
+
+    def __init__(self, grouping: str = "repeat_kv", dim: int = 16, heads: int = 4, kv_heads: int = 2) -> None:
+        super().__init__()
+        self.grouping, self.heads, self.kv_heads, self.head_dim = grouping, heads, kv_heads, dim // heads
+        self.words = nn.Embedding(50, dim)
+        self.query, self.out = nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.key, self.value = (nn.Linear(dim, kv_heads * self.head_dim) for _ in range(2))
+        self.head = nn.Linear(dim, 2)
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, self.head_dim, 2) / self.head_dim))
+
+    def split(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, _ = x.shape
+        return x.view(batch, length, -1, self.head_dim).transpose(1, 2)
+
+    def grouped(self, x: torch.Tensor) -> torch.Tensor:
+        groups = self.heads // self.kv_heads
+        if self.grouping == "repeat_interleave":
+            return x.repeat_interleave(groups, dim=1)
+        batch, heads, length, size = x.shape
+        return x[:, :, None, :, :].expand(batch, heads, groups, length, size).reshape(batch, -1, length, size)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.words(tokens)
+        positions = torch.arange(tokens.shape[1])
+        angles = positions[:, None].float() * self.inv_freq
+        cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+        q, k, v = self.split(self.query(x)), self.split(self.key(x)), self.split(self.value(x))
+        if self.grouping == "rotary_on_some_heads":
+            rotated = q[:, : self.heads // 2]
+            q = torch.cat((rotated * cos + rotate_half(rotated) * sin, q[:, self.heads // 2 :]), dim=1)
+        else:
+            q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        mask = (positions[None, :] <= positions[:, None]) & (tokens != 0)[:, None, None, :]
+        if self.grouping == "enable_gqa":
+            context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        else:
+            context = F.scaled_dot_product_attention(q, self.grouped(k), self.grouped(v), attn_mask=mask)
+        return self.head(self.out(context.transpose(1, 2).flatten(2)).mean(1))
+
+
+def check_attention_folds_and_equals_predict(model: nn.Module, folds: bool) -> None:
+    """Packed, the attention runs folded (nothing of it on the member-stacked batch) or not, as ``folds`` says;
+    other batches and paddings, and a member alone, equal predict."""
+    packed = mt.pack(model, zoo.tokens(4), program="packed")
+    attention = [row for row in packed.fallbacks if row.startswith("scaled_dot_product_attention ")]
+    assert (packed.macs["fallback"] == 0) is folds and (attention == []) is folds, packed.fallbacks
+    assert packed.macs["packed"] < packed.macs["dense"]
+    check_equal_to_predict(model, packed)
+    member = mt.extract_member(model, 1, zoo.tokens(4))
+    x = zoo.tokens(5, seed=5)
+    assert relative_error(member(x), mt.predict(model, x, N)[1]) <= 1e-5
+
+
+@pytest.mark.parametrize("grouping", ["repeat_kv", "repeat_interleave", "enable_gqa"])
+def test_rotary_grouped_query_attention_folds_into_the_heads(grouping: str) -> None:
+    """The cos/sin (L, d) broadcast over every member's heads; ``rotate_half``'s slices and concatenation of the head
+    dimension, the keys' heads repeated for their query heads (within each member's block) and SDPA's
+    ``enable_gqa`` (query head i*Hq + h reads key head i*Hkv + h // (Hq / Hkv)) keep the members apart: the attention
+    folds (before, it ran at full width on the member-stacked batch)."""
+    torch.manual_seed(0)
+    model = mt.insert(RotaryAttention(grouping), N, 2.0, seed=0).eval()
+    check_attention_folds_and_equals_predict(model, folds=True)
+
+
+def test_rotary_on_a_slice_of_the_heads_does_not_fold() -> None:
+    """``q[:, :2]`` takes the first two of a member's four heads; folded, it would take member 0's heads only: the
+    region stays on the member-stacked batch, and equals predict."""
+    torch.manual_seed(0)
+    model = mt.insert(RotaryAttention("rotary_on_some_heads"), N, 2.0, seed=0).eval()
+    check_attention_folds_and_equals_predict(model, folds=False)
