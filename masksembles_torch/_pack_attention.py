@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -54,14 +53,16 @@ class Fold:
 @dataclass
 class Region:
     """One folded region: its operations, the Linear layers it reads (and the ``outer`` each one writes), the fold of
-    each value, the folded shape (batch axis -1, per member) of each reshape and expand, and the equal parts of each
-    split of a fold's axis (GPT-2's fused qkv split into q, k and v)."""
+    each value, the folded shape (batch axis -1, per member) of each reshape and expand, the equal parts of each split
+    of a fold's axis (GPT-2's fused qkv split into q, k and v), and the inputs from outside the region that hold one
+    member's heads (a per-head position bias), with the axis each is repeated along for every member's heads."""
 
     ops: list[fx.Node]
     entries: dict[fx.Node, int]
     folds: dict[fx.Node, Fold | tuple[Fold, ...]] = field(default_factory=dict)
     shapes: dict[fx.Node, tuple[int, ...]] = field(default_factory=dict)
     chunks: dict[fx.Node, tuple[int, int]] = field(default_factory=dict)  # a split of a fold's axis: (parts, axis)
+    repeats: dict[fx.Node, dict[fx.Node, int]] = field(default_factory=dict)  # per-head inputs: the axis to repeat
 
 
 Component = tuple[list[fx.Node], set[fx.Node]]  # a region's operations in graph order, and the Linear layers it reads
@@ -386,31 +387,46 @@ def _right(fold: Fold, rank: int, out_rank: int) -> Fold:
     return Fold(fold.axis + out_rank - rank, fold.outer)
 
 
-def _side_broadcasts(graph: _Graph, side: Iterable[fx.Node], fold: Fold, out_rank: int) -> bool:
-    """Values outside the region broadcast over the fold: size 1 (or absent) where the fold sits, aligned right."""
-    for value in side:
-        shape = graph.probed(value).shape
-        position = fold.axis - (out_rank - len(shape))
-        if 0 <= position < len(shape) and shape[position] != 1:
-            return False
-    return True
+def _sides(graph: _Graph, region: Region, node: fx.Node, fold: Fold) -> None:
+    """The values and constant tensors ``node`` reads from outside the region, aligned right with its result: each
+    broadcasts over the fold (size 1, or no axis, where the fold sits), or holds one member's size there (T5's,
+    BEiT's relative position bias on the heads, (1 or B, heads, L, L)) where the members' blocks are outermost on the
+    fold's axis (``outer`` 1). In the dense model every member's head h reads the tensor's head h; the tensor is the
+    same for every member (a constant, or a value the planner must find shared), so repeated once per member along
+    that axis, members outermost, it gives every member's heads their own values (``region.repeats``). Raises
+    ``_Rejected`` for any other size there."""
+    capture = graph.capture
+    out = graph.probed(node)
+    for value in dict.fromkeys(node.all_input_nodes):
+        if value in region.folds:
+            continue
+        if value in capture.dynamic:
+            if not capture.seen[value].tensor:
+                continue
+            shapes = graph.probed(value).shapes
+        else:
+            constant = capture.constants.get(value)
+            if not isinstance(constant, torch.Tensor):
+                continue
+            shapes = (tuple(constant.shape),)
+        position = fold.axis - (out.rank - len(shapes[0]))
+        sizes = {shape[position] for shape in shapes} if 0 <= position < len(shapes[0]) else {1}
+        if sizes == {1}:
+            continue
+        if fold.outer != 1 or sizes != {out.shape[fold.axis]}:
+            raise _Rejected(node)
+        region.repeats.setdefault(node, {})[value] = position
 
 
 def _elementwise(graph: _Graph, region: Region, node: fx.Node, op: _Op) -> Fold:
     """Scaling by a number, an additive mask, a sum of two region values: the same fold on every folded operand,
-    and the other operands (constants included) size 1 where it sits."""
+    and the other operands (constants included) size 1 where it sits or per head (``_sides``)."""
     rank = graph.probed(node).rank
     folded = [_right(region.folds[t], graph.probed(t).rank, rank) for t in op.tensors if t in region.folds]  # type: ignore[arg-type]
     if any(not isinstance(region.folds[t], Fold) for t in op.tensors if t in region.folds) or len(set(folded)) != 1:
         raise _Rejected(node)
     fold = folded[0]
-    side = [t for t in op.tensors if t not in region.folds]
-    constants = [a for a in node.all_input_nodes if a not in graph.capture.dynamic]
-    values = [graph.capture.constants.get(a) for a in constants]
-    if not _side_broadcasts(graph, side, fold, rank) or any(
-        isinstance(v, torch.Tensor) and v.dim() >= rank - fold.axis and v.shape[fold.axis - rank] != 1 for v in values
-    ):
-        raise _Rejected(node)
+    _sides(graph, region, node, fold)
     return fold
 
 
@@ -445,8 +461,9 @@ def _attention(graph: _Graph, region: Region, node: fx.Node, op: _Op) -> Fold:
         raise _Rejected(node)
     fold = unique.pop()
     assert isinstance(fold, Fold)
-    if fold.axis >= rank - 2 or not _side_broadcasts(graph, [t for t in op.tensors if t not in folds], fold, rank):
+    if fold.axis >= rank - 2:
         raise _Rejected(node)
+    _sides(graph, region, node, fold)
     if grouped and (fold.axis != rank - 3 or fold.outer != 1):
         raise _Rejected(node)
     return fold

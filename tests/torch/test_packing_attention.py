@@ -163,15 +163,17 @@ def test_multihead_attention_module_folds_into_heads(call: str, batch_first: boo
 
 
 @pytest.mark.parametrize("batch_first", [True, False], ids=["batch_first", "sequence_first"])
-def test_multihead_attention_with_a_per_sample_mask_runs_its_attention_per_member(batch_first: bool) -> None:
-    """A (B * heads, L, S) attention mask is written out as (B, heads, L, S): it differs between the heads, so the
-    attention does not fold into them; it runs on the member-stacked batch, where the mask computed from the tokens
-    follows the batch (the projections still compact), and equals predict and each member."""
+def test_multihead_attention_with_a_per_head_mask_folds_with_the_mask_repeated_for_every_member(
+    batch_first: bool,
+) -> None:
+    """A (B * heads, L, S) attention mask is written out as (B, heads, L, S): each head has its own rows, computed
+    from the tokens alone (the same for every member), so it is repeated once per member along the heads and the
+    attention folds (before, it ran on the member-stacked batch); it equals predict and each member."""
     model = multihead("per_sample_mask", batch_first)
     packed = mt.pack(model, sequences(4), program="packed")
-    assert "attention (MultiheadAttention)" not in packed.fallbacks
-    assert "attention: scaled_dot_product_attention (node 'scaled_dot_product_attention')" in packed.fallbacks
-    assert 0 < packed.macs["fallback"] < packed.macs["packed"] < packed.macs["dense"]
+    assert not [row for row in packed.fallbacks if "scaled_dot_product_attention" in row or "Multihead" in row]
+    assert packed.macs["fallback"] == 0 < packed.macs["packed"] < packed.macs["dense"]
+    assert ".repeat([1, 4, 1, 1])" in str(packed.code)
     for batch in (5, 8):
         x = sequences(batch, seed=batch)
         assert relative_error(packed(x), mt.predict(model, x, N)) <= 1e-5
@@ -431,4 +433,57 @@ def test_rotary_on_a_slice_of_the_heads_does_not_fold() -> None:
     region stays on the member-stacked batch, and equals predict."""
     torch.manual_seed(0)
     model = mt.insert(RotaryAttention("rotary_on_some_heads"), N, 2.0, seed=0).eval()
+    check_attention_folds_and_equals_predict(model, folds=False)
+
+
+class BiasedAttention(nn.Module):
+    """T5's and BEiT's relative position bias: a table of one bias per head and bucket (an ``nn.Embedding``), read
+    at each (query, key) pair's clipped relative distance and moved to (1, heads, L, L), plus the padding mask, given
+    to SDPA as its additive mask (``"sdpa"``) or added to the scores written out (``"eager"``: fused into one SDPA
+    call). ``"per_sample"``: the bias also scaled by each sample's position in the batch (``arange(B)``), which
+    differs between the member-stacked batch and the batch, so it must not be shared by the members' heads."""
+
+    def __init__(self, variant: str = "sdpa", dim: int = 16, heads: int = 2, length: int = 8) -> None:
+        super().__init__()
+        self.variant, self.heads, self.scaling = variant, heads, (dim // heads) ** -0.5
+        self.words = nn.Embedding(50, dim)
+        self.query, self.key, self.value, self.out = (nn.Linear(dim, dim) for _ in range(4))
+        self.head = nn.Linear(dim, 2)
+        self.table = nn.Embedding(9, heads)
+        positions = torch.arange(length)
+        self.register_buffer("buckets", (positions[None, :] - positions[:, None]).clamp(-4, 4) + 4)
+
+    def split(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, dim = x.shape
+        return x.view(batch, length, self.heads, dim // self.heads).transpose(1, 2)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.words(tokens)
+        q, k, v = self.split(self.query(x)), self.split(self.key(x)), self.split(self.value(x))
+        bias = self.table(self.buckets).permute(2, 0, 1)[None] + (tokens == 0)[:, None, None, :].float() * -1e4
+        if self.variant == "per_sample":
+            bias = bias * (1 + torch.arange(tokens.shape[0]) % 2)[:, None, None, None]
+        if self.variant == "eager":
+            weights = (torch.matmul(q, k.transpose(-1, -2)) * self.scaling + bias).softmax(-1)
+            context = torch.matmul(weights, v)
+        else:
+            context = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=self.scaling)
+        return self.head(self.out(context.transpose(1, 2).flatten(2)).mean(1))
+
+
+@pytest.mark.parametrize("variant", ["sdpa", "eager"])
+def test_a_per_head_position_bias_is_repeated_for_every_members_heads(variant: str) -> None:
+    """The (B, heads, L, L) bias, the same for every member (computed from the tokens and the table alone), is
+    repeated once per member along the heads, members outermost as the fold lays them: the attention folds."""
+    torch.manual_seed(0)
+    model = mt.insert(BiasedAttention(variant), N, 2.0, seed=0).eval()
+    check_attention_folds_and_equals_predict(model, folds=True)
+    assert ".repeat([1, 4, 1, 1])" in str(mt.pack(model, zoo.tokens(4), program="packed").code)
+
+
+def test_a_per_head_bias_that_differs_between_the_members_does_not_fold() -> None:
+    """A bias that reads each sample's place in the batch runs per member on the member-stacked batch: no one bias
+    serves every member's heads, so the attention runs there too, and equals predict."""
+    torch.manual_seed(0)
+    model = mt.insert(BiasedAttention("per_sample"), N, 2.0, seed=0).eval()
     check_attention_folds_and_equals_predict(model, folds=False)
