@@ -2,8 +2,9 @@
 
 An attention region (the operations between the query/key/value Linear layers, or elementwise operations computed
 per member after them (``q_proj(x) * scaling``), and the projection that reads their result: reshapes that split or
-merge the channels as (heads, head_dim), moves, ``unbind``, ``q @ k^T``, softmax, a scale, an additive mask, Dropout
-in eval, ``F.scaled_dot_product_attention``) falls back: nothing compacts it. Where
+merge the channels as (heads, head_dim), moves, ``unbind``, ``q @ k^T``, softmax, a scale, an additive mask,
+``torch.where``, Dropout in eval, ``F.scaled_dot_product_attention``; rotary embeddings' slices and concatenation of
+the head dimension, grouped-query keys repeated for their query heads) falls back: nothing compacts it. Where
 every member reads every channel of those Linear layers, the members' blocks side by side on the channel axis are
 one wider layer's output with ``m`` times the heads, and every operation of the region treats heads apart: the region
 runs once on (B, m*heads, L, d) and gives its result back in member blocks, (B, L, m*C), with no move in or out.
@@ -13,8 +14,10 @@ a region, its *fold*: the axis that holds the members' blocks and how many eleme
 member index (1 for blocks side by side; 3 when a fused qkv Linear's output is split as (3, heads, head_dim): that
 Linear then writes its output with the member index inside the 3, ``MemberLinear(output_split=3)``). Every operation
 has a rule that says where its result's fold is, or that it mixes what a fold keeps apart; a region with an operation
-that has no rule, or a rule that fails (a softmax over the heads, a matmul over them, a mask with a size other than 1
-on the heads, talking heads), is left as it was: fallbacks on the member-stacked batch.
+that has no rule, or a rule that fails (a softmax over the heads, a matmul over them, a slice of the heads, a mask
+with a size other than 1 or one member's heads on the heads, talking heads), is left as it was: fallbacks on the
+member-stacked batch. A mask (or position bias) with one member's heads, the same for every member, is repeated for
+every member's heads where the region runs (``Region.repeats``).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ MOVES = {"transpose", "permute", "movedim", "swapaxes", "swapdims", "contiguous"
 MOVE_FUNCTIONS = {torch.transpose, torch.permute, torch.movedim, torch.swapaxes}
 SOFTMAX = {"softmax", "log_softmax"}
 MATMULS = {torch.matmul, operator.matmul, "matmul", "__matmul__"}
+WHERE = {torch.where, torch.ops.aten.where.self}  # (condition, input, other), each element from its own place
 ELEMENTWISE_ENTRIES = ("channelwise", "combine", "add")  # computed per member, like a Linear layer's output
 
 
@@ -288,6 +292,8 @@ def _rule(graph: _Graph, region: Region, node: fx.Node, op: _Op) -> Fold | tuple
     classified = graph.capture.classified.get(node)
     if classified is not None and classified.kind in ("channelwise", "combine") and classified.rule == "same":
         return _elementwise(graph, region, node, op)
+    if node.target in WHERE and len(node.args) == 3 and not node.kwargs:
+        return _elementwise(graph, region, node, op)  # GPT-Neo's where(causal, scores, min): elementwise as well
     raise _Rejected(node)
 
 
@@ -419,8 +425,8 @@ def _sides(graph: _Graph, region: Region, node: fx.Node, fold: Fold) -> None:
 
 
 def _elementwise(graph: _Graph, region: Region, node: fx.Node, op: _Op) -> Fold:
-    """Scaling by a number, an additive mask, a sum of two region values: the same fold on every folded operand,
-    and the other operands (constants included) size 1 where it sits or per head (``_sides``)."""
+    """Scaling by a number, an additive mask, a sum of two region values, ``torch.where``: the same fold on every
+    folded operand, and the other operands (constants included) size 1 where it sits or per head (``_sides``)."""
     rank = graph.probed(node).rank
     folded = [_right(region.folds[t], graph.probed(t).rank, rank) for t in op.tensors if t in region.folds]  # type: ignore[arg-type]
     if any(not isinstance(region.folds[t], Fold) for t in op.tensors if t in region.folds) or len(set(folded)) != 1:

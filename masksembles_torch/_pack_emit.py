@@ -239,7 +239,7 @@ class _Emitter:
         if read is not None:  # computed once on the batch: the batch size is the input's, not the dense model's
             batch = self.graph.call_method("size", (self.values[self.capture.input.name], 0))
             return self._as_model(op, inputs, replaced={read: batch})
-        if step.name in self.program.folded and node in self.fold_repeats:
+        if step.name in self.program.folded and node in self.fold_repeats and self.m > 1:
             repeated = self._per_member(op, inputs, self.fold_repeats[node])
             inputs = [repeated.get(t, value) for t, value in zip(op.tensors, inputs, strict=True)]
             return self._as_model(op, inputs, replaced=repeated)

@@ -487,3 +487,49 @@ def test_a_per_head_bias_that_differs_between_the_members_does_not_fold() -> Non
     torch.manual_seed(0)
     model = mt.insert(BiasedAttention("per_sample"), N, 2.0, seed=0).eval()
     check_attention_folds_and_equals_predict(model, folds=False)
+
+
+class WhereMaskedAttention(nn.Module):
+    """GPT-Neo's attention: q/k/v Linear layers, scores written out, ``torch.where(causal, scores, min)`` with a
+    (1, 1, L, L) boolean buffer, then the padding mask, softmax and the product with v.
+    ``"per_sample"``: the condition also reads each sample's place in the batch (``arange(B)``), so it differs
+    between the member-stacked batch and the batch and must not be shared by the members' heads."""
+
+    def __init__(self, variant: str = "causal", dim: int = 16, heads: int = 2, length: int = 8) -> None:
+        super().__init__()
+        self.variant, self.heads = variant, heads
+        self.words = nn.Embedding(50, dim)
+        self.query, self.key, self.value, self.out = (nn.Linear(dim, dim) for _ in range(4))
+        self.head = nn.Linear(dim, 2)
+        self.register_buffer("causal", torch.ones(length, length, dtype=torch.bool).tril()[None, None])
+
+    def split(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, dim = x.shape
+        return x.view(batch, length, self.heads, dim // self.heads).transpose(1, 2)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.words(tokens)
+        q, k, v = self.split(self.query(x)), self.split(self.key(x)), self.split(self.value(x))
+        scores = torch.matmul(q, k.transpose(-1, -2))
+        keep = self.causal
+        if self.variant == "per_sample":
+            keep = keep | (torch.arange(tokens.shape[0]) % 2 == 0)[:, None, None, None]
+        scores = torch.where(keep, scores, torch.finfo(torch.float32).min)
+        weights = (scores + (tokens == 0)[:, None, None, :].float() * -1e4).softmax(-1)
+        return self.head(self.out(torch.matmul(weights, v).transpose(1, 2).flatten(2)).mean(1))
+
+
+@pytest.mark.parametrize(("variant", "folds"), [("causal", True), ("per_sample", False)])
+def test_a_where_with_a_mask_shared_by_the_members_folds(variant: str, folds: bool) -> None:
+    """``torch.where`` takes each element from its own place: with a condition (and fill value) 1 on the heads and
+    the same for every member, it folds like an additive mask (before, it ran at full width on the member-stacked
+    batch); a condition that differs between the members keeps the attention there. Both equal predict."""
+    torch.manual_seed(0)
+    model = mt.insert(WhereMaskedAttention(variant), N, 2.0, seed=0).eval()
+    packed = mt.pack(model, zoo.tokens(4), program="packed")
+    assert (packed.macs["fallback"] == 0) is folds, packed.fallbacks
+    assert any(row.startswith("where ") for row in packed.fallbacks) is not folds
+    check_equal_to_predict(model, packed)
+    member = mt.extract_member(model, 1, zoo.tokens(4))
+    x = zoo.tokens(5, seed=5)
+    assert relative_error(member(x), mt.predict(model, x, N)[1]) <= 1e-5
