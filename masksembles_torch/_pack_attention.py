@@ -2,8 +2,9 @@
 
 An attention region (the operations between the query/key/value Linear layers, or elementwise operations computed
 per member after them (``q_proj(x) * scaling``), and the projection that reads their result: reshapes that split or
-merge the channels as (heads, head_dim), moves, ``unbind``, ``q @ k^T``, softmax, a scale, an additive mask, Dropout
-in eval, ``F.scaled_dot_product_attention``) falls back: nothing compacts it. Where
+merge the channels as (heads, head_dim), moves, ``unbind``, ``q @ k^T``, softmax, a scale, an additive mask,
+``torch.where``, Dropout in eval, ``F.scaled_dot_product_attention``; rotary embeddings' slices and concatenation of
+the head dimension, grouped-query keys repeated for their query heads) falls back: nothing compacts it. Where
 every member reads every channel of those Linear layers, the members' blocks side by side on the channel axis are
 one wider layer's output with ``m`` times the heads, and every operation of the region treats heads apart: the region
 runs once on (B, m*heads, L, d) and gives its result back in member blocks, (B, L, m*C), with no move in or out.
@@ -13,15 +14,16 @@ a region, its *fold*: the axis that holds the members' blocks and how many eleme
 member index (1 for blocks side by side; 3 when a fused qkv Linear's output is split as (3, heads, head_dim): that
 Linear then writes its output with the member index inside the 3, ``MemberLinear(output_split=3)``). Every operation
 has a rule that says where its result's fold is, or that it mixes what a fold keeps apart; a region with an operation
-that has no rule, or a rule that fails (a softmax over the heads, a matmul over them, a mask with a size other than 1
-on the heads, talking heads), is left as it was: fallbacks on the member-stacked batch.
+that has no rule, or a rule that fails (a softmax over the heads, a matmul over them, a slice of the heads, a mask
+with a size other than 1 or one member's heads on the heads, talking heads), is left as it was: fallbacks on the
+member-stacked batch. A mask (or position bias) with one member's heads, the same for every member, is repeated for
+every member's heads where the region runs (``Region.repeats``).
 """
 
 from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -29,8 +31,10 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from masksembles_core.captured import Probed
+
 from ._pack_capture import DROPOUT_FUNCTIONS, DROPOUT_TYPES, _Capture, _Op, _Seen, _target_name
-from ._pack_graph import _Graph
+from ._pack_graph import _Graph, _takes_whole
 
 RESHAPES = {"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as"}
 RESHAPE_FUNCTIONS = {torch.reshape, torch.flatten}
@@ -38,6 +42,7 @@ MOVES = {"transpose", "permute", "movedim", "swapaxes", "swapdims", "contiguous"
 MOVE_FUNCTIONS = {torch.transpose, torch.permute, torch.movedim, torch.swapaxes}
 SOFTMAX = {"softmax", "log_softmax"}
 MATMULS = {torch.matmul, operator.matmul, "matmul", "__matmul__"}
+WHERE = {torch.where, torch.ops.aten.where.self}  # (condition, input, other), each element from its own place
 ELEMENTWISE_ENTRIES = ("channelwise", "combine", "add")  # computed per member, like a Linear layer's output
 
 
@@ -52,14 +57,16 @@ class Fold:
 @dataclass
 class Region:
     """One folded region: its operations, the Linear layers it reads (and the ``outer`` each one writes), the fold of
-    each value, the folded shape (batch axis -1, per member) of each reshape, and the equal parts of each split of a
-    fold's axis (GPT-2's fused qkv split into q, k and v)."""
+    each value, the folded shape (batch axis -1, per member) of each reshape and expand, the equal parts of each split
+    of a fold's axis (GPT-2's fused qkv split into q, k and v), and the inputs from outside the region that hold one
+    member's heads (a per-head position bias), with the axis each is repeated along for every member's heads."""
 
     ops: list[fx.Node]
     entries: dict[fx.Node, int]
     folds: dict[fx.Node, Fold | tuple[Fold, ...]] = field(default_factory=dict)
     shapes: dict[fx.Node, tuple[int, ...]] = field(default_factory=dict)
     chunks: dict[fx.Node, tuple[int, int]] = field(default_factory=dict)  # a split of a fold's axis: (parts, axis)
+    repeats: dict[fx.Node, dict[fx.Node, int]] = field(default_factory=dict)  # per-head inputs: the axis to repeat
 
 
 Component = tuple[list[fx.Node], set[fx.Node]]  # a region's operations in graph order, and the Linear layers it reads
@@ -204,11 +211,12 @@ def _propagate(graph: _Graph, axis: dict[fx.Node, int], region: Region) -> None:
         folds[entry] = Fold(axis[entry], outer)
     for node in region.ops:
         op = graph.ops[node]
-        if graph.capture.batch_args(node) and not _is_reshape(node):
+        if graph.capture.batch_args(node) and not (_is_reshape(node) or is_expand(node)):
             raise _Rejected(node)
         folds[node] = _rule(graph, region, node, op)
-    for node in region.ops:  # exits: read outside the region, in member blocks on their channel axis
-        readers = [user for user in node.users if user not in inside]
+    for node in region.ops:  # exits: read outside the region, in member blocks on their channel axis (the sizes
+        # read from a region value, ``x.shape[-1] // 2`` in ``rotate_half``, are answered as the dense model's)
+        readers = [user for user in node.users if user not in inside and not graph.capture.is_query(user)]
         fold = folds[node]
         if readers and (not isinstance(fold, Fold) or fold.outer != 1 or axis.get(node) != fold.axis):
             raise _Rejected(node)
@@ -217,6 +225,11 @@ def _propagate(graph: _Graph, axis: dict[fx.Node, int], region: Region) -> None:
 
 def _is_reshape(node: fx.Node) -> bool:
     return _called(node) in RESHAPES or node.target in RESHAPE_FUNCTIONS
+
+
+def is_expand(node: fx.Node) -> bool:
+    """``x.expand(...)``: a folded one is emitted with its folded sizes, as a reshape is."""
+    return _called(node) == "expand"
 
 
 def _rule(graph: _Graph, region: Region, node: fx.Node, op: _Op) -> Fold | tuple[Fold, ...]:
@@ -254,6 +267,14 @@ def _rule(graph: _Graph, region: Region, node: fx.Node, op: _Op) -> Fold | tuple
         dim %= source.rank
         part = Fold(first.axis - (dim < first.axis), first.outer)
         return tuple(part for _ in range(source.shape[dim]))
+    if is_expand(node) and len(op.tensors) == 1:
+        return _expand(region, node, first, source, probed)
+    if (node.target is operator.getitem or name == "unsqueeze") and len(op.tensors) == 1:
+        return _indexed(graph, node, first, source)
+    if node.target in (torch.cat, torch.concat):
+        return _concat(graph, region, node)
+    if name == "repeat_interleave" and len(op.tensors) == 1:
+        return _repeat_interleave(graph, node, first, source)
     if name in MOVES or node.target in MOVE_FUNCTIONS:
         landing = graph.axis_map(op, first.axis) if len(op.tensors) == 1 else None
         if landing is None:
@@ -271,7 +292,100 @@ def _rule(graph: _Graph, region: Region, node: fx.Node, op: _Op) -> Fold | tuple
     classified = graph.capture.classified.get(node)
     if classified is not None and classified.kind in ("channelwise", "combine") and classified.rule == "same":
         return _elementwise(graph, region, node, op)
+    if node.target in WHERE and len(node.args) == 3 and not node.kwargs:
+        return _elementwise(graph, region, node, op)  # GPT-Neo's where(causal, scores, min): elementwise as well
     raise _Rejected(node)
+
+
+def _indexed(graph: _Graph, node: fx.Node, fold: Fold, source: Probed) -> Fold:
+    """A basic index (slices, ints, None, one Ellipsis) or ``unsqueeze`` copies each element of the fold's axis, and
+    of the batch's, to its own place when it takes both whole (``rotate_half``'s ``q[..., : d // 2]`` slices the head
+    dimension, ``k[:, :, None]`` adds an axis): the fold moves to where that axis lands."""
+    if node.target is operator.getitem:
+        index = node.args[1]
+    else:  # unsqueeze(dim): a None before the axis at dim of the result
+        dim = graph.capture.argument(node, "dim", 1)
+        if not isinstance(dim, int):
+            raise _Rejected(node)
+        index = (*[slice(None)] * (dim % (source.rank + 1)), None)
+    landing = _index_axes(index, source.rank)
+    if landing is None or source.batch_axis < 0 or not _takes_whole(index, source.rank, [fold.axis, source.batch_axis]):
+        raise _Rejected(node)
+    return Fold(landing[fold.axis], fold.outer)
+
+
+def _index_axes(index: Any, rank: int) -> list[int] | None:
+    """Where a basic index puts each axis of a tensor of ``rank`` it keeps (an int removes its axis: -1); None for
+    any other index."""
+    entries = index if isinstance(index, tuple) else (index,)
+    if any(not isinstance(e, (slice, int, type(None), type(Ellipsis))) or isinstance(e, bool) for e in entries):
+        return None
+    consumed = sum(e is not None and e is not Ellipsis for e in entries)
+    if sum(e is Ellipsis for e in entries) > 1 or consumed > rank:
+        return None
+    axes: list[int] = []
+    out = 0
+    for e in entries:
+        if e is None:
+            out += 1
+        elif e is Ellipsis:
+            for _ in range(rank - consumed):
+                axes.append(out)
+                out += 1
+        elif isinstance(e, int):
+            axes.append(-1)
+        else:
+            axes.append(out)
+            out += 1
+    return axes + list(range(out, out + rank - len(axes)))
+
+
+def _expand(region: Region, node: fx.Node, fold: Fold, source: Probed, out: Probed) -> Fold:
+    """An expand that repeats neither the fold's axis nor the batch (``k[:, :, None].expand(B, kv, groups, L, d)``
+    of grouped-query attention's ``repeat_kv``) repeats each member's values within its own block: the fold moves by
+    the axes it adds in front; it is emitted with the folded sizes, the batch's left as it is (-1)."""
+    added = out.rank - source.rank
+    landing = fold.axis + added
+    if added < 0 or source.batch_axis < 0 or out.batch_axis != source.batch_axis + added:
+        raise _Rejected(node)
+    if out.shape[landing] != source.shape[fold.axis]:  # the fold's axis is not repeated
+        raise _Rejected(node)
+    shape = list(out.shape)
+    shape[out.batch_axis] = -1
+    region.shapes[node] = tuple(shape)
+    return Fold(landing, fold.outer)
+
+
+def _repeat_interleave(graph: _Graph, node: fx.Node, fold: Fold, source: Probed) -> Fold:
+    """``repeat_interleave(r, dim)`` with a number ``r``: along another axis than the fold's and the batch's it keeps
+    the fold; along the fold's axis (grouped-query keys repeated for their query heads) it sends position o*m*w + i*w
+    + j of (outer, members, w) to o*m*w*r + i*w*r + j*r + t, (outer, members, w*r): each member's block stays its own,
+    the same fold."""
+    capture = graph.capture
+    repeats, dim = capture.argument(node, "repeats", 1), capture.argument(node, "dim", 2)
+    if not isinstance(repeats, int) or not isinstance(dim, int) or capture.argument(node, "output_size", 3) is not None:
+        raise _Rejected(node)
+    if source.batch_axis < 0 or dim % source.rank == source.batch_axis:
+        raise _Rejected(node)
+    return fold
+
+
+def _concat(graph: _Graph, region: Region, node: fx.Node) -> Fold:
+    """``torch.cat`` of region values with one fold, along another axis than the fold's and the batch's
+    (``rotate_half``'s ``cat((-x2, x1), dim=-1)``): each member's block of the fold's axis gathers its own blocks."""
+    tensors = node.args[0] if node.args else node.kwargs.get("tensors")
+    dim = graph.capture.argument(node, "dim", 1, 0)
+    if not isinstance(tensors, (tuple, list)) or not isinstance(dim, int):
+        raise _Rejected(node)
+    folds = {region.folds.get(t) if isinstance(t, fx.Node) else None for t in tensors}
+    ranks = {graph.probed(t).rank for t in tensors if isinstance(t, fx.Node)}
+    fold = folds.pop() if len(folds) == 1 else None
+    probed = graph.probed(node)
+    if not isinstance(fold, Fold) or ranks != {probed.rank} or probed.batch_axis < 0:
+        raise _Rejected(node)
+    if dim % probed.rank in (fold.axis, probed.batch_axis):
+        raise _Rejected(node)
+    return fold
 
 
 def _right(fold: Fold, rank: int, out_rank: int) -> Fold:
@@ -279,44 +393,65 @@ def _right(fold: Fold, rank: int, out_rank: int) -> Fold:
     return Fold(fold.axis + out_rank - rank, fold.outer)
 
 
-def _side_broadcasts(graph: _Graph, side: Iterable[fx.Node], fold: Fold, out_rank: int) -> bool:
-    """Values outside the region broadcast over the fold: size 1 (or absent) where the fold sits, aligned right."""
-    for value in side:
-        shape = graph.probed(value).shape
-        position = fold.axis - (out_rank - len(shape))
-        if 0 <= position < len(shape) and shape[position] != 1:
-            return False
-    return True
+def _sides(graph: _Graph, region: Region, node: fx.Node, fold: Fold) -> None:
+    """The values and constant tensors ``node`` reads from outside the region, aligned right with its result: each
+    broadcasts over the fold (size 1, or no axis, where the fold sits), or holds one member's size there (T5's,
+    BEiT's relative position bias on the heads, (1 or B, heads, L, L)) where the members' blocks are outermost on the
+    fold's axis (``outer`` 1). In the dense model every member's head h reads the tensor's head h; the tensor is the
+    same for every member (a constant, or a value the planner must find shared), so repeated once per member along
+    that axis, members outermost, it gives every member's heads their own values (``region.repeats``). Raises
+    ``_Rejected`` for any other size there."""
+    capture = graph.capture
+    out = graph.probed(node)
+    for value in dict.fromkeys(node.all_input_nodes):
+        if value in region.folds:
+            continue
+        if value in capture.dynamic:
+            if not capture.seen[value].tensor:
+                continue
+            shapes = graph.probed(value).shapes
+        else:
+            constant = capture.constants.get(value)
+            if not isinstance(constant, torch.Tensor):
+                continue
+            shapes = (tuple(constant.shape),)
+        position = fold.axis - (out.rank - len(shapes[0]))
+        sizes = {shape[position] for shape in shapes} if 0 <= position < len(shapes[0]) else {1}
+        if sizes == {1}:
+            continue
+        if fold.outer != 1 or sizes != {out.shape[fold.axis]}:
+            raise _Rejected(node)
+        region.repeats.setdefault(node, {})[value] = position
 
 
 def _elementwise(graph: _Graph, region: Region, node: fx.Node, op: _Op) -> Fold:
-    """Scaling by a number, an additive mask, a sum of two region values: the same fold on every folded operand,
-    and the other operands (constants included) size 1 where it sits."""
+    """Scaling by a number, an additive mask, a sum of two region values, ``torch.where``: the same fold on every
+    folded operand, and the other operands (constants included) size 1 where it sits or per head (``_sides``)."""
     rank = graph.probed(node).rank
     folded = [_right(region.folds[t], graph.probed(t).rank, rank) for t in op.tensors if t in region.folds]  # type: ignore[arg-type]
     if any(not isinstance(region.folds[t], Fold) for t in op.tensors if t in region.folds) or len(set(folded)) != 1:
         raise _Rejected(node)
     fold = folded[0]
-    side = [t for t in op.tensors if t not in region.folds]
-    constants = [a for a in node.all_input_nodes if a not in graph.capture.dynamic]
-    values = [graph.capture.constants.get(a) for a in constants]
-    if not _side_broadcasts(graph, side, fold, rank) or any(
-        isinstance(v, torch.Tensor) and v.dim() >= rank - fold.axis and v.shape[fold.axis - rank] != 1 for v in values
-    ):
-        raise _Rejected(node)
+    _sides(graph, region, node, fold)
     return fold
 
 
 def _attention(graph: _Graph, region: Region, node: fx.Node, op: _Op) -> Fold:
     """A matmul of two region values or ``scaled_dot_product_attention``: the fold on the same batch-like axis of
-    every operand (not the last two, which the products mix); an attention mask outside the region broadcasts."""
+    every operand (not the last two, which the products mix); an attention mask outside the region broadcasts.
+    With ``enable_gqa`` (query head h reads key/value head h // (Hq / Hkv)), the fold is the heads axis with the
+    members' blocks outermost: query head i*Hq + h of member i reads (i*Hq + h) // (Hq / Hkv) = i*Hkv + h // (Hq /
+    Hkv), member i's own key/value head for h."""
     rank = graph.probed(node).rank
     sdpa = node.target is F.scaled_dot_product_attention
     operands = [t for t in op.tensors if t in region.folds]
+    grouped = False
     if sdpa:
         capture = graph.capture
-        if capture.argument(node, "dropout_p", 4, 0.0) != 0.0 or capture.argument(node, "enable_gqa", 7, False):
+        gqa = capture.argument(node, "enable_gqa", 7, False)
+        if capture.argument(node, "dropout_p", 4, 0.0) != 0.0 or not isinstance(gqa, bool):
             raise _Rejected(node)
+        grouped = gqa
         mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
         if isinstance(mask, fx.Node) and mask in region.folds:
             operands = [t for t in operands]  # a mask from the region is folded like q, k and v
@@ -332,7 +467,10 @@ def _attention(graph: _Graph, region: Region, node: fx.Node, op: _Op) -> Fold:
         raise _Rejected(node)
     fold = unique.pop()
     assert isinstance(fold, Fold)
-    if fold.axis >= rank - 2 or not _side_broadcasts(graph, [t for t in op.tensors if t not in folds], fold, rank):
+    if fold.axis >= rank - 2:
+        raise _Rejected(node)
+    _sides(graph, region, node, fold)
+    if grouped and (fold.axis != rank - 3 or fold.outer != 1):
         raise _Rejected(node)
     return fold
 

@@ -29,7 +29,7 @@ from masksembles_core.packing import (
 
 from . import _packed_ops as ops
 from ._layers import Masksembles
-from ._pack_attention import Fold, Region, fuse_written_attention, written_attentions
+from ._pack_attention import Fold, Region, fuse_written_attention, is_expand, written_attentions
 from ._pack_capture import (
     CONV_TYPES,
     ELEMENTWISE_FUNCTIONS,
@@ -56,6 +56,7 @@ class _Emitter:
         self.folds = {node: fold for region in regions for node, fold in region.folds.items()}
         self.fold_shapes = {node: shape for region in regions for node, shape in region.shapes.items()}
         self.fold_chunks = {node: parts for region in regions for node, parts in region.chunks.items()}
+        self.fold_repeats = {node: sides for region in regions for node, sides in region.repeats.items()}
         self.split_outputs = {entry: outer for region in regions for entry, outer in region.entries.items()}
         self.m = len(program.members)
         # the members returned, as positions in the program's (None: all of them, in order)
@@ -227,17 +228,21 @@ class _Emitter:
         self._count(step, op)
         if step.placement.dense and op.kind == "flatten":  # (B, ...) -> (B, features) on the frame's batch, which
             return self.graph.call_function(torch.flatten, (inputs[0], 1))  # the model's view(B, -1) does not know
-        if node in self.fold_shapes:  # a reshape of a folded region: the members' blocks on its fold's axis
+        if node in self.fold_shapes:  # a reshape or expand of a folded region: the members' blocks on its fold's axis
             members = 1 if step.placement.shared else self.m
             fold = cast(Fold, self.folds[node])
             shape = [size * members if a == fold.axis else size for a, size in enumerate(self.fold_shapes[node])]
-            return self.graph.call_method("reshape", (inputs[0], shape))
+            return self.graph.call_method("expand" if is_expand(node) else "reshape", (inputs[0], shape))
         if node in self.fold_chunks:  # a split of a folded region's axis: equal parts, whatever its width
             return self.graph.call_function(torch.chunk, (inputs[0], *self.fold_chunks[node]))
         read = op.batch_size_read if step.placement.shared else None
         if read is not None:  # computed once on the batch: the batch size is the input's, not the dense model's
             batch = self.graph.call_method("size", (self.values[self.capture.input.name], 0))
-            return self._as_model(op, inputs, sizes={read: batch})
+            return self._as_model(op, inputs, replaced={read: batch})
+        if step.name in self.program.folded and node in self.fold_repeats and self.m > 1:
+            repeated = self._per_member(op, inputs, self.fold_repeats[node])
+            inputs = [repeated.get(t, value) for t, value in zip(op.tensors, inputs, strict=True)]
+            return self._as_model(op, inputs, replaced=repeated)
         if step.placement.dense or step.name in self.program.folded:
             return self._as_model(op, inputs)
         return self._compact(step, op, inputs)
@@ -270,14 +275,33 @@ class _Emitter:
             return result
         return None
 
+    def _per_member(self, op: _Op, inputs: list[fx.Node], sides: Mapping[fx.Node, int]) -> dict[fx.Node, fx.Node]:
+        """A folded step's inputs from outside its region that hold one member's heads (a per-head position bias),
+        each repeated for every member along its axis of the fold, members outermost: the values in the program,
+        the constants once, here."""
+        repeated: dict[fx.Node, fx.Node] = {}
+        for side, axis in sides.items():
+            if side in self.capture.dynamic:
+                value = inputs[op.tensors.index(side)]
+                counts = [1] * self.capture.seen[side].rank
+                counts[axis] = self.m
+                repeated[side] = self.graph.call_method("repeat", (value, counts))
+            else:
+                constant = cast(Tensor, self.capture.constants[side])
+                counts = [1] * constant.dim()
+                counts[axis] = self.m
+                repeated[side] = self._attribute("constant", constant.repeat(counts))
+        return repeated
+
     def _as_model(
         self, op: _Op, inputs: list[fx.Node], constants: Callable[[Tensor], Any] | None = None,
-        sizes: Mapping[fx.Node, fx.Node] | None = None,
+        replaced: Mapping[fx.Node, fx.Node] | None = None,
     ) -> fx.Node:  # fmt: skip
         """The model's own operation on the given values of its model inputs (dense, or compacted elementwise), with
-        ``sizes`` read instead of the dense model's where given."""
+        the ``replaced`` arguments read instead of the dense model's (a batch size read from the packed input, a
+        per-head tensor repeated for every member)."""
         node = op.node
-        given = {**(sizes or {}), **dict(zip(op.tensors, inputs, strict=True))}
+        given = {**(replaced or {}), **dict(zip(op.tensors, inputs, strict=True))}
         if _in_place(node, self.capture.gm) and node.args and node.args[0] in given:
             mutated = cast(fx.Node, node.args[0])
             given[mutated] = self.graph.call_method("clone", (given[mutated],))

@@ -163,15 +163,17 @@ def test_multihead_attention_module_folds_into_heads(call: str, batch_first: boo
 
 
 @pytest.mark.parametrize("batch_first", [True, False], ids=["batch_first", "sequence_first"])
-def test_multihead_attention_with_a_per_sample_mask_runs_its_attention_per_member(batch_first: bool) -> None:
-    """A (B * heads, L, S) attention mask is written out as (B, heads, L, S): it differs between the heads, so the
-    attention does not fold into them; it runs on the member-stacked batch, where the mask computed from the tokens
-    follows the batch (the projections still compact), and equals predict and each member."""
+def test_multihead_attention_with_a_per_head_mask_folds_with_the_mask_repeated_for_every_member(
+    batch_first: bool,
+) -> None:
+    """A (B * heads, L, S) attention mask is written out as (B, heads, L, S): each head has its own rows, computed
+    from the tokens alone (the same for every member), so it is repeated once per member along the heads and the
+    attention folds (before, it ran on the member-stacked batch); it equals predict and each member."""
     model = multihead("per_sample_mask", batch_first)
     packed = mt.pack(model, sequences(4), program="packed")
-    assert "attention (MultiheadAttention)" not in packed.fallbacks
-    assert "attention: scaled_dot_product_attention (node 'scaled_dot_product_attention')" in packed.fallbacks
-    assert 0 < packed.macs["fallback"] < packed.macs["packed"] < packed.macs["dense"]
+    assert not [row for row in packed.fallbacks if "scaled_dot_product_attention" in row or "Multihead" in row]
+    assert packed.macs["fallback"] == 0 < packed.macs["packed"] < packed.macs["dense"]
+    assert ".repeat([1, 4, 1, 1])" in str(packed.code)
     for batch in (5, 8):
         x = sequences(batch, seed=batch)
         assert relative_error(packed(x), mt.predict(model, x, N)) <= 1e-5
@@ -347,3 +349,187 @@ def test_a_scale_read_from_the_sizes_is_computed_as_the_model_computes_it() -> N
     exported = torch.export.export(packed, (torch.randn(8, 7, 16),), dynamic_shapes=({0: torch.export.Dim("batch")},))
     x = torch.randn(6, 7, 16)
     assert relative_error(exported.module()(x), mt.predict(model, x, N)) <= 1e-5
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RotaryAttention(nn.Module):
+    """Llama's attention written by hand: q/k/v Linear layers, heads by view + transpose, rotary position embeddings
+    (cos/sin of the positions, (L, d), shared by every head and sample; ``rotate_half`` slices, negates and
+    concatenates the head dimension), keys and values with fewer heads repeated for the query heads (grouped-query
+    attention) as ``repeat_kv`` (``k[:, :, None].expand(...).reshape(...)``), ``repeat_interleave`` or SDPA's
+    ``enable_gqa``, a causal + padding mask. ``"rotary_on_some_heads"``: the rotation only on the first query heads
+    (a slice of the heads axis, as models that mix heads with and without positions do), which must not fold."""
+
+    def __init__(self, grouping: str = "repeat_kv", dim: int = 16, heads: int = 4, kv_heads: int = 2) -> None:
+        super().__init__()
+        self.grouping, self.heads, self.kv_heads, self.head_dim = grouping, heads, kv_heads, dim // heads
+        self.words = nn.Embedding(50, dim)
+        self.query, self.out = nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.key, self.value = (nn.Linear(dim, kv_heads * self.head_dim) for _ in range(2))
+        self.head = nn.Linear(dim, 2)
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, self.head_dim, 2) / self.head_dim))
+
+    def split(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, _ = x.shape
+        return x.view(batch, length, -1, self.head_dim).transpose(1, 2)
+
+    def grouped(self, x: torch.Tensor) -> torch.Tensor:
+        groups = self.heads // self.kv_heads
+        if self.grouping == "repeat_interleave":
+            return x.repeat_interleave(groups, dim=1)
+        batch, heads, length, size = x.shape
+        return x[:, :, None, :, :].expand(batch, heads, groups, length, size).reshape(batch, -1, length, size)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.words(tokens)
+        positions = torch.arange(tokens.shape[1])
+        angles = positions[:, None].float() * self.inv_freq
+        cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+        q, k, v = self.split(self.query(x)), self.split(self.key(x)), self.split(self.value(x))
+        if self.grouping == "rotary_on_some_heads":
+            rotated = q[:, : self.heads // 2]
+            q = torch.cat((rotated * cos + rotate_half(rotated) * sin, q[:, self.heads // 2 :]), dim=1)
+        else:
+            q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        mask = (positions[None, :] <= positions[:, None]) & (tokens != 0)[:, None, None, :]
+        if self.grouping == "enable_gqa":
+            context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        else:
+            context = F.scaled_dot_product_attention(q, self.grouped(k), self.grouped(v), attn_mask=mask)
+        return self.head(self.out(context.transpose(1, 2).flatten(2)).mean(1))
+
+
+def check_attention_folds_and_equals_predict(model: nn.Module, folds: bool) -> None:
+    """Packed, the attention runs folded (nothing of it on the member-stacked batch) or not, as ``folds`` says;
+    other batches and paddings, and a member alone, equal predict."""
+    packed = mt.pack(model, zoo.tokens(4), program="packed")
+    attention = [row for row in packed.fallbacks if row.startswith("scaled_dot_product_attention ")]
+    assert (packed.macs["fallback"] == 0) is folds and (attention == []) is folds, packed.fallbacks
+    assert packed.macs["packed"] < packed.macs["dense"]
+    check_equal_to_predict(model, packed)
+    member = mt.extract_member(model, 1, zoo.tokens(4))
+    x = zoo.tokens(5, seed=5)
+    assert relative_error(member(x), mt.predict(model, x, N)[1]) <= 1e-5
+
+
+@pytest.mark.parametrize("grouping", ["repeat_kv", "repeat_interleave", "enable_gqa"])
+def test_rotary_grouped_query_attention_folds_into_the_heads(grouping: str) -> None:
+    """The cos/sin (L, d) broadcast over every member's heads; ``rotate_half``'s slices and concatenation of the head
+    dimension, the keys' heads repeated for their query heads (within each member's block) and SDPA's
+    ``enable_gqa`` (query head i*Hq + h reads key head i*Hkv + h // (Hq / Hkv)) keep the members apart: the attention
+    folds (before, it ran at full width on the member-stacked batch)."""
+    torch.manual_seed(0)
+    model = mt.insert(RotaryAttention(grouping), N, 2.0, seed=0).eval()
+    check_attention_folds_and_equals_predict(model, folds=True)
+
+
+def test_rotary_on_a_slice_of_the_heads_does_not_fold() -> None:
+    """``q[:, :2]`` takes the first two of a member's four heads; folded, it would take member 0's heads only: the
+    region stays on the member-stacked batch, and equals predict."""
+    torch.manual_seed(0)
+    model = mt.insert(RotaryAttention("rotary_on_some_heads"), N, 2.0, seed=0).eval()
+    check_attention_folds_and_equals_predict(model, folds=False)
+
+
+class BiasedAttention(nn.Module):
+    """T5's and BEiT's relative position bias: a table of one bias per head and bucket (an ``nn.Embedding``), read
+    at each (query, key) pair's clipped relative distance and moved to (1, heads, L, L), plus the padding mask, given
+    to SDPA as its additive mask (``"sdpa"``) or added to the scores written out (``"eager"``: fused into one SDPA
+    call). ``"per_sample"``: the bias also scaled by each sample's position in the batch (``arange(B)``), which
+    differs between the member-stacked batch and the batch, so it must not be shared by the members' heads."""
+
+    def __init__(self, variant: str = "sdpa", dim: int = 16, heads: int = 2, length: int = 8) -> None:
+        super().__init__()
+        self.variant, self.heads, self.scaling = variant, heads, (dim // heads) ** -0.5
+        self.words = nn.Embedding(50, dim)
+        self.query, self.key, self.value, self.out = (nn.Linear(dim, dim) for _ in range(4))
+        self.head = nn.Linear(dim, 2)
+        self.table = nn.Embedding(9, heads)
+        positions = torch.arange(length)
+        self.register_buffer("buckets", (positions[None, :] - positions[:, None]).clamp(-4, 4) + 4)
+
+    def split(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, dim = x.shape
+        return x.view(batch, length, self.heads, dim // self.heads).transpose(1, 2)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.words(tokens)
+        q, k, v = self.split(self.query(x)), self.split(self.key(x)), self.split(self.value(x))
+        bias = self.table(self.buckets).permute(2, 0, 1)[None] + (tokens == 0)[:, None, None, :].float() * -1e4
+        if self.variant == "per_sample":
+            bias = bias * (1 + torch.arange(tokens.shape[0]) % 2)[:, None, None, None]
+        if self.variant == "eager":
+            weights = (torch.matmul(q, k.transpose(-1, -2)) * self.scaling + bias).softmax(-1)
+            context = torch.matmul(weights, v)
+        else:
+            context = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=self.scaling)
+        return self.head(self.out(context.transpose(1, 2).flatten(2)).mean(1))
+
+
+@pytest.mark.parametrize("variant", ["sdpa", "eager"])
+def test_a_per_head_position_bias_is_repeated_for_every_members_heads(variant: str) -> None:
+    """The (B, heads, L, L) bias, the same for every member (computed from the tokens and the table alone), is
+    repeated once per member along the heads, members outermost as the fold lays them: the attention folds."""
+    torch.manual_seed(0)
+    model = mt.insert(BiasedAttention(variant), N, 2.0, seed=0).eval()
+    check_attention_folds_and_equals_predict(model, folds=True)
+    assert ".repeat([1, 4, 1, 1])" in str(mt.pack(model, zoo.tokens(4), program="packed").code)
+
+
+def test_a_per_head_bias_that_differs_between_the_members_does_not_fold() -> None:
+    """A bias that reads each sample's place in the batch runs per member on the member-stacked batch: no one bias
+    serves every member's heads, so the attention runs there too, and equals predict."""
+    torch.manual_seed(0)
+    model = mt.insert(BiasedAttention("per_sample"), N, 2.0, seed=0).eval()
+    check_attention_folds_and_equals_predict(model, folds=False)
+
+
+class WhereMaskedAttention(nn.Module):
+    """GPT-Neo's attention: q/k/v Linear layers, scores written out, ``torch.where(causal, scores, min)`` with a
+    (1, 1, L, L) boolean buffer, then the padding mask, softmax and the product with v.
+    ``"per_sample"``: the condition also reads each sample's place in the batch (``arange(B)``), so it differs
+    between the member-stacked batch and the batch and must not be shared by the members' heads."""
+
+    def __init__(self, variant: str = "causal", dim: int = 16, heads: int = 2, length: int = 8) -> None:
+        super().__init__()
+        self.variant, self.heads = variant, heads
+        self.words = nn.Embedding(50, dim)
+        self.query, self.key, self.value, self.out = (nn.Linear(dim, dim) for _ in range(4))
+        self.head = nn.Linear(dim, 2)
+        self.register_buffer("causal", torch.ones(length, length, dtype=torch.bool).tril()[None, None])
+
+    def split(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, dim = x.shape
+        return x.view(batch, length, self.heads, dim // self.heads).transpose(1, 2)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.words(tokens)
+        q, k, v = self.split(self.query(x)), self.split(self.key(x)), self.split(self.value(x))
+        scores = torch.matmul(q, k.transpose(-1, -2))
+        keep = self.causal
+        if self.variant == "per_sample":
+            keep = keep | (torch.arange(tokens.shape[0]) % 2 == 0)[:, None, None, None]
+        scores = torch.where(keep, scores, torch.finfo(torch.float32).min)
+        weights = (scores + (tokens == 0)[:, None, None, :].float() * -1e4).softmax(-1)
+        return self.head(self.out(torch.matmul(weights, v).transpose(1, 2).flatten(2)).mean(1))
+
+
+@pytest.mark.parametrize(("variant", "folds"), [("causal", True), ("per_sample", False)])
+def test_a_where_with_a_mask_shared_by_the_members_folds(variant: str, folds: bool) -> None:
+    """``torch.where`` takes each element from its own place: with a condition (and fill value) 1 on the heads and
+    the same for every member, it folds like an additive mask (before, it ran at full width on the member-stacked
+    batch); a condition that differs between the members keeps the attention there. Both equal predict."""
+    torch.manual_seed(0)
+    model = mt.insert(WhereMaskedAttention(variant), N, 2.0, seed=0).eval()
+    packed = mt.pack(model, zoo.tokens(4), program="packed")
+    assert (packed.macs["fallback"] == 0) is folds, packed.fallbacks
+    assert any(row.startswith("where ") for row in packed.fallbacks) is not folds
+    check_equal_to_predict(model, packed)
+    member = mt.extract_member(model, 1, zoo.tokens(4))
+    x = zoo.tokens(5, seed=5)
+    assert relative_error(member(x), mt.predict(model, x, N)[1]) <= 1e-5

@@ -2,10 +2,11 @@
 config (nothing downloaded), called as it is called (keyword tensors, padding in ``attention_mask``, a batch of 6
 that n does not divide): ``insert`` and ``convert_dropout``, then ``predict`` with the output structure kept, and
 ``pack`` and ``extract_member`` equal to it; a training step on the converted model. ``FOLDED`` lists the models
-whose multiply-adds all run packed (attention folded into the heads; OPT's feed-forward on its tokens folded into
-the batch, (B*L, C) rows); the others keep their attention at full width on the member-stacked batch, exactly (rotary
-embeddings, a per-head position bias, DeBERTa's disentangled attention, GPT-Neo's ``torch.where`` causal mask), and
-Swin its output projection on the windows after it."""
+whose multiply-adds all run packed (attention folded into the heads, rotary embeddings, grouped-query attention,
+T5's and BEiT's per-head position bias and GPT-Neo's ``torch.where`` causal mask included; OPT's feed-forward on its
+tokens folded into the batch, (B*L, C) rows); the others keep their attention at full width on the member-stacked
+batch, exactly (MPNet's position bias, added in place, DeBERTa's disentangled attention), and Swin its window
+attention and the output projection after it."""
 
 from __future__ import annotations
 
@@ -104,8 +105,9 @@ ARCHITECTURES: dict[str, tuple[str, str, str, str, dict[str, Any]]] = {
                 "image_size": 16, "patch_size": 4, "hidden_dropout_prob": 0.1}),
     "whisper": ("audio", "classes", "WhisperForAudioClassification", "WhisperConfig", WHISPER),
 }  # fmt: skip
-FOLDED = {"roberta", "albert", "electra", "xlm-roberta", "bart", "opt", "deit", "convnext", "resnet", "clip-vision",
-          "dinov2", "whisper"}  # fmt: skip
+FOLDED = {"roberta", "albert", "electra", "xlm-roberta", "bart", "t5-encoder", "gpt-neo", "opt", "llama", "mistral",
+          "qwen2", "gemma", "phi", "deit", "beit", "convnext", "resnet", "clip-vision", "dinov2",
+          "whisper"}  # fmt: skip
 # a dropout module on the hidden states (OPT's, Whisper's and BART's others are F.dropout calls, which a model read
 # with torch.export keeps; Llama, Mistral, Qwen2, Gemma, CLIP, ResNet, ConvNeXt have none)
 DROPOUTS = ["roberta", "albert", "electra", "deberta-v2", "xlm-roberta", "mpnet", "bart", "t5-encoder", "gpt-neo",
@@ -244,3 +246,18 @@ def test_swin_windows_compact_around_their_attention() -> None:
     assert not [reason for reason in packed.fallbacks if any(p in reason for p in ("q_proj", "k_proj", "v_proj"))]
     assert packed.macs["fallback"] / packed.macs["packed"] < 0.25, packed.macs
     assert_same_output(packed(**batch), mt.predict(model, batch))
+
+
+def test_the_packed_llama_exports_with_a_dynamic_batch() -> None:
+    """The folded rotary and grouped-query attention read no batch size: the packed program exports with a dynamic
+    batch and gives the packed values at other batch sizes."""
+    batch = inputs("llama")
+    model = mt.insert(build("llama"), N, 2.0, seed=0, example_input=batch)
+    packed = mt.pack(model, batch, program="packed")
+    assert packed.macs["fallback"] == 0
+    dynamic = {key: {0: torch.export.Dim("batch", min=1)} if isinstance(value, torch.Tensor) else None
+               for key, value in batch.items()}  # fmt: skip
+    exported = torch.export.export(packed, (), batch, dynamic_shapes=dynamic, strict=False).module()
+    assert_same_output(exported(**batch), packed(**batch))
+    other = fewer(inputs("llama", seed=1), 3)
+    assert_same_output(exported(**other), mt.predict(model, other))
