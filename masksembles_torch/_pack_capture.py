@@ -330,9 +330,10 @@ class _Seen:
         return -1
 
     @property
-    def rows_axis(self) -> int:
-        """The one axis that follows the batch (its rows: the batch, or (B*L, C) where tokens fold into it; the core's
-        ``Probed.rows_per_sample`` says which are whole samples), else -1."""
+    def sole_batch_axis(self) -> int:
+        """The one axis that follows the batch (its rows: the batch, or (B*L, C) where tokens fold into it; unlike the
+        core's ``Probed.rows_axis``, whether they hold whole samples is not asked: ``Probed.rows_per_sample``), else
+        -1."""
         axes = self.batch_axes
         return axes[0] if len(axes) == 1 else -1
 

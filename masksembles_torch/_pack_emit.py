@@ -187,12 +187,12 @@ class _Emitter:
                 return self.graph.call_function(ops.tile_parts, (value, self.m, axes))
             if not seen.tensor or not seen.batch_axes:
                 return value  # the same for every member
-            return self.graph.call_function(ops.tile, (value, self.m, seen.rows_axis))
+            return self.graph.call_function(ops.tile, (value, self.m, seen.sole_batch_axis))
         axis = self.axis[source] if source in self.axis else self._input_axis()
         if move.kind in ("to_batch", "to_channels"):
             function = ops.to_batch if move.kind == "to_batch" else ops.to_channels
-            frame = self.graph.call_function(function, (value, self.m, seen.rows_axis, axis))
-            if seen.rows_axis == 0 and axis == seen.rank - 1:  # batch first, channels last: see _member_major
+            frame = self.graph.call_function(function, (value, self.m, seen.sole_batch_axis, axis))
+            if seen.sole_batch_axis == 0 and axis == seen.rank - 1:  # batch first, channels last: see _member_major
                 self.last_axis_frames[frame] = seen.shapes[0][axis]
             return frame
         assert move.index is not None and move.scale is not None

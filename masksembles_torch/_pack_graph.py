@@ -55,7 +55,7 @@ class _Graph:
         source = op.tensors[0]
         seen = self.capture.seen[source]
         shape = list(seen.shapes[0])
-        shape[seen.rows_axis] = self.probed(source).rows_per_sample or 1
+        shape[seen.sole_batch_axis] = self.probed(source).rows_per_sample or 1
         zero = np.ones(self.capture.seen[op.node].shapes[0][op.axis], dtype=bool)
         for sign in (0.0, -0.0):
             value = torch.full(shape, sign, dtype=seen.dtype, device=self.capture.device)
