@@ -42,7 +42,18 @@ from masksembles_core.insertion import (
 
 from ._inference import _no_autograd
 from ._layers import Masksembles, Masksembles1D, Masksembles2D, Masksembles3D
-from ._rewire import Locator, Rewired, apply_change, held_layers, holder_of, mark_rewired, record, replace, resolve
+from ._rewire import (
+    Locator,
+    Rewired,
+    Step,
+    apply_change,
+    held_layers,
+    holder_of,
+    mark_rewired,
+    record,
+    replace,
+    resolve,
+)
 
 Shape = tuple[int | None, ...]
 Predicate = Callable[[str, Any], bool]
@@ -74,7 +85,8 @@ class _Site:
     Attributes:
         path: its path (module docstring).
         op: the layer or raw operation (``x + 1``, ``x[:, 0]``, a ``keras.ops`` call).
-        locator: the steps from the model to it (``_rewire.resolve``).
+        locator: the steps from the model to it (``_rewire.resolve``; a graph's layers by name: ``_in_copy`` gives
+            the steps to its copy).
         inputs: per call, the shape of the one tensor it reads (None: it reads several tensors); a graph's calls
             come from its nodes, a held layer's from running the model once (``_trace``).
         holder: for a layer a custom layer holds, that layer's site (a layer also called in the graph is still held).
@@ -556,28 +568,71 @@ def _first_layers(model: Any, sites: Sequence[_Site], calls: Sequence[_Call], st
     return [site.path for site in sites if id(site.op) in found]
 
 
-def _retie(result: Any, sites: Sequence[_Site]) -> None:
+def _position(layers: Sequence[Any], layer: Any) -> int:
+    return next(index for index, item in enumerate(layers) if item is layer)
+
+
+def _in_copy(locator: Locator, model: Any, result: Any, clones: Mapping[int, Any]) -> Locator:
+    """``locator`` (steps in ``model``) as the steps to the same layer's copy in ``result``, a graph's layers by their
+    index in its ``layers`` (``_rewire``: a copy through a config, or a model loaded from the copy's config, may name
+    them anew). A rebuilt graph's copy of a layer is in ``clones`` (masks layers inserted: another index); a graph
+    copied through its config has the same layers in the same order."""
+    steps: list[Step] = []
+    original, copy = model, result
+    for step in locator:
+        child = resolve(original, (step,))
+        if step[0] == "layer":
+            copied = clones.get(id(child))
+            if copied is None:
+                copied = copy.layers[_position(original.layers, child)]
+            step = ("layer", _position(copy.layers, copied))
+        else:
+            copied = resolve(copy, (step,))
+        steps.append(step)
+        original, copy = child, copied
+    return tuple(steps)
+
+
+def _retie(result: Any, sites: Sequence[_Site], in_copy: Callable[[Locator], Locator]) -> None:
     """Give back to the copy the layers the model shares between places (a layer two custom layers hold, a tied
     projection): copied through each holder's config, they came out as separate layers."""
     for site in sites:
         if not site.aliases:
             continue
-        shared = resolve(result, site.locator)
-        for alias in site.aliases:
+        shared = resolve(result, in_copy(site.locator))
+        for alias in map(in_copy, site.aliases):
             copy = resolve(result, alias)
             if copy is not shared:
                 replace(holder_of(result, alias), copy, shared)
 
 
-def _build(model: Any, sites: Sequence[_Site], edits: Mapping[int, _Edit], changes: list[dict[str, Any]]) -> Any:
+@dataclass(frozen=True)
+class _Change:
+    """Masks for a layer ``_rewire`` changes in place in the copy: wrapped with it (``wrap``, insert) or in its place
+    (convert_dropout)."""
+
+    site: _Site
+    masks: Masksembles
+    wrap: bool
+
+
+def _build(model: Any, sites: Sequence[_Site], edits: Mapping[int, _Edit], changes: Sequence[_Change]) -> Any:
     """The new model: graphs rebuilt with ``edits``, shared layers tied again, then ``changes`` made in place (a
     model with changes saves them: ``_rewire.Rewired``)."""
-    result = _Rebuilder(edits)(model)
-    _retie(result, sites)
-    for change in changes:
+    rebuilder = _Rebuilder(edits)
+    result = rebuilder(model)
+
+    def in_copy(locator: Locator) -> Locator:
+        return _in_copy(locator, model, result, rebuilder.clones)
+
+    _retie(result, sites, in_copy)
+    recorded = [
+        record(in_copy(change.site.locator), change.masks, _input_shape(change.site), change.wrap) for change in changes
+    ]
+    for change in recorded:
         apply_change(result, change)
-    if changes:
-        mark_rewired(result, [*getattr(result, "masksembles_changes", []), *changes])
+    if recorded:
+        mark_rewired(result, [*getattr(result, "masksembles_changes", []), *recorded])
     return result
 
 
@@ -707,13 +762,13 @@ def insert(
     by_path = {site.path: site for site in sites}
     taken = {site.op.name for site in sites}
     edits: dict[int, _Edit] = {}
-    changes: list[dict[str, Any]] = []
+    changes: list[_Change] = []
     for row in report.changed:
         site = by_path[row.path]
         name = _unique_name(f"{site.op.name}_masksembles", taken)
         masks = _masks_layer(site, n, scale, row.seed, _channel_axis(site.op), name)
         if site.replaced:  # in a custom layer or a graph its class builds: wrapped in place
-            changes.append(record(site.locator, masks, _input_shape(site), wrap=True))
+            changes.append(_Change(site, masks, wrap=True))
         else:
             edits[id(site.op)] = _Edit(masks, keep=True)
     result = _build(model, sites, edits, changes)
@@ -794,13 +849,13 @@ def convert_dropout(
         converts="Dropout/SpatialDropout1D/SpatialDropout2D/SpatialDropout3D layers",
     )
     edits: dict[int, _Edit] = {}
-    changes: list[dict[str, Any]] = []
+    changes: list[_Change] = []
     for site, row in zip(dropouts, report.rows, strict=True):
         if row.action == CONVERTED:
             assert row.channel_axis is not None
             masks = _masks_layer(site, n, scale, row.seed, row.channel_axis, site.op.name)
             if site.replaced:  # in a custom layer or a graph its class builds: replaced in place
-                changes.append(record(site.locator, masks, _input_shape(site), wrap=False))
+                changes.append(_Change(site, masks, wrap=False))
             else:
                 edits[id(site.op)] = _Edit(masks, keep=False)
     result = _build(model, sites, edits, changes)

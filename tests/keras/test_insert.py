@@ -411,6 +411,39 @@ def test_layers_inside_custom_layers_get_masks_and_the_custom_layer_is_copied() 
     )
 
 
+@keras.saving.register_keras_serializable(package="masksembles_tests")
+class NamelessBlock(Block):  # type: ignore[misc]
+    """A ``Block`` whose config leaves out its name: its copy, and the layer a saved model loads, get a name Keras
+    makes up."""
+
+    def build(self, input_shape: tuple[int | None, ...]) -> None:
+        self.dense.build(input_shape)
+
+    def get_config(self) -> dict[str, Any]:
+        return {}
+
+
+def test_a_custom_layer_whose_config_drops_its_name_gets_masks_inside_and_round_trips(tmp_path: Path) -> None:
+    inputs = keras.Input((4,))
+    x = NamelessBlock(name="custom")(keras.layers.Dense(5, name="stem")(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(2, name="head")(x))
+    result = mk.insert(model, 2, 2.0, seed=0)
+    assert [(row.path, row.action) for row in result.masksembles_report.rows] == [
+        ("stem", LEFT),
+        ("custom/block_dense", INSERTED),
+        ("head", INSERTED),
+    ]
+    (custom,) = [layer for layer in result.layers if isinstance(layer, NamelessBlock)]
+    assert custom.name != "custom" and isinstance(custom.dense, mk.Masked)
+    x = data(model)
+    members = mk.predict(result, x)
+    result.save(tmp_path / "model.keras")
+    loaded = keras.saving.load_model(tmp_path / "model.keras")
+    (custom,) = [layer for layer in loaded.layers if isinstance(layer, NamelessBlock)]
+    assert isinstance(custom.dense, mk.Masked)
+    np.testing.assert_array_equal(mk.predict(loaded, x), members)
+
+
 def test_insert_errors() -> None:
     class Subclassed(keras.Model):  # type: ignore[misc]
         def __init__(self) -> None:

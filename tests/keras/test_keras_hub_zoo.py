@@ -6,8 +6,8 @@ Collected when the ``keras_hub`` backend is requested (as tests/keras/test_trans
 default (a causal LM with a tied embedding, an image task with a ``Sequential`` head, a backbone with two outputs);
 the others are marked ``slow`` (``-m slow``). Not here: ``insert`` on ``GemmaBackbone`` (every projection is an
 ``EinsumDense``, which the default ``before`` leaves out: a ``ValueError`` with the report), ``convert_dropout`` on
-``MobileNetImageClassifier`` (it has no dropout), ``insert`` on ``VGGImageClassifier`` (``VGGBackbone.get_config``
-drops the backbone's name, so the copy's backbone has another name than the layers ``insert`` changes in it).
+``MobileNetImageClassifier`` (it has no dropout). ``VGGBackbone.get_config`` leaves out the backbone's name, so the
+copy ``insert`` makes (and the model loaded from its file) holds a backbone Keras names anew.
 """
 
 from __future__ import annotations
@@ -223,7 +223,7 @@ MODELS: dict[str, Callable[[], tuple[keras.Model, Any]]] = {
         deit, efficientnet, mobilenet, vgg, densenet, xception, swin, sequential_resnet, functional_distil_bert,
     )
 }  # fmt: skip
-SKIPPED = {("gemma", "insert"), ("mobilenet", "convert_dropout"), ("vgg", "insert")}  # module docstring
+SKIPPED = {("gemma", "insert"), ("mobilenet", "convert_dropout")}  # module docstring
 DEFAULT = {("gpt2", "insert"), ("vgg", "convert_dropout"), ("electra", "convert_dropout")}
 # Keras' warnings about keras-hub's Swin when it is built (and copied through its config): its stages have no
 # build(), its blocks pass a masked tensor to its window attention
