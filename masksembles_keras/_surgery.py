@@ -58,7 +58,14 @@ from ._rewire import (
 Shape = tuple[int | None, ...]
 Predicate = Callable[[str, Any], bool]
 
-DEFAULT_BEFORE = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D, keras.layers.Dense)
+# the convolutions and fully connected layers: an EinsumDense is one when its equation says so (_contraction_reason)
+DEFAULT_BEFORE = (
+    keras.layers.Conv1D,
+    keras.layers.Conv2D,
+    keras.layers.Conv3D,
+    keras.layers.Dense,
+    keras.layers.EinsumDense,
+)
 INPUT_LAYERS = (  # the kinds of layer that read a network's raw input: those that do are its first layers
     *DEFAULT_BEFORE,
     keras.layers.Conv1DTranspose,
@@ -68,7 +75,6 @@ INPUT_LAYERS = (  # the kinds of layer that read a network's raw input: those th
     keras.layers.DepthwiseConv2D,
     keras.layers.SeparableConv1D,
     keras.layers.SeparableConv2D,
-    keras.layers.EinsumDense,
     keras.layers.Embedding,
 )
 MIXING = (*INPUT_LAYERS, keras.layers.RNN)  # what mixes the raw input's channels (attention holds EinsumDense layers)
@@ -665,14 +671,36 @@ def _selector(before: object) -> Predicate:
     )
 
 
+def _contraction_reason(equation: str) -> str:
+    """Why an ``EinsumDense`` with this equation is not a fully connected layer over its input's last axis, "" when
+    it is one: it contracts (sums over) exactly one axis of its input, the last, and every other input axis goes on to
+    its output (the batch, the tokens), as a ``Dense`` on (B, L, C) does. That axis is then the channel axis of the
+    masks. Read from the equation (Keras' forms ``"abc,cd->abd"``, ``"...c,cd->...d"``, ``"ab...,bc->ac..."``), never
+    from the layer's name: keras-hub's MLP layers (``"btd,df->btf"``) and attention's query, key and value projections
+    (``"btd,ndh->btnh"``) are fully connected layers over the hidden size; an attention output projection
+    (``"btnh,nhd->btd"``: heads and head size contracted together) is not, and one mask axis cannot cover its input.
+    """
+    inputs, output = equation.split(",")[0], equation.split("->")[1]
+    contracted = [label for label in inputs.replace("...", "") if label not in output]
+    if len(contracted) != 1:
+        axes = f"{len(contracted)} axes of its input ({', '.join(contracted)})" if contracted else "no axis"
+        return f"einsum {equation!r} contracts {axes}, not one channel axis"
+    if not inputs.endswith(contracted[0]):
+        return f"einsum {equation!r} contracts axis {contracted[0]!r}, not the last axis of its input (the channels)"
+    return ""
+
+
 def _candidate(site: _Site, default: bool, traced: str) -> Candidate:
     """The insertion candidate of a matching layer, with the reason it must be left alone, if any.
 
     With the default ``before``, a convolution with one group per input channel (``Conv2D(groups=C)``, depthwise)
-    is left alone; a user who names depthwise layers in ``before`` gets masks there.
+    is left alone; a user who names depthwise layers in ``before`` gets masks there. An ``EinsumDense`` that is not a
+    fully connected layer over its input's last axis (``_contraction_reason``) is left alone whatever ``before`` is.
     """
     axis = _channel_axis(site.op)
     channels, reason = _channels(site, axis, traced)
+    if isinstance(site.op, keras.layers.EinsumDense):
+        reason = _contraction_reason(site.op.equation) or reason
     if not reason and default and 1 < getattr(site.op, "groups", 1) == channels:
         reason = DEPTHWISE
     return Candidate(site.path, type(site.op).__name__, channels, axis, reason)
@@ -691,9 +719,18 @@ def insert(
     """A copy of ``model`` with a Masksembles layer on the input of every matching layer (the paper's recipe).
 
     The paper puts Masksembles before every convolutional and dense layer (CIFAR-10), or before every convolution
-    from ``stage3`` on (ImageNet ResNet-50). Widths stay as they are and every weight is copied, so ``scale=1``
-    (all-ones masks) reproduces the model exactly. Sequential and functional models work, with nested models and
-    raw operations (``x * 2.0``, ``x[:, 0]``, ``keras.ops`` calls); a subclassed model is a TypeError.
+    from ``stage3`` on (ImageNet ResNet-50); PyTorch's ``insert`` before every ``nn.Linear``, on a ``transformers``
+    decoder (Llama) its attention's query, key, value and output projections and its MLP. Here an ``EinsumDense`` is
+    a dense layer when its equation contracts its input's last axis alone, every other axis going on to its output
+    (``_contraction_reason``), with the masks on that axis: keras-hub's decoders (Gemma, whose MLP is EinsumDense
+    too, Llama, Mistral, Qwen, Phi-3) and ``MultiHeadAttention`` get masks before the query, key and value
+    projections and the MLP. Their attention output projection (``"btnh,nhd->btd"``) contracts the heads and the
+    head size together, which a mask on one axis cannot cover: it is left alone with that reason, whatever ``before``
+    says (PyTorch masks ``o_proj``, a Linear on the heads' outputs laid side by side).
+
+    Widths stay as they are and every weight is copied, so ``scale=1`` (all-ones masks) reproduces the model exactly.
+    Sequential and functional models work, with nested models and raw operations (``x * 2.0``, ``x[:, 0]``,
+    ``keras.ops`` calls); a subclassed model is a TypeError.
 
     The masks layer before layer ``"conv"`` is named ``"conv_masksembles"``; its class follows the input's rank
     (``Masksembles1D`` for (B, C) and (B, L, C), ``Masksembles2D`` for (B, H, W, C), ``Masksembles3D``), its
@@ -709,18 +746,19 @@ def insert(
     input multiplied into an attention output) does not read the raw input. Layers before ``start`` in
     ``model.layers`` order (a nested model's layers follow it) are skipped; the ``i``-th layer given masks gets
     ``derive_seed(seed, i)``. Left alone, with the reason in the report: depthwise convolutions
-    (``Conv2D(groups=C)``) when ``before`` is the default, layers with a single input channel, layers reading several
-    tensors or inputs of different channel counts, layers held twice, and layers inside custom layers the model
-    never calls. A layer a custom layer holds (keras-hub's ``TransformerEncoder`` holds its feedforward ``Dense``
-    layers) is replaced there by ``Masked(masks, layer)``; so is a layer of a functional model whose class builds its
-    own graph (keras-hub's backbones and tasks), copied through its config so that it keeps its class (docs/keras.md,
-    "What the surgery can and cannot reach").
+    (``Conv2D(groups=C)``) when ``before`` is the default, an EinsumDense that contracts several axes of its input or
+    another than the last, layers with a single input channel, layers reading several tensors or inputs of different
+    channel counts, layers held twice, and layers inside custom layers the model never calls. A layer a custom layer
+    holds (keras-hub's ``TransformerEncoder`` holds its feedforward ``Dense`` layers) is replaced there by
+    ``Masked(masks, layer)``; so is a layer of a functional model whose class builds its own graph (keras-hub's
+    backbones and tasks), copied through its config so that it keeps its class (docs/keras.md, "What the surgery can
+    and cannot reach").
 
     Args:
         model: a built Sequential or functional model (left unchanged).
         n, scale, seed: as for ``Masksembles``; ``seed`` makes every layer's masks reproducible.
-        before: a layer type, a tuple or list of them (default Conv1D/2D/3D and Dense, subclasses included; not
-            DepthwiseConv2D, SeparableConv2D or transposed convolutions), or a predicate
+        before: a layer type, a tuple or list of them (default Conv1D/2D/3D, Dense and EinsumDense, subclasses
+            included; not DepthwiseConv2D, SeparableConv2D or transposed convolutions), or a predicate
             ``(path, layer) -> bool`` on every layer (paths as in the module docstring: ``"block3/conv"``).
         start: the path of the layer insertion starts from, e.g. ``"conv4_block1_1_conv"``: ResNet50's third
             residual stage (torchvision's ``layer3``), whose shortcut ``conv4_block1_0_conv`` comes later in

@@ -30,6 +30,7 @@ ATTENTION = (
     "weights, not channels"
 )
 FIRST = re.escape("the network's first layer: it reads the raw input (include_first=True masks it)")
+OUTPUT_PROJECTION = re.escape("einsum 'abcd,cde->abe' contracts 2 axes of its input (c, d), not one channel axis")
 HUB = "keras_hub" in requested_backends()
 
 
@@ -75,15 +76,16 @@ if HUB:
 
 
 # (model, operation) -> (layers looked at, layers given masks): BERT-like, 8 dropouts of which 2 attention-weight;
-# ViT, its MLP's dropout (used twice) and 2 attention-weight dropouts left; insert: every Dense (ViT: not the patch
-# projection, a Conv2D that reads the image)
+# ViT, its MLP's dropout (used twice) and 2 attention-weight dropouts left; insert: every Dense and the attention's
+# query, key and value EinsumDense, not its output projection (ViT: nor the patch projection, a Conv2D that reads the
+# image)
 COUNTS = {
     ("replica", "convert_dropout"): (8, 6),
-    ("replica", "insert"): (6, 6),
+    ("replica", "insert"): (14, 12),
     ("bert", "convert_dropout"): (8, 6),
-    ("bert", "insert"): (6, 6),
+    ("bert", "insert"): (14, 12),
     ("vit", "convert_dropout"): (8, 4),
-    ("vit", "insert"): (6, 5),
+    ("vit", "insert"): (14, 11),
 }
 
 
@@ -96,7 +98,9 @@ def surgery(model: keras.Model, operation: str, scale: float = 2.0) -> keras.Mod
 def expected_row(name: str, path: str, operation: str) -> tuple[str, str]:
     """The action and the reason (a pattern) each layer of the three models gets."""
     if operation == "insert":  # ViT's patch projection, a Conv2D in a custom layer, reads the image
-        return (LEFT, FIRST) if path.endswith("/patch_embedding") else (INSERTED, "")
+        if path.endswith("/patch_embedding"):
+            return LEFT, FIRST
+        return (LEFT, OUTPUT_PROJECTION) if path.endswith("/attention_output") else (INSERTED, "")
     if re.search(r"self_attention_layer/dropout|/mha/dropout", path):  # MultiHeadAttention's own dropout
         return LEFT, ATTENTION
     if name == "vit" and path.endswith("/mlp/dropout"):  # one Dropout called after both MLP Dense layers
