@@ -60,14 +60,19 @@ def _laid_out(vector: np.ndarray, layouts: Sequence[np.ndarray]) -> np.ndarray:
 
 
 def _macs(call: Call, capture: Capture, key: str) -> int:
-    """Multiply-adds per sample of a model's Dense or convolution layer at full width (0 for anything else)."""
+    """Multiply-adds per sample of a model's Dense, EinsumDense or convolution layer at full width (0 for anything
+    else)."""
     layer = call.operation
-    if not isinstance(layer, keras.layers.Dense | keras.layers.Conv1D | keras.layers.Conv2D | keras.layers.Conv3D
-                      | keras.layers.DepthwiseConv1D | keras.layers.DepthwiseConv2D):  # fmt: skip
+    if not isinstance(layer, keras.layers.Dense | keras.layers.EinsumDense | keras.layers.Conv1D | keras.layers.Conv2D
+                      | keras.layers.Conv3D | keras.layers.DepthwiseConv1D | keras.layers.DepthwiseConv2D):  # fmt: skip
         return 0
     out = capture.seen[key].shape
     if isinstance(layer, keras.layers.Dense):
         return math.prod(out[1:]) * int(layer.kernel.shape[0])
+    if isinstance(layer, keras.layers.EinsumDense):  # every output value sums over the kernel's contracted axes
+        kernel_spec, output_spec = layer.equation.split(",")[1].split("->")
+        sizes = zip(kernel_spec, layer.kernel.shape, strict=True)
+        return math.prod(out[1:]) * math.prod(int(size) for label, size in sizes if label not in output_spec)
     kernel: tuple[int, ...] = tuple(layer.kernel.shape)
     # (*window, C_in / groups, C_out), depthwise (*window, C_in, multiplier)
     return (

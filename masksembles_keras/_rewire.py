@@ -14,7 +14,10 @@ A model changed that way no longer equals what its class builds from its config,
 (``rewired_class``: same name, same methods) whose config holds the class's own config and the list of changes;
 ``keras.saving.load_model`` builds the class from its config and makes the same changes again before loading the
 weights, so masks and weights come back. Each change is a ``Locator``, the path of steps from the model to the
-replaced layer (a graph layer's name, an attribute, an item of a list or dict).
+replaced layer (a graph layer's index in its model's ``layers``, an attribute, an item of a list or dict). A graph
+layer is found by its place, not its name: a model built from its class's config has the same layers in the same order,
+but not always their names (keras-hub's ``VGGBackbone.get_config`` leaves its name out, and Keras names a layer built
+without one anew: ``vgg_backbone_1`` next to ``vgg_backbone``).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import keras
 
 from ._layers import SERIALIZATION_PACKAGE, Masksembles
 
-Step = tuple[str, Any]  # ("layer", name) in a functional graph, ("attr", name), ("item", index or key)
+Step = tuple[str, Any]  # ("layer", index in layers, or name) in a graph, ("attr", name), ("item", index or key)
 Locator = tuple[Step, ...]
 
 # Keras' own bookkeeping attributes that hold layers: not places where a layer's code keeps its sublayers (and on
@@ -80,7 +83,7 @@ def resolve(root: Any, locator: Sequence[Step]) -> Any:
     current = root
     for kind, key in locator:
         if kind == "layer":
-            current = current.get_layer(key)
+            current = current.get_layer(index=key) if isinstance(key, int) else current.get_layer(key)
         elif kind == "attr":
             current = _attributes(current)[key]
         else:

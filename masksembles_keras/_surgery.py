@@ -42,12 +42,30 @@ from masksembles_core.insertion import (
 
 from ._inference import _no_autograd
 from ._layers import Masksembles, Masksembles1D, Masksembles2D, Masksembles3D
-from ._rewire import Locator, Rewired, apply_change, held_layers, holder_of, mark_rewired, record, replace, resolve
+from ._rewire import (
+    Locator,
+    Rewired,
+    Step,
+    apply_change,
+    held_layers,
+    holder_of,
+    mark_rewired,
+    record,
+    replace,
+    resolve,
+)
 
 Shape = tuple[int | None, ...]
 Predicate = Callable[[str, Any], bool]
 
-DEFAULT_BEFORE = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D, keras.layers.Dense)
+# the convolutions and fully connected layers: an EinsumDense is one when its equation says so (_contraction_reason)
+DEFAULT_BEFORE = (
+    keras.layers.Conv1D,
+    keras.layers.Conv2D,
+    keras.layers.Conv3D,
+    keras.layers.Dense,
+    keras.layers.EinsumDense,
+)
 INPUT_LAYERS = (  # the kinds of layer that read a network's raw input: those that do are its first layers
     *DEFAULT_BEFORE,
     keras.layers.Conv1DTranspose,
@@ -57,7 +75,6 @@ INPUT_LAYERS = (  # the kinds of layer that read a network's raw input: those th
     keras.layers.DepthwiseConv2D,
     keras.layers.SeparableConv1D,
     keras.layers.SeparableConv2D,
-    keras.layers.EinsumDense,
     keras.layers.Embedding,
 )
 MIXING = (*INPUT_LAYERS, keras.layers.RNN)  # what mixes the raw input's channels (attention holds EinsumDense layers)
@@ -74,7 +91,8 @@ class _Site:
     Attributes:
         path: its path (module docstring).
         op: the layer or raw operation (``x + 1``, ``x[:, 0]``, a ``keras.ops`` call).
-        locator: the steps from the model to it (``_rewire.resolve``).
+        locator: the steps from the model to it (``_rewire.resolve``; a graph's layers by name: ``_in_copy`` gives
+            the steps to its copy).
         inputs: per call, the shape of the one tensor it reads (None: it reads several tensors); a graph's calls
             come from its nodes, a held layer's from running the model once (``_trace``).
         holder: for a layer a custom layer holds, that layer's site (a layer also called in the graph is still held).
@@ -556,28 +574,71 @@ def _first_layers(model: Any, sites: Sequence[_Site], calls: Sequence[_Call], st
     return [site.path for site in sites if id(site.op) in found]
 
 
-def _retie(result: Any, sites: Sequence[_Site]) -> None:
+def _position(layers: Sequence[Any], layer: Any) -> int:
+    return next(index for index, item in enumerate(layers) if item is layer)
+
+
+def _in_copy(locator: Locator, model: Any, result: Any, clones: Mapping[int, Any]) -> Locator:
+    """``locator`` (steps in ``model``) as the steps to the same layer's copy in ``result``, a graph's layers by their
+    index in its ``layers`` (``_rewire``: a copy through a config, or a model loaded from the copy's config, may name
+    them anew). A rebuilt graph's copy of a layer is in ``clones`` (masks layers inserted: another index); a graph
+    copied through its config has the same layers in the same order."""
+    steps: list[Step] = []
+    original, copy = model, result
+    for step in locator:
+        child = resolve(original, (step,))
+        if step[0] == "layer":
+            copied = clones.get(id(child))
+            if copied is None:
+                copied = copy.layers[_position(original.layers, child)]
+            step = ("layer", _position(copy.layers, copied))
+        else:
+            copied = resolve(copy, (step,))
+        steps.append(step)
+        original, copy = child, copied
+    return tuple(steps)
+
+
+def _retie(result: Any, sites: Sequence[_Site], in_copy: Callable[[Locator], Locator]) -> None:
     """Give back to the copy the layers the model shares between places (a layer two custom layers hold, a tied
     projection): copied through each holder's config, they came out as separate layers."""
     for site in sites:
         if not site.aliases:
             continue
-        shared = resolve(result, site.locator)
-        for alias in site.aliases:
+        shared = resolve(result, in_copy(site.locator))
+        for alias in map(in_copy, site.aliases):
             copy = resolve(result, alias)
             if copy is not shared:
                 replace(holder_of(result, alias), copy, shared)
 
 
-def _build(model: Any, sites: Sequence[_Site], edits: Mapping[int, _Edit], changes: list[dict[str, Any]]) -> Any:
+@dataclass(frozen=True)
+class _Change:
+    """Masks for a layer ``_rewire`` changes in place in the copy: wrapped with it (``wrap``, insert) or in its place
+    (convert_dropout)."""
+
+    site: _Site
+    masks: Masksembles
+    wrap: bool
+
+
+def _build(model: Any, sites: Sequence[_Site], edits: Mapping[int, _Edit], changes: Sequence[_Change]) -> Any:
     """The new model: graphs rebuilt with ``edits``, shared layers tied again, then ``changes`` made in place (a
     model with changes saves them: ``_rewire.Rewired``)."""
-    result = _Rebuilder(edits)(model)
-    _retie(result, sites)
-    for change in changes:
+    rebuilder = _Rebuilder(edits)
+    result = rebuilder(model)
+
+    def in_copy(locator: Locator) -> Locator:
+        return _in_copy(locator, model, result, rebuilder.clones)
+
+    _retie(result, sites, in_copy)
+    recorded = [
+        record(in_copy(change.site.locator), change.masks, _input_shape(change.site), change.wrap) for change in changes
+    ]
+    for change in recorded:
         apply_change(result, change)
-    if changes:
-        mark_rewired(result, [*getattr(result, "masksembles_changes", []), *changes])
+    if recorded:
+        mark_rewired(result, [*getattr(result, "masksembles_changes", []), *recorded])
     return result
 
 
@@ -610,14 +671,36 @@ def _selector(before: object) -> Predicate:
     )
 
 
+def _contraction_reason(equation: str) -> str:
+    """Why an ``EinsumDense`` with this equation is not a fully connected layer over its input's last axis, "" when
+    it is one: it contracts (sums over) exactly one axis of its input, the last, and every other input axis goes on to
+    its output (the batch, the tokens), as a ``Dense`` on (B, L, C) does. That axis is then the channel axis of the
+    masks. Read from the equation (Keras' forms ``"abc,cd->abd"``, ``"...c,cd->...d"``, ``"ab...,bc->ac..."``), never
+    from the layer's name: keras-hub's MLP layers (``"btd,df->btf"``) and attention's query, key and value projections
+    (``"btd,ndh->btnh"``) are fully connected layers over the hidden size; an attention output projection
+    (``"btnh,nhd->btd"``: heads and head size contracted together) is not, and one mask axis cannot cover its input.
+    """
+    inputs, output = equation.split(",")[0], equation.split("->")[1]
+    contracted = [label for label in inputs.replace("...", "") if label not in output]
+    if len(contracted) != 1:
+        axes = f"{len(contracted)} axes of its input ({', '.join(contracted)})" if contracted else "no axis"
+        return f"einsum {equation!r} contracts {axes}, not one channel axis"
+    if not inputs.endswith(contracted[0]):
+        return f"einsum {equation!r} contracts axis {contracted[0]!r}, not the last axis of its input (the channels)"
+    return ""
+
+
 def _candidate(site: _Site, default: bool, traced: str) -> Candidate:
     """The insertion candidate of a matching layer, with the reason it must be left alone, if any.
 
     With the default ``before``, a convolution with one group per input channel (``Conv2D(groups=C)``, depthwise)
-    is left alone; a user who names depthwise layers in ``before`` gets masks there.
+    is left alone; a user who names depthwise layers in ``before`` gets masks there. An ``EinsumDense`` that is not a
+    fully connected layer over its input's last axis (``_contraction_reason``) is left alone whatever ``before`` is.
     """
     axis = _channel_axis(site.op)
     channels, reason = _channels(site, axis, traced)
+    if isinstance(site.op, keras.layers.EinsumDense):
+        reason = _contraction_reason(site.op.equation) or reason
     if not reason and default and 1 < getattr(site.op, "groups", 1) == channels:
         reason = DEPTHWISE
     return Candidate(site.path, type(site.op).__name__, channels, axis, reason)
@@ -636,9 +719,18 @@ def insert(
     """A copy of ``model`` with a Masksembles layer on the input of every matching layer (the paper's recipe).
 
     The paper puts Masksembles before every convolutional and dense layer (CIFAR-10), or before every convolution
-    from ``stage3`` on (ImageNet ResNet-50). Widths stay as they are and every weight is copied, so ``scale=1``
-    (all-ones masks) reproduces the model exactly. Sequential and functional models work, with nested models and
-    raw operations (``x * 2.0``, ``x[:, 0]``, ``keras.ops`` calls); a subclassed model is a TypeError.
+    from ``stage3`` on (ImageNet ResNet-50); PyTorch's ``insert`` before every ``nn.Linear``, on a ``transformers``
+    decoder (Llama) its attention's query, key, value and output projections and its MLP. Here an ``EinsumDense`` is
+    a dense layer when its equation contracts its input's last axis alone, every other axis going on to its output
+    (``_contraction_reason``), with the masks on that axis: keras-hub's decoders (Gemma, whose MLP is EinsumDense
+    too, Llama, Mistral, Qwen, Phi-3) and ``MultiHeadAttention`` get masks before the query, key and value
+    projections and the MLP. Their attention output projection (``"btnh,nhd->btd"``) contracts the heads and the
+    head size together, which a mask on one axis cannot cover: it is left alone with that reason, whatever ``before``
+    says (PyTorch masks ``o_proj``, a Linear on the heads' outputs laid side by side).
+
+    Widths stay as they are and every weight is copied, so ``scale=1`` (all-ones masks) reproduces the model exactly.
+    Sequential and functional models work, with nested models and raw operations (``x * 2.0``, ``x[:, 0]``,
+    ``keras.ops`` calls); a subclassed model is a TypeError.
 
     The masks layer before layer ``"conv"`` is named ``"conv_masksembles"``; its class follows the input's rank
     (``Masksembles1D`` for (B, C) and (B, L, C), ``Masksembles2D`` for (B, H, W, C), ``Masksembles3D``), its
@@ -654,18 +746,19 @@ def insert(
     input multiplied into an attention output) does not read the raw input. Layers before ``start`` in
     ``model.layers`` order (a nested model's layers follow it) are skipped; the ``i``-th layer given masks gets
     ``derive_seed(seed, i)``. Left alone, with the reason in the report: depthwise convolutions
-    (``Conv2D(groups=C)``) when ``before`` is the default, layers with a single input channel, layers reading several
-    tensors or inputs of different channel counts, layers held twice, and layers inside custom layers the model
-    never calls. A layer a custom layer holds (keras-hub's ``TransformerEncoder`` holds its feedforward ``Dense``
-    layers) is replaced there by ``Masked(masks, layer)``; so is a layer of a functional model whose class builds its
-    own graph (keras-hub's backbones and tasks), copied through its config so that it keeps its class (docs/keras.md,
-    "What the surgery can and cannot reach").
+    (``Conv2D(groups=C)``) when ``before`` is the default, an EinsumDense that contracts several axes of its input or
+    another than the last, layers with a single input channel, layers reading several tensors or inputs of different
+    channel counts, layers held twice, and layers inside custom layers the model never calls. A layer a custom layer
+    holds (keras-hub's ``TransformerEncoder`` holds its feedforward ``Dense`` layers) is replaced there by
+    ``Masked(masks, layer)``; so is a layer of a functional model whose class builds its own graph (keras-hub's
+    backbones and tasks), copied through its config so that it keeps its class (docs/keras.md, "What the surgery can
+    and cannot reach").
 
     Args:
         model: a built Sequential or functional model (left unchanged).
         n, scale, seed: as for ``Masksembles``; ``seed`` makes every layer's masks reproducible.
-        before: a layer type, a tuple or list of them (default Conv1D/2D/3D and Dense, subclasses included; not
-            DepthwiseConv2D, SeparableConv2D or transposed convolutions), or a predicate
+        before: a layer type, a tuple or list of them (default Conv1D/2D/3D, Dense and EinsumDense, subclasses
+            included; not DepthwiseConv2D, SeparableConv2D or transposed convolutions), or a predicate
             ``(path, layer) -> bool`` on every layer (paths as in the module docstring: ``"block3/conv"``).
         start: the path of the layer insertion starts from, e.g. ``"conv4_block1_1_conv"``: ResNet50's third
             residual stage (torchvision's ``layer3``), whose shortcut ``conv4_block1_0_conv`` comes later in
@@ -707,13 +800,13 @@ def insert(
     by_path = {site.path: site for site in sites}
     taken = {site.op.name for site in sites}
     edits: dict[int, _Edit] = {}
-    changes: list[dict[str, Any]] = []
+    changes: list[_Change] = []
     for row in report.changed:
         site = by_path[row.path]
         name = _unique_name(f"{site.op.name}_masksembles", taken)
         masks = _masks_layer(site, n, scale, row.seed, _channel_axis(site.op), name)
         if site.replaced:  # in a custom layer or a graph its class builds: wrapped in place
-            changes.append(record(site.locator, masks, _input_shape(site), wrap=True))
+            changes.append(_Change(site, masks, wrap=True))
         else:
             edits[id(site.op)] = _Edit(masks, keep=True)
     result = _build(model, sites, edits, changes)
@@ -794,13 +887,13 @@ def convert_dropout(
         converts="Dropout/SpatialDropout1D/SpatialDropout2D/SpatialDropout3D layers",
     )
     edits: dict[int, _Edit] = {}
-    changes: list[dict[str, Any]] = []
+    changes: list[_Change] = []
     for site, row in zip(dropouts, report.rows, strict=True):
         if row.action == CONVERTED:
             assert row.channel_axis is not None
             masks = _masks_layer(site, n, scale, row.seed, row.channel_axis, site.op.name)
             if site.replaced:  # in a custom layer or a graph its class builds: replaced in place
-                changes.append(record(site.locator, masks, _input_shape(site), wrap=False))
+                changes.append(_Change(site, masks, wrap=False))
             else:
                 edits[id(site.op)] = _Edit(masks, keep=False)
     result = _build(model, sites, edits, changes)

@@ -11,6 +11,7 @@ keras-hub installed.
 - ``Classifier``: a task holding a backbone (``classifier.backbone``), a dropout and a ``Dense`` head on the pooled
   output; its config serializes the backbone.
 - ``HeadClassifier``: a task whose head is a nested ``Sequential`` (keras-hub's ``VGGImageClassifier``).
+- ``NamelessBackbone``: a ``Backbone`` whose config leaves out its name (keras-hub's ``VGGBackbone``).
 """
 
 from __future__ import annotations
@@ -151,6 +152,15 @@ class Backbone(keras.Model):  # type: ignore[misc]
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> Backbone:
         return cls(**config)
+
+
+@keras.saving.register_keras_serializable(package=PACKAGE)
+class NamelessBackbone(Backbone):
+    """A ``Backbone`` whose ``get_config`` leaves out its name, as keras-hub's ``VGGBackbone.get_config`` does: a copy
+    built from its config, or a model loaded from a file, gets a name Keras makes up (``nameless_backbone_1``)."""
+
+    def get_config(self) -> dict[str, Any]:
+        return {key: value for key, value in super().get_config().items() if key != "name"}
 
 
 class Task(keras.Model):  # type: ignore[misc]

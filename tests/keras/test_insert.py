@@ -285,6 +285,53 @@ def test_depthwise_convolutions_are_left_alone_by_the_default_before() -> None:
     ]
 
 
+def test_an_einsum_dense_gets_masks_on_the_one_axis_its_equation_contracts_the_last() -> None:
+    """An EinsumDense is a fully connected layer over its input's last axis when its equation contracts that axis
+    alone (keras-hub's MLPs, attention's query/key/value projections): masks on that axis. One that contracts several
+    axes (an attention output projection) or another axis is left alone, whatever its name; pack runs each EinsumDense
+    at full width, equal to predict."""
+    layers = keras.layers
+    inputs = keras.Input((5, 8))
+    x = layers.Dense(8, name="stem")(inputs)
+    x = layers.EinsumDense("btd,df->btf", output_shape=(5, 12), bias_axes="f", activation="relu", name="up")(x)
+    x = layers.EinsumDense("...f,fd->...d", output_shape=8, name="down")(x)
+    x = layers.EinsumDense("btd,dnh->btnh", output_shape=(5, 2, 4), name="heads")(x)
+    x = layers.EinsumDense("btnh,nhd->btd", output_shape=(5, 8), name="merge")(x)
+    x = layers.EinsumDense("btd,tf->bdf", output_shape=(8, 6), name="over_tokens")(x)
+    model = keras.Model(inputs, layers.EinsumDense("bd...,df->bf...", output_shape=(3, 6), name="elided_last")(x))
+    result = mk.insert(model, 4, 2.0, seed=0)
+    assert [(row.path, row.action, row.channels, row.reason) for row in result.masksembles_report.rows[1:]] == [
+        ("up", INSERTED, 8, ""),
+        ("down", INSERTED, 12, ""),
+        ("heads", INSERTED, 8, ""),
+        ("merge", LEFT, None, "einsum 'btnh,nhd->btd' contracts 2 axes of its input (n, h), not one channel axis"),
+        (
+            "over_tokens",
+            LEFT,
+            None,
+            "einsum 'btd,tf->bdf' contracts axis 't', not the last axis of its input (the channels)",
+        ),
+        (
+            "elided_last",
+            LEFT,
+            None,
+            "einsum 'bd...,df->bf...' contracts axis 'd', not the last axis of its input (the channels)",
+        ),
+    ]
+    assert all(result.get_layer(masks_path(name)).channel_axis == -1 for name in ("up", "down", "heads"))
+    x = data(model, batch=6)
+    np.testing.assert_allclose(run(mk.insert(model, 4, 1.0), x), run(model, x), rtol=1e-6, atol=1e-6)
+    members = mk.predict(result, x)
+    assert not np.allclose(members[0], members[1]), "the members differ"
+    packed = mk.pack(result, x, program="packed")
+    np.testing.assert_allclose(np.moveaxis(packed.predict(x, verbose=0), 1, 0), members, rtol=1e-5, atol=1e-6)
+    assert [f for f in packed.fallbacks if f.endswith("(EinsumDense)")] == [
+        f"{name} (EinsumDense)" for name in ("up", "down", "heads", "merge", "over_tokens", "elided_last")
+    ]
+    # per sample: up 5*12*8, down 5*8*12, heads 5*8*8, merge 5*8*8, over_tokens 8*6*5, elided_last 3*6*8; 4 members
+    assert packed.macs["fallback"] == 4 * (480 + 480 + 320 + 320 + 240 + 144)
+
+
 def test_sequential_models_stay_sequential() -> None:
     model = keras.Sequential(
         [
@@ -409,6 +456,39 @@ def test_layers_inside_custom_layers_get_masks_and_the_custom_layer_is_copied() 
     assert rows[0].reason == "the network's first layer: it reads the raw input (include_first=True masks it)", (
         "the custom layer's Dense reads the raw input"
     )
+
+
+@keras.saving.register_keras_serializable(package="masksembles_tests")
+class NamelessBlock(Block):  # type: ignore[misc]
+    """A ``Block`` whose config leaves out its name: its copy, and the layer a saved model loads, get a name Keras
+    makes up."""
+
+    def build(self, input_shape: tuple[int | None, ...]) -> None:
+        self.dense.build(input_shape)
+
+    def get_config(self) -> dict[str, Any]:
+        return {}
+
+
+def test_a_custom_layer_whose_config_drops_its_name_gets_masks_inside_and_round_trips(tmp_path: Path) -> None:
+    inputs = keras.Input((4,))
+    x = NamelessBlock(name="custom")(keras.layers.Dense(5, name="stem")(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(2, name="head")(x))
+    result = mk.insert(model, 2, 2.0, seed=0)
+    assert [(row.path, row.action) for row in result.masksembles_report.rows] == [
+        ("stem", LEFT),
+        ("custom/block_dense", INSERTED),
+        ("head", INSERTED),
+    ]
+    (custom,) = [layer for layer in result.layers if isinstance(layer, NamelessBlock)]
+    assert custom.name != "custom" and isinstance(custom.dense, mk.Masked)
+    x = data(model)
+    members = mk.predict(result, x)
+    result.save(tmp_path / "model.keras")
+    loaded = keras.saving.load_model(tmp_path / "model.keras")
+    (custom,) = [layer for layer in loaded.layers if isinstance(layer, NamelessBlock)]
+    assert isinstance(custom.dense, mk.Masked)
+    np.testing.assert_array_equal(mk.predict(loaded, x), members)
 
 
 def test_insert_errors() -> None:

@@ -4,14 +4,16 @@
 
 Collected when the ``keras_hub`` backend is requested (as tests/keras/test_transformers.py). Three models run by
 default (a causal LM with a tied embedding, an image task with a ``Sequential`` head, a backbone with two outputs);
-the others are marked ``slow`` (``-m slow``). Not here: ``insert`` on ``GemmaBackbone`` (every projection is an
-``EinsumDense``, which the default ``before`` leaves out: a ``ValueError`` with the report), ``convert_dropout`` on
-``MobileNetImageClassifier`` (it has no dropout), ``insert`` on ``VGGImageClassifier`` (``VGGBackbone.get_config``
-drops the backbone's name, so the copy's backbone has another name than the layers ``insert`` changes in it).
+the others are marked ``slow`` (``-m slow``). Not here: ``convert_dropout`` on ``MobileNetImageClassifier`` (it has
+no dropout). ``VGGBackbone.get_config`` leaves out the backbone's name, so the copy ``insert`` makes (and the model
+loaded from its file) holds a backbone Keras names anew. Gemma's projections are all ``EinsumDense`` layers:
+``insert`` masks those whose equation contracts the last axis alone (each decoder's report is checked by
+``test_a_decoders_projections_get_masks_where_their_equation_allows``).
 """
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +24,7 @@ import numpy as np
 import pytest
 
 import masksembles_keras as mk
+from masksembles_core.insertion import INSERTED, LEFT
 from tests.backends import requested_backends
 
 if "keras_hub" not in requested_backends():
@@ -114,6 +117,12 @@ def gemma() -> tuple[keras.Model, Any]:
     return backbone, text_inputs(backbone)
 
 
+def gemma3() -> tuple[keras.Model, Any]:
+    """Text only (no vision encoder: ``image_size`` is not used)."""
+    backbone = hub.Gemma3Backbone(vocabulary_size=VOCABULARY, image_size=16, head_dim=16, dropout=0.1, **DECODER)
+    return backbone, text_inputs(backbone)
+
+
 def llama() -> tuple[keras.Model, Any]:
     backbone = hub.LlamaBackbone(vocabulary_size=VOCABULARY, dropout=0.1, **DECODER)
     return backbone, text_inputs(backbone)
@@ -126,6 +135,11 @@ def mistral() -> tuple[keras.Model, Any]:
 
 def qwen() -> tuple[keras.Model, Any]:
     backbone = hub.QwenBackbone(vocabulary_size=VOCABULARY, dropout=0.1, **DECODER)
+    return backbone, text_inputs(backbone)
+
+
+def phi3() -> tuple[keras.Model, Any]:
+    backbone = hub.Phi3Backbone(vocabulary_size=VOCABULARY, dropout=0.1, **DECODER)
     return backbone, text_inputs(backbone)
 
 
@@ -219,11 +233,12 @@ def functional_distil_bert() -> tuple[keras.Model, Any]:
 MODELS: dict[str, Callable[[], tuple[keras.Model, Any]]] = {
     builder.__name__: builder
     for builder in (
-        distil_bert, roberta, xlm_roberta, albert, deberta_v3, electra, gpt2, opt, gemma, llama, mistral, qwen, resnet,
-        deit, efficientnet, mobilenet, vgg, densenet, xception, swin, sequential_resnet, functional_distil_bert,
+        distil_bert, roberta, xlm_roberta, albert, deberta_v3, electra, gpt2, opt, gemma, gemma3, llama, mistral, qwen,
+        phi3, resnet, deit, efficientnet, mobilenet, vgg, densenet, xception, swin, sequential_resnet,
+        functional_distil_bert,
     )
 }  # fmt: skip
-SKIPPED = {("gemma", "insert"), ("mobilenet", "convert_dropout"), ("vgg", "insert")}  # module docstring
+SKIPPED = {("mobilenet", "convert_dropout")}  # module docstring
 DEFAULT = {("gpt2", "insert"), ("vgg", "convert_dropout"), ("electra", "convert_dropout")}
 # Keras' warnings about keras-hub's Swin when it is built (and copied through its config): its stages have no
 # build(), its blocks pass a masked tensor to its window attention
@@ -299,3 +314,27 @@ def test_a_keras_hub_model_gets_members_that_train_save_and_pack(name: str, oper
     assert_close(keras.tree.map_structure(lambda y: np.moveaxis(y, 1, 0), packed.predict(x, verbose=0)), members)
     member = mk.extract_member(result, 1, x)
     assert_close(member.predict(x, verbose=0), keras.tree.map_structure(lambda y: y[1], members))
+
+
+OUTPUT_PROJECTION = r"einsum '\w+,\w+->\w+' contracts 2 axes of its input \(\w, \w\), not one channel axis"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gemma", "gemma3", "llama", "mistral", "qwen", "phi3"])
+def test_a_decoders_projections_get_masks_where_their_equation_allows(name: str) -> None:
+    """``insert``'s default on the decoders, as PyTorch's on ``transformers``' (every Linear layer): in each block
+    the attention's query, key and value projections and the three MLP layers (Gemma's are EinsumDense layers too)
+    get masks (hidden size, or the intermediate size for the MLP's last layer); the attention output projection, an
+    EinsumDense that contracts the heads and the head size together, is left alone with that reason."""
+    model, _ = MODELS[name]()
+    report = mk.insert(model, N, 2.0, seed=0).masksembles_report
+    blocks = {row.path.split("/")[0] for row in report.rows}
+    assert len(blocks) == DECODER["num_layers"]
+    for block in blocks:
+        actions = sorted(row.action for row in report.rows if row.path.split("/")[0] == block)
+        assert actions == [INSERTED] * 6 + [LEFT], str(report)
+    for row in report.unchanged:
+        assert row.layer == "EinsumDense" and row.path.endswith("/attention_output"), str(report)
+        assert re.fullmatch(OUTPUT_PROJECTION, row.reason), row.reason
+    widths = {DECODER["hidden_dim"], DECODER["intermediate_dim"], DECODER["intermediate_dim"] // 2}
+    assert {row.channels for row in report.changed} <= widths, str(report)

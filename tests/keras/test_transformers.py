@@ -20,7 +20,7 @@ import masksembles_keras as mk
 from masksembles_core.insertion import CONVERTED, INSERTED, LEFT
 from tests.backends import requested_backends
 from tests.keras.common import masks_of, run
-from tests.keras.hub_like import Backbone, Classifier, Encoder, HeadClassifier
+from tests.keras.hub_like import Backbone, Classifier, Encoder, HeadClassifier, NamelessBackbone
 
 N = 4
 BATCH = 5  # not a multiple of N
@@ -30,6 +30,7 @@ ATTENTION = (
     "weights, not channels"
 )
 FIRST = re.escape("the network's first layer: it reads the raw input (include_first=True masks it)")
+OUTPUT_PROJECTION = re.escape("einsum 'abcd,cde->abe' contracts 2 axes of its input (c, d), not one channel axis")
 HUB = "keras_hub" in requested_backends()
 
 
@@ -75,15 +76,16 @@ if HUB:
 
 
 # (model, operation) -> (layers looked at, layers given masks): BERT-like, 8 dropouts of which 2 attention-weight;
-# ViT, its MLP's dropout (used twice) and 2 attention-weight dropouts left; insert: every Dense (ViT: not the patch
-# projection, a Conv2D that reads the image)
+# ViT, its MLP's dropout (used twice) and 2 attention-weight dropouts left; insert: every Dense and the attention's
+# query, key and value EinsumDense, not its output projection (ViT: nor the patch projection, a Conv2D that reads the
+# image)
 COUNTS = {
     ("replica", "convert_dropout"): (8, 6),
-    ("replica", "insert"): (6, 6),
+    ("replica", "insert"): (14, 12),
     ("bert", "convert_dropout"): (8, 6),
-    ("bert", "insert"): (6, 6),
+    ("bert", "insert"): (14, 12),
     ("vit", "convert_dropout"): (8, 4),
-    ("vit", "insert"): (6, 5),
+    ("vit", "insert"): (14, 11),
 }
 
 
@@ -96,7 +98,9 @@ def surgery(model: keras.Model, operation: str, scale: float = 2.0) -> keras.Mod
 def expected_row(name: str, path: str, operation: str) -> tuple[str, str]:
     """The action and the reason (a pattern) each layer of the three models gets."""
     if operation == "insert":  # ViT's patch projection, a Conv2D in a custom layer, reads the image
-        return (LEFT, FIRST) if path.endswith("/patch_embedding") else (INSERTED, "")
+        if path.endswith("/patch_embedding"):
+            return LEFT, FIRST
+        return (LEFT, OUTPUT_PROJECTION) if path.endswith("/attention_output") else (INSERTED, "")
     if re.search(r"self_attention_layer/dropout|/mha/dropout", path):  # MultiHeadAttention's own dropout
         return LEFT, ATTENTION
     if name == "vit" and path.endswith("/mlp/dropout"):  # one Dropout called after both MLP Dense layers
@@ -218,6 +222,32 @@ def test_a_dropout_in_a_nested_sequential_head_is_converted_where_the_head_runs_
     converted.save(tmp_path / "model.keras")
     loaded = keras.saving.load_model(tmp_path / "model.keras")
     assert type(loaded.head.layers[1]) is mk.Masksembles1D
+    np.testing.assert_array_equal(mk.predict(loaded, x), members)
+
+
+@pytest.mark.parametrize("operation", ["convert_dropout", "insert"])
+@pytest.mark.parametrize("task", [Classifier, HeadClassifier])
+def test_a_backbone_whose_config_drops_its_name_gets_masks_and_round_trips(
+    task: type, operation: str, tmp_path: Path
+) -> None:
+    """keras-hub's VGGBackbone.get_config has no name: the task's copy (and a task loaded from a file) holds a backbone
+    Keras names anew, where the masks must still go and load."""
+    keras.utils.set_random_seed(0)
+    model, x = task(NamelessBackbone(name="backbone"), name="classifier"), text_batch()
+    result = surgery(model, operation)
+    assert result.backbone.name != "backbone", "the copy's backbone has another name"
+    inside = [row for row in result.masksembles_report.changed if row.path.startswith("backbone/")]
+    masks = [layer for layer in result.backbone._flatten_layers() if isinstance(layer, mk.Masksembles)]
+    assert inside and len(masks) == len(inside)
+    np.testing.assert_allclose(run(surgery(model, operation, scale=1.0), x), run(model, x), rtol=1e-5, atol=1e-6)
+    members = mk.predict(result, x)
+    assert not np.allclose(members[0], members[1]), "the members differ"
+    result.save(tmp_path / "model.keras")
+    loaded = keras.saving.load_model(tmp_path / "model.keras")
+    assert loaded.backbone.name != result.backbone.name, "loaded next to the copy: another name again"
+    assert len([layer for layer in loaded.backbone._flatten_layers() if isinstance(layer, mk.Masksembles)]) == len(
+        masks
+    )
     np.testing.assert_array_equal(mk.predict(loaded, x), members)
 
 
