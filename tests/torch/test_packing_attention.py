@@ -62,11 +62,12 @@ def test_bert_with_a_padding_mask_folds_its_attention() -> None:
         assert relative_error(member(x), mt.predict(model, x, N)[k]) <= 1e-5
 
 
-class ScaledQuery(nn.Module):
-    """Whisper's and OPT's attention in ``transformers``: the query scaled right after its Linear layer,
-    ``q_proj(x) * scaling``, before the heads split, and ``F.scaled_dot_product_attention(..., scale=1.0)``."""
+class TokenAttention(nn.Module):
+    """The token model the attention replicas below share: an embedding, q/k/v and output Linear layers of ``dim``
+    (``heads`` heads, ``scaling`` the head size's inverse square root), a 2-class head, and ``split``: (B, L, dim) ->
+    (B, heads, L, dim / heads)."""
 
-    def __init__(self, dim: int = 16, heads: int = 2) -> None:
+    def __init__(self, dim: int, heads: int) -> None:
         super().__init__()
         self.heads, self.scaling = heads, (dim // heads) ** -0.5
         self.words = nn.Embedding(50, dim)
@@ -76,6 +77,14 @@ class ScaledQuery(nn.Module):
     def split(self, x: torch.Tensor) -> torch.Tensor:
         batch, length, dim = x.shape
         return x.view(batch, length, self.heads, dim // self.heads).transpose(1, 2)
+
+
+class ScaledQuery(TokenAttention):
+    """Whisper's and OPT's attention in ``transformers``: the query scaled right after its Linear layer,
+    ``q_proj(x) * scaling``, before the heads split, and ``F.scaled_dot_product_attention(..., scale=1.0)``."""
+
+    def __init__(self, dim: int = 16, heads: int = 2) -> None:
+        super().__init__(dim, heads)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.words(tokens)
@@ -233,7 +242,7 @@ def test_multihead_attention_across_the_batch_stays_one_call_per_member() -> Non
         assert relative_error(packed(x), mt.predict(model, x, N)) <= 1e-5
 
 
-class EagerAttention(nn.Module):
+class EagerAttention(TokenAttention):
     """Hugging Face's eager attention function on a token model: q, k, v Linear layers, ``matmul(q, k^T) *
     scaling``, a causal + padding mask sliced to the keys and added, ``softmax(dim=-1, dtype=float32).to(q.dtype)``,
     dropout by ``training``, ``matmul(weights, v)``. ``variant`` writes it so that a fused call would differ or
@@ -241,17 +250,10 @@ class EagerAttention(nn.Module):
     queries."""
 
     def __init__(self, variant: str = "", dim: int = 16, heads: int = 2, length: int = 8) -> None:
-        super().__init__()
-        self.variant, self.heads, self.scaling = variant, heads, (dim // heads) ** -0.5
-        self.words = nn.Embedding(50, dim)
-        self.query, self.key, self.value, self.out = (nn.Linear(dim, dim) for _ in range(4))
-        self.head = nn.Linear(dim, 2)
+        super().__init__(dim, heads)
+        self.variant = variant
         causal = torch.full((length, length), -1e4).triu(1)
         self.register_buffer("causal", causal[None, None])
-
-    def split(self, x: torch.Tensor) -> torch.Tensor:
-        batch, length, dim = x.shape
-        return x.view(batch, length, self.heads, dim // self.heads).transpose(1, 2)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.words(tokens)
@@ -436,7 +438,7 @@ def test_rotary_on_a_slice_of_the_heads_does_not_fold() -> None:
     check_attention_folds_and_equals_predict(model, folds=False)
 
 
-class BiasedAttention(nn.Module):
+class BiasedAttention(TokenAttention):
     """T5's and BEiT's relative position bias: a table of one bias per head and bucket (an ``nn.Embedding``), read
     at each (query, key) pair's clipped relative distance and moved to (1, heads, L, L), plus the padding mask, given
     to SDPA as its additive mask (``"sdpa"``) or added to the scores written out (``"eager"``: fused into one SDPA
@@ -444,18 +446,11 @@ class BiasedAttention(nn.Module):
     differs between the member-stacked batch and the batch, so it must not be shared by the members' heads."""
 
     def __init__(self, variant: str = "sdpa", dim: int = 16, heads: int = 2, length: int = 8) -> None:
-        super().__init__()
-        self.variant, self.heads, self.scaling = variant, heads, (dim // heads) ** -0.5
-        self.words = nn.Embedding(50, dim)
-        self.query, self.key, self.value, self.out = (nn.Linear(dim, dim) for _ in range(4))
-        self.head = nn.Linear(dim, 2)
+        super().__init__(dim, heads)
+        self.variant = variant
         self.table = nn.Embedding(9, heads)
         positions = torch.arange(length)
         self.register_buffer("buckets", (positions[None, :] - positions[:, None]).clamp(-4, 4) + 4)
-
-    def split(self, x: torch.Tensor) -> torch.Tensor:
-        batch, length, dim = x.shape
-        return x.view(batch, length, self.heads, dim // self.heads).transpose(1, 2)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.words(tokens)
@@ -489,23 +484,16 @@ def test_a_per_head_bias_that_differs_between_the_members_does_not_fold() -> Non
     check_attention_folds_and_equals_predict(model, folds=False)
 
 
-class WhereMaskedAttention(nn.Module):
+class WhereMaskedAttention(TokenAttention):
     """GPT-Neo's attention: q/k/v Linear layers, scores written out, ``torch.where(causal, scores, min)`` with a
     (1, 1, L, L) boolean buffer, then the padding mask, softmax and the product with v.
     ``"per_sample"``: the condition also reads each sample's place in the batch (``arange(B)``), so it differs
     between the member-stacked batch and the batch and must not be shared by the members' heads."""
 
     def __init__(self, variant: str = "causal", dim: int = 16, heads: int = 2, length: int = 8) -> None:
-        super().__init__()
-        self.variant, self.heads = variant, heads
-        self.words = nn.Embedding(50, dim)
-        self.query, self.key, self.value, self.out = (nn.Linear(dim, dim) for _ in range(4))
-        self.head = nn.Linear(dim, 2)
+        super().__init__(dim, heads)
+        self.variant = variant
         self.register_buffer("causal", torch.ones(length, length, dtype=torch.bool).tril()[None, None])
-
-    def split(self, x: torch.Tensor) -> torch.Tensor:
-        batch, length, dim = x.shape
-        return x.view(batch, length, self.heads, dim // self.heads).transpose(1, 2)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.words(tokens)
