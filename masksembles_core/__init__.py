@@ -3,12 +3,12 @@
 Masks (the paper's algorithm, ``sample_masks``, and the fixed-width form layers use, ``generate_masks``), their
 statistics and the paper's formulas, the batch-grouping rule (``group_index``, ``tile``, ``untile``) and the NumPy
 reference layer every framework adapter is tested against (``apply_masks``). Submodules: ``metrics`` (uncertainty
-and evaluation from member outputs), ``insertion`` (where ``insert`` puts masks), ``packing`` (the program behind
-packed inference) and ``adapter`` (what framework adapters build on). Importing this package imports no deep learning
-framework.
+and evaluation from member outputs), ``heads`` (the uncertainty a deployed model answers with), ``insertion``
+(where ``insert`` puts masks), ``packing`` (the program behind packed inference) and ``adapter`` (what framework
+adapters build on). Importing this package imports no deep learning framework.
 """
 
-from . import adapter, insertion, metrics, packing
+from . import adapter, heads, insertion, metrics, packing
 from ._generation import (
     DuplicateMasksWarning,
     derive_seed,
@@ -34,6 +34,7 @@ __all__ = [
     "expected_width",
     "generate_masks",
     "group_index",
+    "heads",
     "insertion",
     "mask_stats",
     "metrics",
