@@ -200,4 +200,3 @@ def _gaussian(members: Tensor, head: str, min_variance: float) -> dict[str, Tens
     mean = means.mean(0)
     aleatoric, epistemic = variances.mean(0), (means - mean).square().mean(0)
     return {"mean": mean, "variance": aleatoric + epistemic, "aleatoric": aleatoric, "epistemic": epistemic}
-
