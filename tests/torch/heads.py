@@ -55,6 +55,14 @@ def packed_model(case: str) -> mt.PackedMasksembles:
     return mt.pack(masksembles_model(case), torch.randn(8, FEATURES), program="packed")
 
 
+def assert_members_match(actual: Tensor | np.ndarray, model: nn.Module, x: Tensor) -> None:
+    """``actual`` (n, B, ...) equals ``predict(model, x)`` in float32 rounding (``ROUNDOFF_UNITS`` units of its scale)."""
+    expected = mt.predict(model, x).numpy()
+    values = actual.detach().numpy() if isinstance(actual, Tensor) else actual
+    tolerance = ROUNDOFF_UNITS * EPS32
+    np.testing.assert_allclose(values, expected, rtol=tolerance, atol=tolerance * max(1.0, np.abs(expected).max()))
+
+
 def assert_head_matches(answer: Mapping[str, Any], model: nn.Module, x: Tensor, arguments: Mapping[str, Any]) -> None:
     """``answer`` (tensors or arrays by name) equals ``uncertainty_head`` on ``predict(model, x)`` in float32 rounding:
     the same names in the same order, each within ``ROUNDOFF_UNITS`` units of the values' scale."""
