@@ -8,7 +8,8 @@ intra-op threads). For batch 1 and 32: ``with_uncertainty(pack(model, x, program
 head's dict in one graph) ÷ one forward of the same network without Masksembles, and ÷ ``with_uncertainty(model)``
 (the Masksembles model on the tiled batch, as ``predict`` runs it, with the same head); the packed program without the
 head ÷ single shows what the head costs. Medians of interleaved rounds; the ratios are medians of the per-round
-ratios, with their interquartile range. Beside them, the MAC ratio of the packed program (its Linear/Conv layers and
+ratios, with their interquartile range (both heads are first checked against ``uncertainty_head`` on ``predict``).
+Beside them, the MAC ratio of the packed program (its Linear/Conv layers and
 attention products ÷ one dense model's); target: packed + head ÷ single within 1.3× of the MAC ratio.
 """
 
@@ -27,6 +28,7 @@ from bench_packing import MODELS, N, example, randomize_norms
 from torch import nn
 
 import masksembles_torch as mt
+from masksembles_core import heads
 from masksembles_core.packing import timed_rounds
 
 BENCH_MODELS = ["MLP", "ResNet", "ViT-like"]
@@ -43,6 +45,16 @@ def onnx_session(module: nn.Module, x: torch.Tensor, path: Path, threads: int) -
     options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")  # idle sessions leave the cores alone
     return onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def check_head(session: onnxruntime.InferenceSession, model: nn.Module, x: torch.Tensor) -> None:
+    """The session's outputs equal ``uncertainty_head`` on ``predict(model, x)`` within float32 rounding, or raise:
+    a benchmark of a program that differs would measure the wrong thing."""
+    members = mt.predict(model, x).numpy()
+    expected = heads.uncertainty_head(members)
+    tolerance = 64 * float(np.finfo(np.float32).eps)
+    for name, value in zip(expected, session.run(None, {"inputs": x.numpy()}), strict=True):
+        np.testing.assert_allclose(value, expected[name], rtol=tolerance, atol=tolerance, err_msg=name)
 
 
 def runner(session: onnxruntime.InferenceSession, x: np.ndarray, repeats: int) -> Callable[[], object]:
@@ -83,6 +95,7 @@ def main() -> None:
         "per-round ratios (interquartile range). *packed + head*: "
         '`with_uncertainty(pack(model, x, program="packed"))`; *single*: the network without Masksembles; *tiled + '
         "head*: `with_uncertainty(model)`, the Masksembles model on the tiled batch as `predict` runs it, same head. "
+        "Both heads' outputs are checked against `uncertainty_head` on `predict`'s members before timing. "
         f"Target: packed + head ÷ single within {TARGET}× of the MAC ratio.",
         "",
         "| model | batch | single (ms) | packed + head ÷ single | MAC ratio | within target | packed + head ÷ tiled "
@@ -109,6 +122,8 @@ def main() -> None:
                     mt.with_uncertainty(packed), x, Path(folder, f"{name}-{batch}-head.onnx"), args.threads
                 )
                 sessions["packed"] = onnx_session(packed, x, Path(folder, f"{name}-{batch}.onnx"), args.threads)
+                for checked in ("packed + head", "tiled"):
+                    check_head(sessions[checked], masked, x)
                 repeats = repeats_for(runner(sessions["single"], x.numpy(), 1))
                 calls = {key: runner(session, x.numpy(), repeats) for key, session in sessions.items()}
                 times = timed_rounds(calls, rounds=args.rounds, warmup=3)
