@@ -251,6 +251,8 @@ def bench(session: nox.Session) -> None:
     session.install(*CONSTRAINTS, *METRICS_TEST, "netcal==1.4.0")  # the metrics' references (netcal needs torch)
     transformers = [r for r in nox.project.dependency_groups(PYPROJECT, "test-torch") if r.startswith("transformers")]
     session.install(*CONSTRAINTS, *transformers)  # bench_packing's ViT (transformers) row
-    scripts = ("generation", "torch", "packing", "keras", "flax", "flax_barrier", "flax_packing", "metrics")
+    onnx = [r for r in nox.project.dependency_groups(PYPROJECT, "test-torch") if r.startswith("onnx")]
+    session.install(*CONSTRAINTS, *onnx)  # bench_deploy: ONNX export, run in onnxruntime
+    scripts = ("generation", "torch", "packing", "deploy", "keras", "flax", "flax_barrier", "flax_packing", "metrics")
     for script in scripts:
         session.run("python", f"benchmarks/bench_{script}.py")
