@@ -8,7 +8,7 @@ model (``torch.export``, ONNX).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -72,7 +72,8 @@ class UncertaintyHead(nn.Module):
         if n is None:
             return _tensor_output(call(self.model, inputs), self.model).movedim(self.member_axis, 0)
         tiled = map_batched(inputs, lambda tensor: tile(tensor, n))
-        return _tensor_output(call(self.model, tiled), self.model).unflatten(0, (n, -1))
+        output = _tensor_output(call(self.model, tiled), self.model)
+        return cast(Tensor, output.unflatten(0, (n, -1)))  # type: ignore[no-untyped-call]
 
 
 def with_uncertainty(

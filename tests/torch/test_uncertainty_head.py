@@ -85,7 +85,7 @@ def test_zero_probabilities_give_finite_entropies(probabilities: bool) -> None:
     assert_head_matches(answer, model, x, arguments)
 
 
-def test_the_head_keeps_no_autograd_state_and_leaves_the_model_as_it_was() -> None:
+def test_the_head_is_in_eval_mode_and_says_what_it_wraps() -> None:
     model = masksembles_model("logits")
     head = mt.with_uncertainty(model)
     assert not head.training and not any(module.training for module in model.modules())
