@@ -1,15 +1,15 @@
 """Deployed: the packed model with its uncertainty head, exported to ONNX and run in onnxruntime (CPU).
 
-    python benchmarks/bench_deploy.py [--rounds 15] [--threads 2] [--models MLP,ResNet,ViT-like]
+    python benchmarks/bench_deploy.py [--rounds 15] [--models MLP,ResNet,ViT-like]
 
 N=4, S=2; the MLP, ResNet and ViT-like models of ``bench_packing.py`` (its builders). Every program is exported with
-``torch.onnx.export(..., dynamo=True)`` and a dynamic batch, and run in one onnxruntime CPU session each (``--threads``
-intra-op threads). For batch 1 and 32: ``with_uncertainty(pack(model, x, program="packed"))`` (the members and the
-head's dict in one graph) ÷ one forward of the same network without Masksembles, and ÷ ``with_uncertainty(model)``
-(the Masksembles model on the tiled batch, as ``predict`` runs it, with the same head); the packed program without the
-head ÷ single shows what the head costs. Medians of interleaved rounds; the ratios are medians of the per-round
-ratios, with their interquartile range (both heads are first checked against ``uncertainty_head`` on ``predict``).
-Beside them, the MAC ratio of the packed program (its Linear/Conv layers and
+``torch.onnx.export(..., dynamo=True)`` and a dynamic batch, and runs in its own onnxruntime CPU session (one
+intra-op thread, ``ORT_THREADS``). For batch 1 and 32: ``with_uncertainty(pack(model, x, program="packed"))`` (the
+members and the head's dict in one graph) ÷ one forward of the same network without Masksembles, and
+÷ ``with_uncertainty(model)`` (the Masksembles model on the tiled batch, as ``predict`` runs it, with the same head);
+the packed program without the head ÷ single shows what the head costs. Both heads are first checked against
+``uncertainty_head`` on ``predict``'s members. Interleaved rounds; the ratios are medians of the per-round ratios,
+with their interquartile range. Beside them, the MAC ratio of the packed program (its Linear/Conv layers and
 attention products ÷ one dense model's); target: packed + head ÷ single within 1.3× of the MAC ratio.
 """
 
@@ -34,15 +34,18 @@ from masksembles_core.packing import timed_rounds
 BENCH_MODELS = ["MLP", "ResNet", "ViT-like"]
 BATCHES = (1, 32)
 TARGET = 1.3
+# One intra-op thread per session: on a shared, loaded machine a thread pool's hand-offs between its threads (which
+# sleep between runs, so that an idle session leaves the cores to the others) time the scheduler, not the model.
+ORT_THREADS = 1
 
 
-def onnx_session(module: nn.Module, x: torch.Tensor, path: Path, threads: int) -> onnxruntime.InferenceSession:
+def onnx_session(module: nn.Module, x: torch.Tensor, path: Path) -> onnxruntime.InferenceSession:
     """``module`` exported to ONNX with a dynamic batch, in an onnxruntime CPU session."""
     batch = torch.export.Dim("batch", min=1, max=1024)
     names = list(module.outputs) if isinstance(module, mt.UncertaintyHead) else None
     torch.onnx.export(module, (x,), str(path), dynamo=True, dynamic_shapes=({0: batch},), output_names=names)
     options = onnxruntime.SessionOptions()
-    options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
+    options.intra_op_num_threads, options.inter_op_num_threads = ORT_THREADS, 1
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")  # idle sessions leave the cores alone
     return onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
@@ -84,12 +87,12 @@ def ratio(times: dict[str, list[float]], top: str, bottom: str) -> tuple[float, 
 
 def main() -> None:
     args = arguments(models=BENCH_MODELS)
-    torch.set_num_threads(args.threads)
     lines = [
         "## Deployed: packed + uncertainty head in onnxruntime (CPU)",
         "",
-        f"torch {torch.__version__}, onnxruntime {onnxruntime.__version__}, float32, N={N}, S=2, {args.threads} "
-        f"intra-op threads; {args.rounds} interleaved rounds on {machine()} (a shared, loaded machine). Every program "
+        f"torch {torch.__version__}, onnxruntime {onnxruntime.__version__}, float32, N={N}, S=2, {ORT_THREADS} "
+        "intra-op thread (a thread pool's hand-offs on a loaded machine time the scheduler); "
+        f"{args.rounds} interleaved rounds on {machine()} (a shared, loaded machine). Every program "
         "is exported with `torch.onnx.export(..., dynamo=True)` and a dynamic batch and runs in its own onnxruntime "
         "session; a timed call is as many runs as take the single model about 20 ms. Ratios: median of the "
         "per-round ratios (interquartile range). *packed + head*: "
@@ -110,18 +113,15 @@ def main() -> None:
             cpu = torch.device("cpu")
             probe = example(name, BATCHES[-1], shape, cpu)
             sessions = {
-                "single": onnx_session(single, probe, Path(folder, f"{name}-single.onnx"), args.threads),
-                "tiled": onnx_session(
-                    mt.with_uncertainty(masked), probe, Path(folder, f"{name}-tiled.onnx"), args.threads
-                ),
+                "single": onnx_session(single, probe, Path(folder, f"{name}-single.onnx")),
+                "tiled": onnx_session(mt.with_uncertainty(masked), probe, Path(folder, f"{name}-tiled.onnx")),
             }
             for batch in BATCHES:
                 x = example(name, batch, shape, cpu)
                 packed = mt.pack(masked, x, program="packed")
-                sessions["packed + head"] = onnx_session(
-                    mt.with_uncertainty(packed), x, Path(folder, f"{name}-{batch}-head.onnx"), args.threads
-                )
-                sessions["packed"] = onnx_session(packed, x, Path(folder, f"{name}-{batch}.onnx"), args.threads)
+                head = mt.with_uncertainty(packed)
+                sessions["packed + head"] = onnx_session(head, x, Path(folder, f"{name}-{batch}-head.onnx"))
+                sessions["packed"] = onnx_session(packed, x, Path(folder, f"{name}-{batch}.onnx"))
                 for checked in ("packed + head", "tiled"):
                     check_head(sessions[checked], masked, x)
                 repeats = repeats_for(runner(sessions["single"], x.numpy(), 1))
@@ -131,7 +131,7 @@ def main() -> None:
                 mac_ratio = macs["packed"] / (macs["dense"] / N)
                 to_single, written = ratio(times, "packed + head", "single")
                 row = (
-                    f"| {name} | {batch} | {statistics.median(times['single']) * 1e3:.2f} | {written} "
+                    f"| {name} | {batch} | {statistics.median(times['single']) / repeats * 1e3:.2f} | {written} "
                     f"| {mac_ratio:.2f}× | {'yes' if to_single <= TARGET * mac_ratio else 'no'} "
                     f"({to_single / mac_ratio:.2f}× the MACs) | {ratio(times, 'packed + head', 'tiled')[1]} "
                     f"| {ratio(times, 'packed', 'single')[1]} |"
