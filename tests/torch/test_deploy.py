@@ -84,7 +84,9 @@ def test_exported_program_saved_and_loaded(kind: str, tmp_path: Path) -> None:
         check(loaded(x), model, x, arguments, kind != "packed")
 
 
-@pytest.mark.parametrize("kind", ["packed", "packed + head", "gaussian head", "inserted + head"])
+@pytest.mark.parametrize(
+    "kind", ["packed", "packed + head", "gaussian head", pytest.param("inserted + head", marks=pytest.mark.slow)]
+)
 def test_onnx_in_onnxruntime(kind: str, tmp_path: Path) -> None:
     import onnxruntime  # the torch nox session installs it (dependency group test-torch)
 
