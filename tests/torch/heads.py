@@ -56,7 +56,7 @@ def packed_model(case: str) -> mt.PackedMasksembles:
 
 
 def assert_members_match(actual: Tensor | np.ndarray, model: nn.Module, x: Tensor) -> None:
-    """``actual`` (n, B, ...) equals ``predict(model, x)`` in float32 rounding (``ROUNDOFF_UNITS`` units of its scale)."""
+    """``actual`` (n, B, ...) equals ``predict(model, x)`` in float32 rounding (``ROUNDOFF_UNITS`` units of scale)."""
     expected = mt.predict(model, x).numpy()
     values = actual.detach().numpy() if isinstance(actual, Tensor) else actual
     tolerance = ROUNDOFF_UNITS * EPS32
