@@ -63,9 +63,10 @@ def assert_members_match(actual: Tensor | np.ndarray, model: nn.Module, x: Tenso
     np.testing.assert_allclose(values, expected, rtol=tolerance, atol=tolerance * max(1.0, np.abs(expected).max()))
 
 
-def assert_head_matches(answer: Mapping[str, Any], model: nn.Module, x: Tensor, arguments: Mapping[str, Any]) -> None:
-    """``answer`` (tensors or arrays by name) equals ``uncertainty_head`` on ``predict(model, x)`` in float32 rounding:
-    the same names in the same order, each within ``ROUNDOFF_UNITS`` units of the values' scale."""
+def assert_head_matches(answer: Mapping[str, Any], model: nn.Module, x: Any, arguments: Mapping[str, Any]) -> None:
+    """``answer`` (tensors or arrays by name) equals ``uncertainty_head`` on ``predict(model, x)`` (``x``: a tensor, a
+    tuple or a dict) in float32 rounding: the same names in the same order, each within ``ROUNDOFF_UNITS`` units of
+    the values' scale."""
     members = mt.predict(model, x).numpy()
     expected = heads.uncertainty_head(members, **arguments)
     assert list(answer) == list(expected)

@@ -166,3 +166,22 @@ def test_a_binary_logit_is_two_classes() -> None:
     answer = wrapped("binary logit", "packed")(torch.randn(3, FEATURES))
     assert answer["probabilities"].shape == (3, 2)
     np.testing.assert_allclose(answer["probabilities"].sum(-1).numpy(), 1.0, rtol=1e-6)
+
+
+class TwoInputs(nn.Module):
+    """A Masksembles model called with two batch-first tensors and a flag, as ``predict`` calls it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = masksembles_model("logits")
+
+    def forward(self, x: Tensor, shift: Tensor, *, double: bool = False) -> Tensor:
+        return self.model(x + shift) * (2.0 if double else 1.0)
+
+
+@pytest.mark.parametrize("dict_inputs", [False, True], ids=["tuple", "dict"])
+def test_inputs_as_predict_takes_them(dict_inputs: bool) -> None:
+    model = TwoInputs().eval()
+    x, shift = torch.randn(5, FEATURES), torch.randn(5, FEATURES)
+    inputs: Any = {"x": x, "shift": shift, "double": True} if dict_inputs else (x, shift)
+    assert_head_matches(mt.with_uncertainty(model)(inputs), model, inputs, {})
