@@ -1,0 +1,86 @@
+"""A packed model, with and without the uncertainty head, through Keras' export formats and back, against ``predict``
+and ``masksembles_core.heads.uncertainty_head``: a TensorFlow SavedModel served with ``tf.saved_model.load(path).serve``
+(TensorFlow and JAX backends) at two batch sizes, one of them 1; ONNX in onnxruntime; LiteRT in its interpreter
+(TensorFlow backend). Each test runs in the session of the backends it names; docs/keras.md's "Deploy" blocks run
+on TensorFlow."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import keras
+import numpy as np
+import pytest
+
+import masksembles_keras as mk
+from tests.keras.common import BACKEND
+from tests.keras.heads import assert_matches_oracle, converted, data, tolerance
+
+GUIDE = Path(__file__).resolve().parents[2] / "docs" / "keras.md"
+BATCHES = (1, 3)  # n = 4: neither is a multiple of it
+
+
+@pytest.fixture(scope="module")
+def models() -> dict[str, tuple[keras.Model, keras.Model]]:
+    """What is exported -> (that model, the Masksembles model whose ``predict`` it must equal)."""
+    model = converted("logits")
+    packed = mk.pack(model, data(8), program="packed")
+    return {"packed": (packed, model), "packed-head": (mk.with_uncertainty(packed), model)}
+
+
+def assert_same_as_predict(answer: Any, wrapped: str, source: keras.Model, x: np.ndarray) -> None:
+    """A packed model's (B, n, K) (a tensor, or a dict of one), or the head's dict (by name, in any order), against
+    ``predict``'s members."""
+    members = mk.predict(source, x)
+    if wrapped == "packed":
+        (value,) = answer.values() if isinstance(answer, dict) else (answer,)
+        np.testing.assert_allclose(np.asarray(value), np.moveaxis(members, 0, 1), rtol=0, atol=tolerance(members))
+    else:
+        assert_matches_oracle({key: np.asarray(value) for key, value in answer.items()}, members, ordered=False)
+
+
+def export_and_load(model: keras.Model, path: Path, export_format: str) -> Callable[[np.ndarray], Any]:
+    """``model.export(path, format=export_format)``, then the artifact loaded by its runtime, as a function of x."""
+    model.export(str(path), format=export_format, verbose=False)
+    if export_format == "tf_saved_model":
+        import tensorflow as tf
+
+        loaded = tf.saved_model.load(str(path))  # kept alive by the closure: TensorFlow frees its variables with it
+        return lambda x: loaded.serve(x)
+    if export_format == "onnx":
+        import onnxruntime
+
+        session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        (feed,) = session.get_inputs()
+        names = [output.name for output in session.get_outputs()]
+        return lambda x: dict(zip(names, session.run(None, {feed.name: x}), strict=True))
+    from ai_edge_litert.interpreter import Interpreter
+
+    runner = Interpreter(model_path=str(path)).get_signature_runner()
+    (feed,) = runner.get_input_details()
+    return lambda x: runner(**{feed: x})
+
+
+# format -> (the backends whose Keras exports it, the file name, the batch sizes it runs)
+FORMATS = {
+    "tf_saved_model": (("tensorflow", "jax"), "served", BATCHES),
+    "onnx": (("tensorflow", "torch"), "model.onnx", BATCHES),
+    "litert": (("tensorflow",), "model.tflite", (3,)),  # a fixed batch (the one it was converted for)
+}
+
+
+@pytest.mark.parametrize("wrapped", ["packed", "packed-head"])
+@pytest.mark.parametrize("export_format", list(FORMATS))
+def test_the_exported_model_answers_as_predict(
+    models: dict[str, tuple[keras.Model, keras.Model]], export_format: str, wrapped: str, tmp_path: Path
+) -> None:
+    backends, name, batches = FORMATS[export_format]
+    if BACKEND not in backends:
+        pytest.skip(f"Keras 3.15 exports {export_format} on {backends}, tested in those sessions")
+    model, source = models[wrapped]
+    run = export_and_load(model, tmp_path / name, export_format)
+    for batch in batches:
+        x = data(batch, seed=batch)
+        assert_same_as_predict(run(x), wrapped, source, x)
