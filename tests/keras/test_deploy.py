@@ -13,21 +13,43 @@ from typing import Any
 import keras
 import numpy as np
 import pytest
+from keras import layers
 
 import masksembles_keras as mk
 from tests.keras.common import BACKEND
-from tests.keras.heads import assert_matches_oracle, converted, data, tolerance
+from tests.keras.heads import N, assert_matches_oracle, converted, data, tolerance
 
 GUIDE = Path(__file__).resolve().parents[2] / "docs" / "keras.md"
 BATCHES = (1, 3)  # n = 4: neither is a multiple of it
 
 
+def small_cnn() -> keras.Model:
+    """Convolutions, BatchNormalization, pooling and Dense with Masksembles (``convert_dropout``, n = 4): the packed
+    program's grouped convolutions and channel selects."""
+    keras.utils.set_random_seed(5)
+    inputs = keras.Input((6, 6, 2))
+    x = layers.Conv2D(8, 3, padding="same", activation="relu")(inputs)
+    x = layers.BatchNormalization()(x)
+    x = layers.Dropout(0.2)(layers.Conv2D(8, 3, padding="same", activation="relu")(layers.Dropout(0.2)(x)))
+    x = layers.Dropout(0.2)(layers.GlobalAveragePooling2D()(x))
+    return mk.convert_dropout(keras.Model(inputs, layers.Dense(3)(x)), N, 2.0, seed=0)
+
+
+def images(batch: int, seed: int = 1) -> np.ndarray:
+    return np.random.default_rng(seed).normal(size=(batch, 6, 6, 2)).astype("float32")
+
+
 @pytest.fixture(scope="module")
-def models() -> dict[str, tuple[keras.Model, keras.Model]]:
-    """What is exported -> (that model, the Masksembles model whose ``predict`` it must equal)."""
-    model = converted("logits")
-    packed = mk.pack(model, data(8), program="packed")
-    return {"packed": (packed, model), "packed-head": (mk.with_uncertainty(packed), model)}
+def models() -> dict[str, tuple[keras.Model, keras.Model, Callable[..., np.ndarray]]]:
+    """What is exported -> (that model, the Masksembles model whose ``predict`` it must equal, its inputs)."""
+    mlp, cnn = converted("logits"), small_cnn()
+    packed = mk.pack(mlp, data(8), program="packed")
+    packed_cnn = mk.pack(cnn, images(8), program="packed")
+    return {
+        "packed": (packed, mlp, data),
+        "packed-head": (mk.with_uncertainty(packed), mlp, data),
+        "packed-cnn-head": (mk.with_uncertainty(packed_cnn), cnn, images),
+    }
 
 
 def assert_same_as_predict(answer: Any, wrapped: str, source: keras.Model, x: np.ndarray) -> None:
@@ -71,16 +93,19 @@ FORMATS = {
 }
 
 
-@pytest.mark.parametrize("wrapped", ["packed", "packed-head"])
+@pytest.mark.parametrize("wrapped", ["packed", "packed-head", "packed-cnn-head"])
 @pytest.mark.parametrize("export_format", list(FORMATS))
 def test_the_exported_model_answers_as_predict(
-    models: dict[str, tuple[keras.Model, keras.Model]], export_format: str, wrapped: str, tmp_path: Path
+    models: dict[str, tuple[keras.Model, keras.Model, Callable[..., np.ndarray]]],
+    export_format: str,
+    wrapped: str,
+    tmp_path: Path,
 ) -> None:
     backends, name, batches = FORMATS[export_format]
     if BACKEND not in backends:
         pytest.skip(f"Keras 3.15 exports {export_format} on {backends}, tested in those sessions")
-    model, source = models[wrapped]
+    model, source, inputs = models[wrapped]
     run = export_and_load(model, tmp_path / name, export_format)
     for batch in batches:
-        x = data(batch, seed=batch)
+        x = inputs(batch, seed=batch)
         assert_same_as_predict(run(x), wrapped, source, x)
