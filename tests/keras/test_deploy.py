@@ -6,6 +6,7 @@ on TensorFlow."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -109,3 +110,22 @@ def test_the_exported_model_answers_as_predict(
     for batch in batches:
         x = inputs(batch, seed=batch)
         assert_same_as_predict(run(x), wrapped, source, x)
+
+
+def guide_blocks() -> list[str]:
+    """The Python blocks of docs/keras.md's "Deploy" section."""
+    section = GUIDE.read_text().split("\n## Deploy", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"^```python\n(.*?)^```", section, flags=re.S | re.M)
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="the guide's recipe imports tensorflow: the TensorFlow session")
+def test_the_guide_deploy_section_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # the recipe writes its artifacts to the working directory
+    blocks = guide_blocks()
+    assert blocks
+    namespace: dict[str, Any] = {"__name__": "guide_deploy"}
+    for index, block in enumerate(blocks):
+        exec(compile(block, f"docs/keras.md Deploy block {index}", "exec"), namespace)
+    model, x = namespace["model"], namespace["x"]
+    assert_matches_oracle(namespace["answer"], mk.predict(model, x))
+    assert_matches_oracle(namespace["served_answer"], mk.predict(model, x[:1]), ordered=False)
