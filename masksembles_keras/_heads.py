@@ -68,7 +68,8 @@ class UncertaintyHead(keras.layers.Layer):  # type: ignore[misc]  # keras is unt
         del shape[self.member_axis]
         dtype = "float64" if keras.backend.standardize_dtype(members.dtype) == "float64" else "float32"
         if self.spec.task == "classification":
-            probabilities = (*shape[:-1], max(shape[-1], 2))
+            classes = shape[-1] if shape[-1] is None else max(shape[-1], 2)  # one logit: a sigmoid's two classes
+            probabilities = (*shape[:-1], classes)
             return {
                 name: keras.KerasTensor(probabilities if name == "probabilities" else shape[:-1], dtype=dtype)
                 for name in self.spec.outputs

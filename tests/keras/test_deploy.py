@@ -44,8 +44,8 @@ def images(batch: int, seed: int = 1) -> np.ndarray:
 def models() -> dict[str, tuple[keras.Model, keras.Model, Callable[..., np.ndarray]]]:
     """What is exported -> (that model, the Masksembles model whose ``predict`` it must equal, its inputs)."""
     mlp, cnn = converted("logits"), small_cnn()
-    packed = mk.pack(mlp, data(8), program="packed")
-    packed_cnn = mk.pack(cnn, images(8), program="packed")
+    packed = mk.pack(mlp, data(8), program="packed", verify=False)  # the tests compare it with predict
+    packed_cnn = mk.pack(cnn, images(8), program="packed", verify=False)
     return {
         "packed": (packed, mlp, data),
         "packed-head": (mk.with_uncertainty(packed), mlp, data),

@@ -41,13 +41,17 @@ def models() -> dict[tuple[str, str], tuple[keras.Model, keras.Model]]:
     for name in HEADS:
         model = converted(name)
         built[name, "converted"] = (model, model)
-        built[name, "packed"] = (mk.pack(model, data(8), program="packed"), model)
+        built[name, "packed"] = (mk.pack(model, data(8), program="packed", verify=False), model)  # compared here
     return built
 
 
-@pytest.mark.parametrize("call", list(CALLS))
-@pytest.mark.parametrize("wrapped", ["converted", "packed"])
-@pytest.mark.parametrize("name", list(HEADS))
+# every head on the packed model; the converted model (the tiled batch in the graph) for a classifier and a regressor
+CASES = [(name, "packed", call) for name in HEADS for call in CALLS] + [
+    (name, "converted", call) for name in ("logits", "gaussian-regression") for call in CALLS
+]
+
+
+@pytest.mark.parametrize(("name", "wrapped", "call"), CASES, ids=["-".join(case) for case in CASES])
 def test_each_value_equals_the_core_on_predicts_members(
     models: dict[tuple[str, str], tuple[keras.Model, keras.Model]], name: str, wrapped: str, call: str
 ) -> None:
@@ -57,7 +61,8 @@ def test_each_value_equals_the_core_on_predicts_members(
     arguments = HEADS[name][2]
     head = mk.with_uncertainty(model, **arguments)
     x = data(5)
-    assert_matches_oracle(CALLS[call](head, x), mk.predict(source, x), **arguments)
+    # a call keeps HeadSpec.outputs' order; predict on JAX returns the dict sorted (its tree utilities sort keys)
+    assert_matches_oracle(CALLS[call](head, x), mk.predict(source, x), ordered=call == "eager", **arguments)
 
 
 @pytest.mark.parametrize("batch", [1, 3])
@@ -65,7 +70,7 @@ def test_any_batch_size_even_one(models: dict[tuple[str, str], tuple[keras.Model
     model, _ = models["logits", "converted"]
     head = mk.with_uncertainty(model)
     x = data(batch, seed=batch)
-    assert_matches_oracle(head.predict(x, verbose=0), mk.predict(model, x))
+    assert_matches_oracle(head.predict(x, verbose=0), mk.predict(model, x), ordered=False)
 
 
 def test_the_output_spec_names_the_heads_outputs(
@@ -148,7 +153,7 @@ def test_a_model_without_members_is_refused(task: str) -> None:
 
 
 def test_an_extracted_member_is_refused(models: dict[tuple[str, str], tuple[keras.Model, keras.Model]]) -> None:
-    member = mk.extract_member(models["point-regression", "converted"][0], 0, data(4))
+    member = mk.extract_member(models["point-regression", "converted"][0], 0, data(4), verify=False)
     with pytest.raises(ValueError, match="computes one"):
         mk.with_uncertainty(member, task="regression")
 
