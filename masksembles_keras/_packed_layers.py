@@ -23,12 +23,13 @@ from ._layers import SERIALIZATION_PACKAGE, _apply_masks, _constant_initializer
 
 def sizes(x: Any) -> list[Any]:
     """``x``'s shape for a reshape: each size known when traced as an int, the others (a sequence length declared
-    None) as the run-time size ``keras.ops.shape`` gives."""
+    None) as the run-time size ``keras.ops.shape`` gives; a symbolic size (``jax.export``'s shape polymorphism, as
+    ``model.export`` traces a None batch on JAX) stays symbolic: it is no int, and ``jnp.reshape`` takes it."""
     static = tuple(x.shape)
     if None not in static:
-        return [int(d) for d in static]
+        return [int(d) if isinstance(d, int | np.integer) else d for d in static]
     dynamic = ops.shape(x)
-    return [dynamic[a] if d is None else int(d) for a, d in enumerate(static)]
+    return [dynamic[a] if d is None else int(d) if isinstance(d, int | np.integer) else d for a, d in enumerate(static)]
 
 
 def _split_axis(x: Any, axis: int, members: int) -> Any:
