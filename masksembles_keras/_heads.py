@@ -167,11 +167,14 @@ class UncertaintyModel(keras.Model):  # type: ignore[misc]
     """What ``with_uncertainty`` returns: a functional model (B, ...) -> dict, always called in inference.
 
     ``training`` is ignored (always False): the wrapped model's Dropout stays off and BatchNormalization reads its
-    moving statistics whatever the caller passes, as ``predict`` runs it.
+    moving statistics whatever the caller passes, as ``predict`` runs it. A call returns the dict in
+    ``HeadSpec.outputs``' order (``model.predict`` on JAX and the exported formats sort it by name).
     """
 
     def call(self, inputs: Any, training: Any = None, mask: Any = None, **kwargs: Any) -> Any:
-        return super().call(inputs, training=False, mask=mask, **kwargs)
+        outputs = super().call(inputs, training=False, mask=mask, **kwargs)
+        (head,) = (layer for layer in self.layers if isinstance(layer, UncertaintyHead))
+        return {name: outputs[name] for name in head.spec.outputs}  # the torch backend's tree utilities sort keys
 
 
 def with_uncertainty(
