@@ -157,7 +157,7 @@ def _concrete(x: Any) -> bool:
         import torch
         from torch._subclasses.fake_tensor import is_fake
 
-        tracing = torch.compiler.is_compiling() or torch.compiler.is_exporting()
+        tracing = torch.compiler.is_compiling() or torch.compiler.is_exporting() or torch.jit.is_tracing()
         return not (tracing or is_fake(x) or x.device.type == "meta")
     return False
 

@@ -166,6 +166,11 @@ class ChannelSelect(keras.layers.Layer):  # type: ignore[misc]  # keras is untyp
             y = parts[0] if len(parts) == 1 else ops.concatenate(parts, axis=axis)
         elif on_torch() and axis == len(x.shape) - 1 and len(x.shape) > 2:
             return _torch_gather_last(ops.convert_to_tensor(x), self.index, self.scale)
+        elif on_torch():  # the index_select that ops.take calls, without its ravel and squeeze (ONNX export lacks the
+            import torch  # first's aten::ravel, and writes the second, a no-op here, as a Squeeze onnxruntime refuses)
+
+            index = torch.as_tensor(self.index, dtype=torch.int64, device=x.device)
+            y = torch.index_select(ops.convert_to_tensor(x), axis, index)
         else:
             y = ops.take(x, ops.convert_to_tensor(np.asarray(self.index, dtype="int32")), axis=axis)
         if self.scale is None:
@@ -715,7 +720,9 @@ class SelectMembers(keras.layers.Layer):  # type: ignore[misc]
         self.n, self.members, self.squeeze = n, [int(k) for k in members], squeeze
 
     def call(self, x: Any) -> Any:
-        y = ops.take(ops.reshape(x, (self.n, -1, *sizes(x)[1:])), np.asarray(self.members, dtype="int32"), axis=0)
+        y = ops.reshape(x, (self.n, -1, *sizes(x)[1:]))
+        if self.members != list(range(self.n)):  # every member in order (with_uncertainty's) needs no gather
+            y = ops.take(y, np.asarray(self.members, dtype="int32"), axis=0)
         return y[0] if self.squeeze else ops.moveaxis(y, 0, 1)
 
     def compute_output_shape(self, input_shape: Sequence[int | None]) -> tuple[int | None, ...]:
