@@ -157,7 +157,8 @@ def _concrete(x: Any) -> bool:
         import torch
         from torch._subclasses.fake_tensor import is_fake
 
-        tracing = torch.compiler.is_compiling() or torch.compiler.is_exporting() or torch.jit.is_tracing()
+        jit_tracing = torch._C._get_tracing_state() is not None  # torch.jit.trace (the TorchScript ONNX exporter)
+        tracing = torch.compiler.is_compiling() or torch.compiler.is_exporting() or jit_tracing
         return not (tracing or is_fake(x) or x.device.type == "meta")
     return False
 
