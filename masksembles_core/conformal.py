@@ -103,12 +103,15 @@ def _class_scores(probs: FloatArray, score: str, penalty: float, k_reg: int) -> 
 
     APS and RAPS sort each row by decreasing probability (stable: a lower class index ranks first among ties) and
     take the cumulative sum in that order, so a class's score counts the classes ranked before it exactly once.
+    The rows sum to 1 (validated and renormalized), so the last-ranked class scores exactly 1.
     """
     if score == "lac":
         lac: FloatArray = 1.0 - probs
         return lac
     order = np.argsort(-probs, axis=1, kind="stable")
     cumulative = np.cumsum(np.take_along_axis(probs, order, axis=1), axis=1)
+    np.minimum(cumulative, 1.0, out=cumulative)  # rounding never lifts a partial mass above the whole
+    cumulative[:, -1] = 1.0  # the whole mass, exactly: every class ranked last scores the same
     if score == "raps" and penalty > 0.0:
         cumulative += penalty * np.maximum(0, np.arange(1, probs.shape[1] + 1) - k_reg)
     scores = np.empty_like(cumulative)
