@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, TypeVar
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
@@ -43,6 +43,7 @@ from ._validation import check_int
 FloatArray = NDArray[np.float64]
 IntArray = NDArray[np.int64]
 BoolArray = NDArray[np.bool_]
+ArrayT = TypeVar("ArrayT", bound=NDArray[Any])
 
 SetScore = Literal["lac", "aps", "raps"]
 IntervalScore = Literal["absolute", "normalized"]
@@ -84,7 +85,8 @@ def _threshold(scores: FloatArray, alpha: float, what: str) -> FloatArray:
     return result
 
 
-def _frozen(array: NDArray[np.generic]) -> NDArray[np.generic]:
+def _frozen(array: ArrayT) -> ArrayT:
+    """``array``, made read-only (the predictors are frozen)."""
     array.setflags(write=False)
     return array
 

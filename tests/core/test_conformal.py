@@ -58,11 +58,11 @@ def test_sets_hold_the_classes_whose_score_is_at_most_the_threshold() -> None:
     rng = np.random.default_rng(1)
     logits = rng.normal(size=(3, 200, 5))
     labels = rng.integers(0, 5, 200)
-    for score, extra in (("lac", {}), ("aps", {}), ("raps", {"penalty": 0.05, "k_reg": 2})):
-        predictor = conformal.calibrate_sets(
-            logits[:, :120], labels[:120], alpha=0.1, score=score, logits=True, **extra
-        )
-        scores = conformal.class_scores(logits[:, 120:], score=score, logits=True, **extra)
+    cases: tuple[tuple[conformal.SetScore, float, int], ...] = (("lac", 0.0, 0), ("aps", 0.0, 0), ("raps", 0.05, 2))
+    for score, penalty, k_reg in cases:
+        options = {"score": score, "logits": True, "penalty": penalty, "k_reg": k_reg}
+        predictor = conformal.calibrate_sets(logits[:, :120], labels[:120], alpha=0.1, **options)  # type: ignore[arg-type]
+        scores = conformal.class_scores(logits[:, 120:], **options)  # type: ignore[arg-type]
         np.testing.assert_array_equal(predictor.sets(logits[:, 120:], logits=True), scores <= predictor.threshold)
         # on the calibration samples: the ⌈(n+1)(1−α)⌉ smallest scores are inside, and any tied with the threshold
         # (APS's scores tie at 1, the whole mass, for the least probable class)

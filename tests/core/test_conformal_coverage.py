@@ -110,7 +110,7 @@ def test_intervals_cover_one_minus_alpha(case: str) -> None:
     thresholds = split_thresholds(scores[:, :CALIBRATION])
     per_split = (scores[:, CALIBRATION:] <= thresholds).mean(axis=1)
     assert_guarantee(per_split)
-    score = "absolute" if case == "absolute" else "normalized"
+    score: conformal.IntervalScore = "absolute" if case == "absolute" else "normalized"
     for split in range(THROUGH_THE_API):
         calibration, test = slice(None, CALIBRATION), slice(CALIBRATION, None)
         kept = {"variances": variances[:, split, calibration]} if with_variances else {}

@@ -53,7 +53,8 @@ class GivenProbabilities(ClassifierMixin, BaseEstimator):  # type: ignore[misc, 
         return np.asarray(x)
 
     def predict(self, x: np.ndarray) -> np.ndarray:
-        return np.asarray(x).argmax(axis=1)
+        labels: np.ndarray = np.asarray(x).argmax(axis=1)
+        return labels
 
 
 class GivenMean(RegressorMixin, BaseEstimator):  # type: ignore[misc, unused-ignore]
@@ -74,7 +75,7 @@ class GivenMean(RegressorMixin, BaseEstimator):  # type: ignore[misc, unused-ign
 class ZeroDraws(np.random.RandomState):
     """A RandomState whose uniform draws are 0: MAPIE's randomized APS calibration score without its draw."""
 
-    def uniform(self, low: Any = 0.0, high: Any = 1.0, size: Any = None) -> np.ndarray:
+    def uniform(self, low: Any = 0.0, high: Any = 1.0, size: Any = None) -> np.ndarray:  # type: ignore[override]
         return np.zeros(size)
 
 
