@@ -100,25 +100,67 @@ def _score_name(score: str, allowed: tuple[str, ...]) -> str:
     return score
 
 
+def _rank_scores(descending: FloatArray, score: str, penalty: float, k_reg: int) -> FloatArray:
+    """The APS/RAPS score of the class at each rank (B, K), from each row's probabilities in decreasing order.
+
+    The cumulative sum in rank order, so a class's score counts the classes ranked before it exactly once. The rows
+    sum to 1 (validated and renormalized), so the last-ranked class scores exactly 1, and rounding never lifts a
+    partial mass above it. Non-decreasing along each row (RAPS's penalty too): a set is a prefix of the ranking.
+    """
+    cumulative = np.cumsum(descending, axis=1)
+    np.minimum(cumulative, 1.0, out=cumulative)
+    cumulative[:, -1] = 1.0
+    if score == "raps" and penalty > 0.0:
+        cumulative += penalty * np.maximum(0, np.arange(1, descending.shape[1] + 1) - k_reg)
+    return cumulative
+
+
 def _class_scores(probs: FloatArray, score: str, penalty: float, k_reg: int) -> FloatArray:
     """The score of every class of every sample (B, K) of the predictive distribution ``probs`` (B, K).
 
-    APS and RAPS sort each row by decreasing probability (stable: a lower class index ranks first among ties) and
-    take the cumulative sum in that order, so a class's score counts the classes ranked before it exactly once.
-    The rows sum to 1 (validated and renormalized), so the last-ranked class scores exactly 1.
+    APS and RAPS rank each row by decreasing probability, stably: a lower class index ranks first among ties.
     """
     if score == "lac":
         lac: FloatArray = 1.0 - probs
         return lac
     order = np.argsort(-probs, axis=1, kind="stable")
-    cumulative = np.cumsum(np.take_along_axis(probs, order, axis=1), axis=1)
-    np.minimum(cumulative, 1.0, out=cumulative)  # rounding never lifts a partial mass above the whole
-    cumulative[:, -1] = 1.0  # the whole mass, exactly: every class ranked last scores the same
-    if score == "raps" and penalty > 0.0:
-        cumulative += penalty * np.maximum(0, np.arange(1, probs.shape[1] + 1) - k_reg)
-    scores = np.empty_like(cumulative)
-    np.put_along_axis(scores, order, cumulative, axis=1)
+    by_rank = _rank_scores(np.take_along_axis(probs, order, axis=1), score, penalty, k_reg)
+    scores = np.empty_like(by_rank)
+    np.put_along_axis(scores, order, by_rank, axis=1)
     return scores
+
+
+def _descending(probs: FloatArray) -> FloatArray:
+    """Each row's probabilities in decreasing order: the values of the stable ranking, without its permutation."""
+    result: FloatArray = np.sort(probs, axis=1)[:, ::-1]
+    return result
+
+
+def _label_scores(probs: FloatArray, labels: IntArray, score: str, penalty: float, k_reg: int) -> FloatArray:
+    """``_class_scores(probs, ...)[rows, labels]`` (B,), the same numbers, from a sort of the values alone: the
+    label's rank counts the classes more probable than it and the equally probable ones of lower index."""
+    rows = np.arange(probs.shape[0])
+    label_probs = probs[rows, labels]
+    if score == "lac":
+        lac: FloatArray = 1.0 - label_probs
+        return lac
+    above = (probs > label_probs[:, None]).sum(axis=1)
+    tied_before = ((probs == label_probs[:, None]) & (np.arange(probs.shape[1]) < labels[:, None])).sum(axis=1)
+    result: FloatArray = _rank_scores(_descending(probs), score, penalty, k_reg)[rows, above + tied_before]
+    return result
+
+
+def _prefix_sets(probs: FloatArray, threshold: float, score: str, penalty: float, k_reg: int) -> BoolArray:
+    """``_class_scores(probs, ...) <= threshold`` (B, K) for APS/RAPS, from a sort of the values alone: the set is
+    the first ``L`` classes of the ranking, L the number of rank scores at most the threshold; those are the classes
+    more probable than the L-th value and, among the classes equal to it, as many as fit, lowest index first."""
+    descending = _descending(probs)
+    included = (_rank_scores(descending, score, penalty, k_reg) <= threshold).sum(axis=1)
+    last = descending[np.arange(probs.shape[0]), np.maximum(included - 1, 0)][:, None]
+    above, tied = probs > last, probs == last
+    room = (included - above.sum(axis=1))[:, None]
+    result: BoolArray = (above | (tied & (np.cumsum(tied, axis=1) <= room))) & (included > 0)[:, None]
+    return result
 
 
 def class_scores(
@@ -203,6 +245,8 @@ class ConformalSets:
                 f"calibrated on; received (n, B, K) = {probs.shape} (members first)"
             )
         mean = probs.mean(axis=0)
+        if self.score != "lac" and isinstance(self.threshold, float) and not self.randomized:
+            return _prefix_sets(mean, self.threshold, self.score, self.penalty, self.k_reg)
         scores = _class_scores(mean, self.score, self.penalty, self.k_reg)
         if self.randomized:
             scores = _randomized(scores, mean, np.random.default_rng(seed))
@@ -263,7 +307,7 @@ def calibrate_sets(
     label_array = metrics._labels(labels, classes=probs.shape[2], against="members", shape=probs.shape)
     mean = probs.mean(axis=0)
     rows = np.arange(mean.shape[0])
-    scores = _class_scores(mean, score, penalty, k_reg)[rows, label_array]
+    scores = _label_scores(mean, label_array, score, penalty, k_reg)
     if randomized:
         scores = scores - np.random.default_rng(seed).random(scores.shape[0]) * mean[rows, label_array]
     members_count, classes = probs.shape[0], probs.shape[2]

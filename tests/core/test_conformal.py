@@ -70,6 +70,24 @@ def test_sets_hold_the_classes_whose_score_is_at_most_the_threshold() -> None:
         assert calibration == math.ceil(121 * 0.9) if score == "lac" else calibration >= math.ceil(121 * 0.9)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_sets_and_thresholds_with_ties_equal_the_full_score_matrix(seed: int) -> None:
+    """``calibrate_sets`` and ``.sets`` rank APS/RAPS classes by a sort of the values alone; on probabilities full
+    of ties and zeros they give exactly the threshold and sets of ``class_scores`` (a stable argsort)."""
+    rng = np.random.default_rng(seed)
+    counts = rng.integers(0, 4, (300, 6)).astype(np.float64)
+    counts[counts.sum(axis=1) == 0, 0] = 1.0
+    probs = counts / counts.sum(axis=1, keepdims=True)  # multiples of 1/k: many ties, zeros
+    labels = rng.integers(0, 6, 300)
+    for options in ({"score": "aps"}, {"score": "raps", "penalty": 0.1, "k_reg": 2}):
+        for alpha in (0.05, 0.2, 0.5):
+            predictor = conformal.calibrate_sets(probs[:150], labels[:150], alpha=alpha, **options)  # type: ignore[arg-type]
+            scores = conformal.class_scores(probs, **options)  # type: ignore[arg-type]
+            calibration = scores[np.arange(150), labels[:150]]
+            assert predictor.threshold == np.sort(calibration)[math.ceil(151 * (1 - alpha)) - 1]
+            np.testing.assert_array_equal(predictor.sets(probs[150:]), scores[150:] <= predictor.threshold)
+
+
 def test_by_class_thresholds_are_each_class_calibrated_alone() -> None:
     rng = np.random.default_rng(2)
     probs = rng.dirichlet(np.ones(3), size=90)
