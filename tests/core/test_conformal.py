@@ -81,8 +81,8 @@ def test_sets_and_thresholds_with_ties_equal_the_full_score_matrix(seed: int) ->
     labels = rng.integers(0, 6, 300)
     for options in ({"score": "aps"}, {"score": "raps", "penalty": 0.1, "k_reg": 2}):
         for alpha in (0.05, 0.2, 0.5):
-            predictor = conformal.calibrate_sets(probs[:150], labels[:150], alpha=alpha, **options)  # type: ignore[arg-type]
-            scores = conformal.class_scores(probs, **options)  # type: ignore[arg-type]
+            predictor = conformal.calibrate_sets(probs[:150], labels[:150], alpha=alpha, **options)
+            scores = conformal.class_scores(probs, **options)
             calibration = scores[np.arange(150), labels[:150]]
             assert predictor.threshold == np.sort(calibration)[math.ceil(151 * (1 - alpha)) - 1]
             np.testing.assert_array_equal(predictor.sets(probs[150:]), scores[150:] <= predictor.threshold)
