@@ -17,8 +17,9 @@ the logits), for every class j of a sample:
 The threshold is the ⌈(n+1)(1−α)⌉-th smallest of the n calibration scores (scores of the true labels); a set holds
 every class whose own score is at most the threshold, so it may be empty. With ``randomized=True`` (APS and RAPS
 only) a uniform draw U per sample subtracts ``U · p_j`` from every score of that sample, at calibration and at
-prediction (Romano et al. 2020): the coverage is then ``1 − α`` on average instead of at least ``1 − α``, and the
-sets are smaller, at the price of depending on the draws.
+prediction (Romano et al. 2020): the scores no longer tie (APS's tie at 1 for the last-ranked class), so the average
+coverage is ⌈(n+1)(1−α)⌉/(n+1), just above 1 − α, rather than anything above it, and the sets are smaller, at the
+price of depending on the draws.
 
 Regression: the score of a sample is ``|y − μ|`` (``"absolute"``) or ``|y − μ| / σ`` (``"normalized"``), μ the
 members' mean, σ the square root of the Gaussian mixture's variance (mean of the members' variances plus the
@@ -291,7 +292,7 @@ def calibrate_sets(
         penalty, k_reg: RAPS's ``penalty · max(0, rank − k_reg)`` (penalty >= 0, k_reg >= 0 an integer).
         by_class: one threshold per class from that class's calibration samples (class-conditional coverage:
             every class is covered with probability >= 1 − alpha, if each has enough samples).
-        randomized: APS/RAPS with a uniform draw per sample (exact 1 − alpha on average, smaller sets).
+        randomized: APS/RAPS with a uniform draw per sample (coverage just above 1 − alpha on average, smaller sets).
         seed: seeds the calibration draws of a randomized predictor.
     """
     alpha = _alpha(alpha)
