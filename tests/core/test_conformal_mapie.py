@@ -16,6 +16,12 @@ the tests bridge them:
   threshold, a larger set than the score's.)
 - Ties: MAPIE ranks classes by ``np.argsort`` (ties in an unspecified order), this package by class index; the
   probabilities here are continuous (no ties).
+
+TorchCP 1.2.1 is not compared: importing it imports torchsort (a source distribution whose build needs CUDA_HOME)
+and torchvision (whose PyPI wheels are CUDA builds), which the CPU test environments cannot take. Its definitions,
+read from its source, are the ones tested here: the threshold is ``torch.kthvalue(scores, ⌈(n+1)(1−α)⌉)``, a set
+holds the classes whose score is <= it (empty sets allowed), APS is the cumulative sum in ``torch.sort`` order
+(ties in an unspecified order), all in float32.
 """
 
 from __future__ import annotations
