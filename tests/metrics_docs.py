@@ -45,9 +45,10 @@ def check_regression_snippet(framework: str, capsys: pytest.CaptureFixture[str])
 
 
 def guide_section(framework: str, title: str) -> list[str]:
-    """The Python blocks of the section ``## title`` of docs/``framework``.md."""
+    """The Python blocks of the section ``## title`` of docs/``framework``.md, up to the next heading (a ``###``
+    subsection is a section of its own)."""
     text = (DOCS / f"{framework}.md").read_text()
-    section = text.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
+    section = re.split(r"\n#{2,6} ", text.split(f"\n## {title}\n", 1)[1], maxsplit=1)[0]
     return re.findall(r"^```python\n(.*?)^```", section, flags=re.MULTILINE | re.DOTALL)
 
 
