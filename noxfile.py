@@ -111,7 +111,8 @@ def keras(session: nox.Session, backend: str) -> None:
     hub_deps = nox.project.dependency_groups(PYPROJECT, "test-keras-hub-deps")
     if backend != "tensorflow":  # a keras-hub task's fit/predict needs tf.data or grain
         hub_deps = (*hub_deps, *nox.project.dependency_groups(PYPROJECT, "test-keras-hub-grain"))
-    session.install(*CONSTRAINTS, "-e", ".[keras]", *KERAS_BACKEND_PACKAGES[backend], *TEST, *hub_deps, *DEMO)
+    deploy = nox.project.dependency_groups(PYPROJECT, f"test-keras-deploy-{backend}")  # export formats, runtimes
+    session.install(*CONSTRAINTS, "-e", ".[keras]", *KERAS_BACKEND_PACKAGES[backend], *TEST, *hub_deps, *deploy, *DEMO)
     session.install("--no-deps", *nox.project.dependency_groups(PYPROJECT, "test-keras-hub"))
     session.env["KERAS_BACKEND"] = backend
     run_pytest(session, f"keras-{backend},keras_hub", "tests/keras", *ADAPTER_TESTS)
