@@ -18,9 +18,9 @@ import masksembles_flax as mf
 from masksembles_core.heads import check_head, uncertainty_head
 from masksembles_flax import linen as ml
 from masksembles_flax import nnx as mn
+from tests.flax.common import assert_head_equals
 
 N = 4
-EPS32 = float(np.finfo(np.float32).eps)
 
 # What each task's members are: the model's output width and how its last layer's output is read.
 TASKS: dict[str, tuple[int, dict[str, Any]]] = {
@@ -31,19 +31,6 @@ TASKS: dict[str, tuple[int, dict[str, Any]]] = {
     "gaussian-log-variance": (2, {"task": "regression", "head": "log_variance"}),
     "gaussian-variance": (2, {"task": "regression", "head": "variance", "min_variance": 0.05}),
 }
-
-
-def assert_head_equals(answer: Any, expected: dict[str, np.ndarray]) -> None:
-    """Same names in the same order, float32, each value within 64 float32 rounding units of the float64 oracle's
-    (scaled by its magnitude): the members themselves differ from predict's by a few units (packed sums reordered)
-    and the head adds a few more; a wrong member, class or formula differs by orders of magnitude more."""
-    assert list(answer) == list(expected)
-    for name, want in expected.items():
-        got = np.asarray(answer[name])
-        assert got.dtype == np.float32 and got.shape == want.shape, name
-        np.testing.assert_allclose(
-            got, want, rtol=0, atol=64 * EPS32 * max(1.0, float(np.abs(want).max())), err_msg=name
-        )
 
 
 class Net(nnx.Module):
@@ -331,5 +318,5 @@ def test_linen_module_without_masks_and_n_mismatch_are_refused() -> None:
     module = LinenNet(3)
     with pytest.raises(ValueError, match="n=2 does not match"):
         ml.with_uncertainty(module, n=2).apply(linen_variables(module, x), x)
-    with pytest.raises(TypeError, match="takes a linen nn.Module"):
+    with pytest.raises(TypeError, match=r"takes a linen nn\.Module"):
         ml.with_uncertainty(nnx_model("logits", "own-layers"))  # type: ignore[arg-type]
