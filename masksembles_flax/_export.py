@@ -34,13 +34,15 @@ def export(
     shape = tuple(example.shape)
     if batch is not None:
         shape = (*jax.export.symbolic_shape(batch), *shape[1:])
-    spec = jax.ShapeDtypeStruct(shape, example.dtype)
+    spec = jax.ShapeDtypeStruct(shape, example.dtype)  # type: ignore[no-untyped-call]
     try:
         return jax.export.export(jax.jit(forward))(spec)
     except jax.errors.InconclusiveDimensionOperation as error:
         if batch is None:
             raise
+        reason = str(error).splitlines()[0]
         raise ValueError(
             f"{type(model).__name__} cannot be exported with a symbolic batch {batch!r}: tracing it at a batch of "
-            f"unknown size failed ({type(error).__name__}: {error}). Export at a fixed batch instead (batch=None)"
+            f"unknown size failed ({type(error).__name__}: {reason}). Export at the example's fixed batch instead "
+            f"(batch=None), or export the packed model (pack replays its operations for any batch size)"
         ) from error

@@ -131,8 +131,8 @@ def _recording(cls: type[ModuleT]) -> type[ModuleT]:
         arrays = [leaf for leaf in jax.tree.leaves((args, kwargs)) if getattr(leaf, "ndim", 0) > 0]
         if not arrays:
             return cls.__call__(self, *args, **kwargs)
-        samples = arrays[0].shape[0]
-        with batch_size(samples if jax.export.is_symbolic_dim(samples) else int(samples)):
+        samples = arrays[0].shape[0]  # an int, or a symbolic dimension (jax.export) that batch_size keeps
+        with batch_size(cast(int, samples) if jax.export.is_symbolic_dim(samples) else int(samples)):
             return cls.__call__(self, *args, **kwargs)
 
     namespace = {

@@ -6,7 +6,7 @@ import contextlib
 import contextvars
 import functools
 from collections.abc import Callable, Iterator, Sequence
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import jax
 import jax.export
@@ -84,9 +84,8 @@ def batch_size(samples: int) -> Iterator[None]:
     ``r`` the member of sample ``r // f``; other row counts keep the plain rule. Enter it where the model is called,
     inside the traced function under ``jit`` (it is read while tracing). An enclosing block's size wins. A symbolic
     size (``jax.export``) is kept as it is: the grouping's arithmetic on it is symbolic too."""
-    if not jax.export.is_symbolic_dim(samples):
-        samples = mca.check_int("samples", samples, minimum=1)
-    token = _MODEL_BATCH.set(samples) if _MODEL_BATCH.get() is None else None
+    checked = samples if jax.export.is_symbolic_dim(samples) else mca.check_int("samples", samples, minimum=1)
+    token = _MODEL_BATCH.set(cast(int, checked)) if _MODEL_BATCH.get() is None else None  # symbolic: int arithmetic
     try:
         yield
     finally:

@@ -150,7 +150,7 @@ def test_packed_inference_equals_predict(run_section: Callable[[str], dict[str, 
 def test_the_deploy_recipe_serves_the_core_head(run_section: Callable[[str], dict[str, Any]]) -> None:
     guide = run_section("Deploy")
     for batch in (1, 3):
-        x = jax.random.normal(jax.random.key(batch), (batch, 16, 16, 3))
+        x = jax.random.normal(jax.random.key(batch), (batch, 8, 8, 3))
         assert_head_equals(guide["served"].call(x), uncertainty_head(np.asarray(predict(guide["model"], x))))
         v = jax.random.normal(jax.random.key(batch), (batch, 32))
         members = predict(lambda b: guide["Net"]().apply(guide["variables"], b), v, n=4)
