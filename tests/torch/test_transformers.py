@@ -16,6 +16,7 @@ from torch import nn
 import masksembles_torch as mt
 from masksembles_core.insertion import CONVERTED, INSERTED, LEFT
 from tests.backends import requested_backends
+from tests.rounding import assert_rounding_close
 
 if "transformers" not in requested_backends():
     pytest.skip(
@@ -245,7 +246,7 @@ def test_a_training_step_then_predict_equals_the_model_on_the_tiled_batch(name: 
     assert torch.equal(members.logits, expected.logits.unflatten(0, (N, BATCH))), "member k: copy k of the batch"
     assert not torch.allclose(members.logits[0], members.logits[1]), "the members differ"
     chunked = mt.predict(model, batch, batch_size=2)
-    torch.testing.assert_close(chunked.logits, members.logits, rtol=1e-5, atol=1e-6)
+    assert_rounding_close(chunked.logits, members.logits)
 
 
 @pytest.mark.parametrize("name", ["bert", "distilbert", "gpt2"])
