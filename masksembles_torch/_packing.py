@@ -33,6 +33,7 @@ import copy
 import functools
 import statistics
 from collections.abc import Callable, Iterator, Sequence
+from time import perf_counter as clock  # the wall clock auto's build time and timings read
 from typing import Any, cast
 
 import numpy as np
@@ -44,6 +45,7 @@ from torch.utils import _pytree as pytree
 from masksembles_core import captured
 from masksembles_core.adapter import check_program
 from masksembles_core.packing import (
+    AUTO_BUILD,
     OUTPUT,
     VERIFY_SAMPLES,
     FoldConflict,
@@ -329,6 +331,7 @@ def _packed(
 ) -> PackedMasksembles:
     """``pack``/``extract_member``: capture once, build the program(s), verify, and choose."""
     check_program(program)
+    started = clock()
     keep_masks_off_fused_paths(model)  # as predict runs the model
     with _eval_mode(model):
         try:
@@ -353,11 +356,12 @@ def _packed(
         packed = candidate()
         if packed.program == "dense":  # verification or the graph left nothing packed: nothing to choose
             return packed
+        deadline = started + AUTO_BUILD * (clock() - started)  # AUTO_BUILD times what program="packed" takes
         candidates = {"packed": packed, "dense": candidate(dense=True)}
         if packed.meta["masksembles"]["chunk"]:  # in one call too: faster where freed memory is kept for reuse
             candidates["packed, one call"] = candidate(chunks=False)
         calls = {name: _timed(module, example_input) for name, module in candidates.items()}
-        name, why, times = timed_choice(calls, "packed")
+        name, why, times = timed_choice(calls, "packed", deadline=deadline, clock=clock)
         result = candidates[name]
         result.meta["masksembles"]["seconds"] = {key: statistics.median(value) for key, value in times.items()}
         result.meta["masksembles"]["choice"] = why
@@ -387,9 +391,11 @@ def pack(model: nn.Module, example_input: Inputs, *, program: str = "auto", veri
         program: ``"packed"`` (compacted where it can; on CPU, on chunks of the batch where its tensors are large and a
             torch.fx capture proves it per-sample), ``"dense"`` (the tiled dense model as one graph: every node as the
             model runs it, on the member-stacked batch), or ``"auto"`` (the default: both, and the packed program in one
-            call where it would run in chunks, are timed in interleaved rounds on ``example_input``; the packed program
-            is kept unless another was clearly faster (``masksembles_core.packing.choose_program``); ``seconds`` holds
-            the medians and ``choice`` the reason; give an example of the batch size you will run).
+            call where it would run in chunks, are timed in interleaved rounds on ``example_input``, for at most as
+            long again as building the packed program took; the packed program is kept unless its median time is
+            more than 10 % above another's, and then the fastest is (``masksembles_core.packing.choose_program``);
+            ``seconds`` holds the medians and ``choice`` the reason, naming them; give an example of the batch size
+            you will run).
         verify: compare the program with ``predict`` on the first few samples of ``example_input`` before returning
             it (the default). One that differs beyond float rounding is never returned: every node then runs at full
             width, or the whole model tiled, and the first entry of ``fallbacks`` says why. ``False`` skips it.
