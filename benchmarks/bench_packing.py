@@ -16,15 +16,15 @@ in the single model too (SDPA); with dropouts converted by
 single model skips the padded tokens with nested tensors; a second row runs it on every token, as the packed program
 and the MAC ratio count them) and,
 GPT-like, with a causal mask (pre-norm, the last token classified); and the issue's case, a
-ResNet-50 (bottleneck blocks 3-4-6-3) on 3×32×32 with masks after every block; issue #39's 1-D CNN (Conv1d 1→32,
-kernel 7; 32→64, kernel 5; 64→64, kernel 3; average pool; Linear 64→10; masks before the last three) on 1×128. For each batch size (medians of
-interleaved rounds, every ratio from the same run), ÷ one forward of the same network without Masksembles on the
-same batch: ``pack(model, program="packed")``, the tiled dense ``predict(model, x, 4)``, and packed ÷ tiled
-(``pack``'s default ``program="auto"`` keeps the faster of the two). Next to the packed ratio: the
-multiply-accumulate (MAC) ratio of its Linear/Conv layers and attention products, and the share of those MACs that
-run at full width because they fell back; where the packed program runs on chunks of the batch (CPU, per-sample
-programs), the single model run on the same chunks. The second command keeps glibc from returning freed memory to
-the system, so that large allocations do not page-fault on every call (its table goes to its own section)."""
+ResNet-50 (bottleneck blocks 3-4-6-3) on 3×32×32 with masks after every block; issue #39's 1-D CNN (Conv1d 1→32, kernel
+7; 32→64, kernel 5; 64→64, kernel 3; average pool; Linear 64→10; masks before the last three) on 1×128. For each batch
+size (medians of interleaved rounds, every ratio from the same run), ÷ one forward of the same network without
+Masksembles on the same batch: ``pack(model, program="packed")``, the tiled dense ``predict(model, x, 4)``, and packed ÷
+tiled (``pack``'s default ``program="auto"`` keeps the faster of the two). Next to the packed ratio: the
+multiply-accumulate (MAC) ratio of its Linear/Conv layers and attention products, and the share of those MACs that run
+at full width because they fell back; where the packed program runs on chunks of the batch (CPU, per-sample programs),
+the single model run on the same chunks. The second command keeps glibc from returning freed memory to the system, so
+that large allocations do not page-fault on every call (its table goes to its own section)."""
 
 from __future__ import annotations
 

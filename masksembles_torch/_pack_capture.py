@@ -437,7 +437,7 @@ def counting(counter: FlopCounterMode) -> Iterator[FlopCounterMode]:
 
 def _attention_flops(query: Sequence[int], key: Sequence[int], value: Sequence[int], *_: Any, **__: Any) -> int:
     """Flops of fused attention on tensors of these shapes (FlopCounterMode's formula, its other arguments unread)."""
-    return int(sdpa_flop_count(query, key, value))
+    return int(sdpa_flop_count(query, key, value))  # type: ignore[no-untyped-call]  # torch leaves it untyped
 
 
 def counted_macs(function: Callable[[], Any]) -> tuple[Any, int]:
