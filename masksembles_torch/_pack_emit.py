@@ -847,11 +847,11 @@ def _bytes(array: np.ndarray | None) -> bytes | None:
 
 def _one_row(setting: Any, name: str) -> Any:
     """A Conv1d's stride, padding or dilation for the Conv2d that runs it on a (B, C, 1, L) view: 1, 0 and 1 on the
-    height of one row ("same"/"valid" padding as it is). On CPU (2 threads, oneDNN, one run on a loaded machine:
-    medians of 9 interleaved calls) a grouped Conv1d of 4 members
-    took 1.2-1.5x the time of a dense Conv1d of as many multiply-adds (4 × 16 -> 4 × 32 channels, kernel 5, and 4 ×
-    32 -> 4 × 32, kernel 3, on 256 positions at batch 86), the same grouped Conv2d in channels-last memory 0.77x:
-    issue #39's 1-D CNN ran packed at 2.5x its MAC ratio."""
+    height of one row ("same"/"valid" padding as it is). On CPU (2 threads, oneDNN; one run on a loaded machine,
+    medians of 9 interleaved calls) a grouped Conv1d of 4 members took 1.2-1.5x the time of a dense Conv1d of as many
+    multiply-adds (4 × 16 -> 4 × 32 channels, kernel 5, and 4 × 32 -> 4 × 32, kernel 3, on 256 positions at batch
+    86), the same grouped Conv2d in channels-last memory 0.77x: issue #39's 1-D CNN ran packed at 2.5x its MAC
+    ratio."""
     if isinstance(setting, str):
         return setting
     (width,) = setting if isinstance(setting, (tuple, list)) else (setting,)
