@@ -36,7 +36,8 @@ def predict(model: nn.Module, x: Inputs, n: int | None = None, *, batch_size: in
     copy ``k`` of the batch goes through member ``k``. Other values (flags, 0-d tensors, None) are passed as they
     are. The model runs on the tiled input under ``torch.no_grad()`` with every module in eval mode (BatchNorm
     running statistics, dropout off; each module's own mode is restored afterwards, so the model's state is never
-    changed), ``batch_size`` samples of ``x`` at a time (all at once when None). An ``nn.TransformerEncoder`` whose
+    changed), ``batch_size`` samples of ``x`` at a time (all at once when None; chunks equal the one call up to
+    rounding, not bit for bit: a kernel may round a sum differently on fewer rows). An ``nn.TransformerEncoder`` whose
     layers hold Masksembles layers keeps a padded batch padded (no nested tensor), as ``insert`` and
     ``convert_dropout`` leave it (``keep_masks_off_fused_paths``).
 

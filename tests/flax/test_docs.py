@@ -91,6 +91,7 @@ def test_the_guide_has_the_expected_sections() -> None:
         "`insert`: Masksembles into an existing model",
         "`convert_dropout` and scan-over-layers (NNX)",
         "Packed inference (Flax NNX)",
+        "Conformal prediction from `predict`",
     ]
 
 

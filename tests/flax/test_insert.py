@@ -18,6 +18,7 @@ from masksembles_core.insertion import INSERTED, LEFT, LayerReport, check_insert
 from masksembles_flax import predict
 from masksembles_flax.nnx import Masked, Masks, insert
 from tests.flax.common import assert_same_bits, raises_like
+from tests.rounding import assert_rounding_close
 
 FIRST = "the network's first layer: it reads the raw input (include_first=True masks it)"
 DEPTHWISE = "depthwise convolution: each output channel reads one input channel (before=... includes it)"
@@ -176,11 +177,11 @@ def test_masks_of_scale_one_keep_the_outputs_and_scale_two_makes_members(make: A
     assert len(wrappers) == len(single.masksembles_report.changed) >= 2
     assert all(np.asarray(wrapper.masksembles.masks[...]).all() for _, wrapper in wrappers)
     expected = np.asarray(model(x))
-    assert_same_bits(single(x), expected)
+    assert_same_bits(single(x), expected)  # masks of ones: x * 1 is x, then the same layers on the same batch
     members = predict(single, x, 4)
     assert members.shape == (4, *expected.shape)
-    for member in members:
-        assert_same_bits(member, expected)
+    for member in members:  # the tiled batch: 4 times the rows, which a kernel may round differently
+        assert_rounding_close(member, expected)
     ensemble = insert(model, 4, 2.0, seed=0)
     members = nnx.jit(lambda model, x: predict(model, x, 4))(ensemble, x)
     assert members.shape == (4, *expected.shape)

@@ -23,6 +23,7 @@ from masksembles_flax import nnx as mn
 from masksembles_flax import predict
 from masksembles_flax._linen_surgery import LIFTED
 from tests.flax.common import assert_same_bits
+from tests.rounding import assert_rounding_close
 
 FIRST = "the network's first layer: it reads the raw input (include_first=True masks it)"
 IMAGES = jax.random.normal(jax.random.key(0), (8, 8, 8, 3))
@@ -385,4 +386,4 @@ def test_nnx_models_train_predict_pack_and_checkpoint(make: Any, x: jax.Array, o
         restored = nnx.merge(graphdef, checkpointer.restore(tmp_path / "ckpt", abstract))
     restored.eval()
     assert jax.tree.all(jax.tree.map(np.array_equal, masks_before, nnx.state(restored, mn.Masks)))
-    np.testing.assert_allclose(nnx.jit(lambda model, x: predict(model, x, 4))(restored, x), members, rtol=1e-6)
+    assert_rounding_close(nnx.jit(lambda model, x: predict(model, x, 4))(restored, x), members)

@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 from tests.keras.common import BACKEND
+from tests.rounding import assert_rounding_close
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -49,12 +50,13 @@ def run_worker(backend: str, tmp_path: Path) -> dict[str, np.ndarray]:
 def test_jax_data_parallel_equals_one_device(tmp_path: Path) -> None:
     results = run_worker("jax", tmp_path)
     assert int(results["devices"]) == 4, "the distributed model's weights live on the 4 devices"
-    for key in ("predict", "members", "masks"):
-        assert np.array_equal(results[f"distributed/{key}"], results[f"single/{key}"]), key
+    assert np.array_equal(results["distributed/masks"], results["single/masks"])
+    for key in ("predict", "members"):  # each device multiplies its shard's rows: a matmul may round them differently
+        assert_rounding_close(results[f"distributed/{key}"], results[f"single/{key}"], err_msg=key)
     weights = sorted(key.removeprefix("single/") for key in results if key.startswith("single/weight"))
     assert weights
     for key in weights:  # one fit step: equal up to the order of the gradient all-reduce
-        np.testing.assert_allclose(results[f"distributed/{key}"], results[f"single/{key}"], rtol=1e-6, atol=1e-7)
+        assert_rounding_close(results[f"distributed/{key}"], results[f"single/{key}"], err_msg=key)
 
 
 @pytest.mark.skipif(
@@ -63,12 +65,13 @@ def test_jax_data_parallel_equals_one_device(tmp_path: Path) -> None:
 def test_tensorflow_mirrored_strategy_equals_one_device_on_the_same_layout(tmp_path: Path) -> None:
     results = run_worker("tensorflow", tmp_path)
     assert int(results["replicas"]) == 2
-    assert np.array_equal(results["distributed/predict"], results["single/predict"]), "per-replica grouping"
+    # each replica's batch against the same batches on one device: other devices, other threads, so up to rounding
+    assert_rounding_close(results["distributed/predict"], results["single/predict"], err_msg="per-replica grouping")
     assert not np.allclose(results["distributed/predict"], results["single/global_predict"]), (
         "each replica groups its own batch, not the global one"
     )
-    assert np.array_equal(results["distributed/members"], results["single/members"])
+    assert_rounding_close(results["distributed/members"], results["single/members"])
     trainable = sorted(key.removeprefix("single/") for key in results if key.startswith("single/trainable"))
     assert len(trainable) == 4
     for key in trainable:  # one fit step against the same layout on one device
-        np.testing.assert_allclose(results[f"distributed/{key}"], results[f"single/{key}"], rtol=1e-6, atol=1e-7)
+        assert_rounding_close(results[f"distributed/{key}"], results[f"single/{key}"], err_msg=key)
