@@ -72,7 +72,8 @@ def predict(model: nn.Module, x: Inputs, n: int | None = None, *, batch_size: in
         for module, training in modes:
             module.training = training
     if isinstance(outputs[0], Tensor):
-        return torch.cat([untile(output, n) for output in outputs], dim=1)
+        members = [untile(output, n) for output in outputs]
+        return members[0] if len(members) == 1 else torch.cat(members, dim=1)  # one chunk: a view, no copy
     return stack_members(outputs, n, sizes)
 
 
