@@ -251,6 +251,6 @@ def bench(session: nox.Session) -> None:
     session.install(*CONSTRAINTS, *METRICS_TEST, "netcal==1.4.0")  # the metrics' references (netcal needs torch)
     transformers = [r for r in nox.project.dependency_groups(PYPROJECT, "test-torch") if r.startswith("transformers")]
     session.install(*CONSTRAINTS, *transformers)  # bench_packing's ViT (transformers) row
-    scripts = ("generation", "torch", "packing", "keras", "flax", "flax_barrier", "flax_packing", "metrics")
+    scripts = ("generation", "torch", "packing", "keras", "flax", "flax_barrier", "flax_packing", "metrics", "predict")
     for script in scripts:
         session.run("python", f"benchmarks/bench_{script}.py")

@@ -187,7 +187,8 @@ def measure(framework: str, rounds: int) -> list[dict[str, Any]]:
             x = np.random.default_rng(batch).standard_normal((batch, *shape)).astype(np.float32)
             expected, actual = np.asarray(by_hand(x)), np.asarray(predict(x))
             np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-4 * max(1.0, float(np.abs(expected).max())))
-            times = timed_rounds({"predict": lambda: predict(x), "by hand": lambda: by_hand(x)}, rounds=rounds)
+            calls = {"predict": functools.partial(predict, x), "by hand": functools.partial(by_hand, x)}
+            times = timed_rounds(calls, rounds=rounds)
             ratios = [p / h for p, h in zip(times["predict"], times["by hand"], strict=True)]
             rows.append({
                 "framework": framework, "model": name, "batch": batch,
@@ -233,8 +234,8 @@ def main() -> None:
     lines = [
         "## `predict` ÷ the tiled call by hand",
         "",
-        f"n={N}, S={SCALE}, float32, CPU ({args.threads} intra-op threads), medians of {args.rounds} interleaved rounds "
-        f"after one warm-up round, each framework in its own process, on {machine()} (shared with other jobs). "
+        f"n={N}, S={SCALE}, float32, CPU ({args.threads} intra-op threads), medians of {args.rounds} interleaved "
+        f"rounds after one warm-up round, each framework in its own process, on {machine()} (shared with other jobs). "
         "By hand: Keras `model.predict` on the tiled batch (one batch), the jitted NNX/linen call on the tiled batch, "
         "torch `model(tiled)` under `no_grad`; both return the (n, B, ...) members. Ratio: of the medians, with the "
         "range of the per-round ratios. Target ≤ 1.1.",

@@ -15,7 +15,7 @@ def compiled_or_eager(compiled: Callable[[], T], eager: Callable[[], T], on_fall
     eager call's, as if nothing had been compiled."""
     try:
         return compiled()
-    except Exception:  # noqa: BLE001 - any failure of the compiled call is answered by the eager call below
+    except Exception:  # any failure of the compiled call is answered by the eager call below
         pass
     result = eager()
     on_fallback()

@@ -49,13 +49,17 @@ def predict(model: Callable[[jax.Array], T], x: jax.Array, n: int | None = None)
             ``n`` is None and no Masksembles layer is found.
     """
     if isinstance(model, nnx.Module):
-        members = mca.check_members([layer.n for _, layer in nnx.iter_graph(model) if isinstance(layer, Masksembles)], n)
+        members = mca.check_members(
+            [layer.n for _, layer in nnx.iter_graph(model) if isinstance(layer, Masksembles)], n
+        )
         graphdef, state = nnx.split(model)
         return _cached(graphdef, lambda: _nnx_compiled(graphdef, state, x, members),
                        lambda: _nnx_eager(graphdef, state, x, members))  # fmt: skip
     bound = _bound_arrays(model)
     if bound is None:
-        result: T = predict_members(model, x, mca.check_members(sorted(masking_counts(jax.make_jaxpr(model)(x).jaxpr)), n))
+        result: T = predict_members(
+            model, x, mca.check_members(sorted(masking_counts(jax.make_jaxpr(model)(x).jaxpr)), n)
+        )
         return result
     key, arrays = bound
     members = mca.check_members(_partial_counts(key, tuple((a.shape, a.dtype) for a in arrays), x.shape, x.dtype), n)
@@ -112,7 +116,9 @@ def _rebuilt(key: Any, arrays: list[Any]) -> Callable[[jax.Array], Any]:
 def _partial_counts(key: Any, shapes: tuple[tuple[Any, Any], ...], x_shape: Any, x_dtype: Any) -> tuple[int, ...]:
     """The n of every Masksembles layer the partial of ``key`` calls, from one abstract trace per argument shapes."""
     arrays = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]
-    traced = jax.make_jaxpr(lambda values, batch: _rebuilt(key, values)(batch))(arrays, jax.ShapeDtypeStruct(x_shape, x_dtype))
+    traced = jax.make_jaxpr(lambda values, batch: _rebuilt(key, values)(batch))(
+        arrays, jax.ShapeDtypeStruct(x_shape, x_dtype)
+    )
     return tuple(sorted(masking_counts(traced.jaxpr)))
 
 

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import keras
 import numpy as np
@@ -82,17 +83,26 @@ def predict(model: keras.Model, x: Any, n: int | None = None, *, batch_size: int
             # sample's output does not depend on the other samples of its call (inference BatchNorm, per-sample
             # ops). A model whose output reads the whole batch gives other results for other batch sizes anyway.
             pad = step - rows if inference.compiles and 0 < rows < step else 0
-            chunk = keras.tree.map_structure(lambda a, s=start: mc.tile(_padded(a[s : s + rows], pad), n), inputs)
+            chunk = keras.tree.map_structure(
+                functools.partial(_tiled_rows, start=start, rows=rows, pad=pad, n=n), inputs
+            )
             outputs = inference(model, chunk)
-            parts.append(keras.tree.map_structure(lambda y: mc.untile(ops.convert_to_numpy(y), n)[:, :rows], outputs))
+            parts.append(keras.tree.map_structure(functools.partial(_members, rows=rows, n=n), outputs))
     if len(parts) == 1:
         return parts[0]
     return keras.tree.map_structure(lambda *members: np.concatenate(members, axis=1), *parts)
 
 
-def _padded(rows: np.ndarray, pad: int) -> np.ndarray:
-    """(r, ...) -> (r + pad, ...): ``rows`` and ``pad`` copies of its last row (a real sample, valid for any model)."""
-    return rows if pad == 0 else np.concatenate([rows, np.repeat(rows[-1:], pad, axis=0)])
+def _tiled_rows(array: np.ndarray, start: int, rows: int, pad: int, n: int) -> np.ndarray:
+    """Rows ``start`` to ``start + rows`` of ``array`` and ``pad`` copies of the last of them (a real sample, valid
+    input for any model), tiled ``n`` times: (n*(rows + pad), ...)."""
+    chunk = array[start : start + rows]
+    return mc.tile(chunk if pad == 0 else np.concatenate([chunk, np.repeat(chunk[-1:], pad, axis=0)]), n)
+
+
+def _members(output: Any, rows: int, n: int) -> np.ndarray:
+    """A model output on a tiled chunk -> NumPy (n, rows, ...): each member's first ``rows`` rows (pads dropped)."""
+    return mc.untile(ops.convert_to_numpy(output), n)[:, :rows]
 
 
 class _Inference:
@@ -101,7 +111,7 @@ class _Inference:
     One per model (``of``), kept while the model lives (it holds no reference to it) and made again when the model's
     layers change."""
 
-    _made: weakref.WeakKeyDictionary[keras.layers.Layer, _Inference] = weakref.WeakKeyDictionary()
+    _made: ClassVar[weakref.WeakKeyDictionary[keras.layers.Layer, _Inference]] = weakref.WeakKeyDictionary()
 
     def __init__(self, model: Any, layers: Sequence[Any]) -> None:
         self.layers = [weakref.ref(layer) for layer in layers]
@@ -148,7 +158,8 @@ def _compiled_call(model: keras.layers.Layer) -> Callable[[Any], Any] | None:
 
         def stateless(trainable: list[Any], non_trainable: list[Any], x: Any) -> tuple[Any, list[Any]]:
             outputs, updated = model_ref().stateless_call(trainable, non_trainable, x, training=False)
-            return outputs, updated
+            # None for the values the call left alone (the same tracer): no copy out, no assignment back
+            return outputs, [None if new is old else new for new, old in zip(updated, non_trainable, strict=True)]
 
         jitted = jax.jit(stateless)
 
@@ -157,7 +168,7 @@ def _compiled_call(model: keras.layers.Layer) -> Callable[[Any], Any] | None:
             variables = live.non_trainable_variables
             outputs, updated = jitted([v.value for v in live.trainable_variables], [v.value for v in variables], x)
             for variable, value in zip(variables, updated, strict=True):
-                if value is not variable.value:  # what the eager call would have changed (jit forwards the rest)
+                if value is not None:  # what the eager call would have changed
                     variable.assign(value)
             return outputs
 

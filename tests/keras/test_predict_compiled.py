@@ -99,4 +99,6 @@ def test_a_model_that_cannot_be_compiled_runs_eagerly_with_the_same_result() -> 
     model.runs = 0
     chunked = mk.predict(model, x, batch_size=4)
     assert model.runs == 2, "after the first failure each chunk runs eagerly, without a new try to compile"
-    np.testing.assert_array_equal(chunked, np.concatenate([eager_members(model, x[:4]), eager_members(model, x[4:])], 1))
+    np.testing.assert_array_equal(
+        chunked, np.concatenate([eager_members(model, x[:4]), eager_members(model, x[4:])], 1)
+    )
