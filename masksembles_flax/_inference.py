@@ -68,8 +68,13 @@ def predict(model: Callable[[jax.Array], T], x: jax.Array, n: int | None = None)
 
 
 def _cached(key: Hashable, compiled: Callable[[], T], eager: Callable[[], T]) -> T:
-    """``compiled()``, or ``eager()`` where the model of ``key`` does not compile (remembered)."""
-    if key in _EAGER:
+    """``compiled()``, or ``eager()`` where the model of ``key`` does not compile (remembered) or ``key`` cannot be
+    hashed (a static attribute that is not hashable: nothing can be cached for it)."""
+    try:
+        known_eager = key in _EAGER
+    except TypeError:
+        return eager()
+    if known_eager:
         return eager()
     return mca.compiled_or_eager(compiled, eager, lambda: _EAGER.add(key))
 
