@@ -207,6 +207,28 @@ def worker_environment(framework: str, threads: int) -> dict[str, str]:
     return env
 
 
+def section(rows: list[dict[str, Any]], rounds: int, threads: int) -> str:
+    """The BENCHMARKS.md section of ``rows`` (``measure``'s)."""
+    lines = [
+        "## `predict` ÷ the tiled call by hand",
+        "",
+        f"n={N}, S={SCALE}, float32, CPU ({threads} intra-op threads), medians of {rounds} interleaved "
+        f"rounds after one warm-up round, each framework in its own process, on {machine()} (shared with other jobs). "
+        "By hand: Keras `model.predict` on the tiled batch (one batch), the jitted NNX/linen call on the tiled batch, "
+        "torch `model(tiled)` under `no_grad`; both return the (n, B, ...) members. Ratio: of the medians, with the "
+        "range of the per-round ratios. Target ≤ 1.1.",
+        "",
+        "| framework | model | batch | `predict` (ms) | by hand (ms) | ratio | per-round range |",
+        "|---|---|---:|---:|---:|---:|---|",
+        *(
+            f"| {r['framework']} | {r['model']} | {r['batch']} | {r['predict'] * 1e3:.2f} | {r['by_hand'] * 1e3:.2f} "
+            f"| {r['predict'] / r['by_hand']:.2f} | {r['low']:.2f}–{r['high']:.2f} |"
+            for r in rows
+        ),
+    ]
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (at least 3)")
@@ -231,24 +253,7 @@ def main() -> None:
                        "--threads", str(args.threads)]  # fmt: skip
             subprocess.run(command, check=True, env=worker_environment(framework, args.threads))
             rows += json.loads(out.read_text())
-    lines = [
-        "## `predict` ÷ the tiled call by hand",
-        "",
-        f"n={N}, S={SCALE}, float32, CPU ({args.threads} intra-op threads), medians of {args.rounds} interleaved "
-        f"rounds after one warm-up round, each framework in its own process, on {machine()} (shared with other jobs). "
-        "By hand: Keras `model.predict` on the tiled batch (one batch), the jitted NNX/linen call on the tiled batch, "
-        "torch `model(tiled)` under `no_grad`; both return the (n, B, ...) members. Ratio: of the medians, with the "
-        "range of the per-round ratios. Target ≤ 1.1.",
-        "",
-        "| framework | model | batch | `predict` (ms) | by hand (ms) | ratio | per-round range |",
-        "|---|---|---:|---:|---:|---:|---|",
-        *(
-            f"| {r['framework']} | {r['model']} | {r['batch']} | {r['predict'] * 1e3:.2f} | {r['by_hand'] * 1e3:.2f} "
-            f"| {r['predict'] / r['by_hand']:.2f} | {r['low']:.2f}–{r['high']:.2f} |"
-            for r in rows
-        ),
-    ]
-    publish("predict-speed", "\n".join(lines), write=not args.no_write)
+    publish("predict-speed", section(rows, args.rounds, args.threads), write=not args.no_write)
 
 
 if __name__ == "__main__":
