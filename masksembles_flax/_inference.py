@@ -53,8 +53,9 @@ def predict(model: Callable[[jax.Array], T], x: jax.Array, n: int | None = None)
             [layer.n for _, layer in nnx.iter_graph(model) if isinstance(layer, Masksembles)], n
         )
         graphdef, state = nnx.split(model)
-        return _cached(graphdef, lambda: _nnx_compiled(graphdef, state, x, members),
+        compiled: T = _cached(graphdef, lambda: _nnx_compiled(graphdef, state, x, members),
                        lambda: _nnx_eager(graphdef, state, x, members))  # fmt: skip
+        return compiled
     bound = _bound_arrays(model)
     if bound is None:
         result: T = predict_members(
@@ -63,8 +64,9 @@ def predict(model: Callable[[jax.Array], T], x: jax.Array, n: int | None = None)
         return result
     key, arrays = bound
     members = mca.check_members(_partial_counts(key, tuple((a.shape, a.dtype) for a in arrays), x.shape, x.dtype), n)
-    return _cached(key, lambda: _partial_compiled(key, arrays, x, members),
-                   lambda: predict_members(model, x, members))  # fmt: skip
+    result = _cached(key, lambda: _partial_compiled(key, arrays, x, members),
+                     lambda: predict_members(model, x, members))  # fmt: skip
+    return result
 
 
 def _cached(key: Hashable, compiled: Callable[[], T], eager: Callable[[], T]) -> T:
@@ -79,16 +81,16 @@ def _cached(key: Hashable, compiled: Callable[[], T], eager: Callable[[], T]) ->
     return mca.compiled_or_eager(compiled, eager, lambda: _EAGER.add(key))
 
 
-def _nnx_eager(graphdef: nnx.GraphDef[Any], state: nnx.State, x: jax.Array, n: int) -> Any:
+def _nnx_eager(graphdef: nnx.GraphDef[Any], state: Any, x: jax.Array, n: int) -> Any:
     """``predict_members`` on a copy of the module in eval mode (a new graph on the same arrays: ``eval()`` leaves the
     model's mode alone)."""
     model = nnx.merge(graphdef, state)
-    model.eval()  # type: ignore[no-untyped-call]
+    model.eval()
     return predict_members(model, x, n)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "n"))
-def _nnx_compiled(graphdef: nnx.GraphDef[Any], state: nnx.State, x: jax.Array, n: int) -> Any:
+def _nnx_compiled(graphdef: nnx.GraphDef[Any], state: Any, x: jax.Array, n: int) -> Any:
     """``_nnx_eager`` as one program, traced once per graph definition, ``n`` and argument shapes."""
     return _nnx_eager(graphdef, state, x, n)
 
@@ -120,9 +122,10 @@ def _rebuilt(key: Any, arrays: list[Any]) -> Callable[[jax.Array], Any]:
 @functools.lru_cache(maxsize=256)
 def _partial_counts(key: Any, shapes: tuple[tuple[Any, Any], ...], x_shape: Any, x_dtype: Any) -> tuple[int, ...]:
     """The n of every Masksembles layer the partial of ``key`` calls, from one abstract trace per argument shapes."""
-    arrays = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]
+    arrays = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]  # type: ignore[no-untyped-call]
     traced = jax.make_jaxpr(lambda values, batch: _rebuilt(key, values)(batch))(
-        arrays, jax.ShapeDtypeStruct(x_shape, x_dtype)
+        arrays,
+        jax.ShapeDtypeStruct(x_shape, x_dtype),  # type: ignore[no-untyped-call]
     )
     return tuple(sorted(masking_counts(traced.jaxpr)))
 

@@ -6,7 +6,7 @@ import contextlib
 import functools
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import keras
 import numpy as np
@@ -148,25 +148,34 @@ def _compiled_call(model: keras.layers.Layer) -> Callable[[Any], Any] | None:
     Keras' ``predict`` runs without ``jit_compile``)."""
     backend = keras.backend.backend()
     model_ref = weakref.ref(model)
+
+    def live() -> Any:
+        """The model (the cache holds it weakly; it is alive while predict runs it)."""
+        alive = model_ref()
+        if alive is None:
+            raise ReferenceError("the model was deleted")
+        return alive
+
     if backend == "tensorflow":
         import tensorflow as tf
 
         jit_compile = bool(getattr(model, "jit_compile", False))
-        return tf.function(lambda x: model_ref()(x, training=False), reduce_retracing=True, jit_compile=jit_compile)
+        function = tf.function(lambda x: live()(x, training=False), reduce_retracing=True, jit_compile=jit_compile)
+        return cast(Callable[[Any], Any], function)
     if backend == "jax":
         import jax
 
         def stateless(trainable: list[Any], non_trainable: list[Any], x: Any) -> tuple[Any, list[Any]]:
-            outputs, updated = model_ref().stateless_call(trainable, non_trainable, x, training=False)
+            outputs, updated = live().stateless_call(trainable, non_trainable, x, training=False)
             # None for the values the call left alone (the same tracer): no copy out, no assignment back
             return outputs, [None if new is old else new for new, old in zip(updated, non_trainable, strict=True)]
 
         jitted = jax.jit(stateless)
 
         def call(x: Any) -> Any:
-            live = model_ref()
-            variables = live.non_trainable_variables
-            outputs, updated = jitted([v.value for v in live.trainable_variables], [v.value for v in variables], x)
+            model = live()
+            variables = model.non_trainable_variables
+            outputs, updated = jitted([v.value for v in model.trainable_variables], [v.value for v in variables], x)
             for variable, value in zip(variables, updated, strict=True):
                 if value is not None:  # what the eager call would have changed
                     variable.assign(value)
