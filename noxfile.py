@@ -254,6 +254,17 @@ def bench(session: nox.Session) -> None:
     session.install(*CONSTRAINTS, *transformers)  # bench_packing's ViT (transformers) row
     onnx = [r for r in nox.project.dependency_groups(PYPROJECT, "test-torch") if r.startswith("onnx")]
     session.install(*CONSTRAINTS, *onnx)  # bench_deploy: ONNX export, run in onnxruntime
-    scripts = ("generation", "torch", "packing", "deploy", "keras", "flax", "flax_barrier", "flax_packing", "metrics")
+    scripts = (
+        "generation",
+        "torch",
+        "packing",
+        "deploy",
+        "keras",
+        "flax",
+        "flax_barrier",
+        "flax_packing",
+        "metrics",
+        "predict",
+    )
     for script in scripts:
         session.run("python", f"benchmarks/bench_{script}.py")

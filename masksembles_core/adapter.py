@@ -7,6 +7,7 @@ raises the same exception with the same message in every framework. Messages nam
 and the value received.
 """
 
+from ._compiling import compiled_or_eager
 from ._generation import LayerArguments, check_seed, layer_arguments, make_rng
 from ._grouping import check_tiled_batch, rows_per_sample
 from ._reference import mask_shape
@@ -47,6 +48,7 @@ __all__ = [
     "check_scale",
     "check_seed",
     "check_tiled_batch",
+    "compiled_or_eager",
     "layer_arguments",
     "make_rng",
     "mask_shape",

@@ -55,14 +55,16 @@ def predict(model: nn.Module, x: Inputs, n: int | None = None, *, batch_size: in
         ValueError: ``n`` differs from the n of the model's Masksembles layers, the layers have different n, ``n``
             is None and the model has no Masksembles layer, or the tensors of ``x`` have different batch sizes.
     """
-    n = mca.check_members([layer.n for layer in model.modules() if isinstance(layer, Masksembles)], n)
+    modules = list(model.modules())
+    n = mca.check_members([layer.n for layer in modules if isinstance(layer, Masksembles)], n)
     keep_masks_off_fused_paths(model)
     batch = batch_size_of(x)
     step = max(batch if batch_size is None else mca.check_int("batch_size", batch_size, minimum=1), 1)
     starts = range(0, max(batch, 1), step)
     sizes = [min(step, batch - start) for start in starts]
-    modes = [(module, module.training) for module in model.modules()]
-    model.eval()
+    training = [module for module in modules if module.training]
+    if training:  # a model already in eval mode (the usual one at inference) is left as it is
+        model.eval()
     try:
         with torch.no_grad():
             outputs = [
@@ -70,10 +72,11 @@ def predict(model: nn.Module, x: Inputs, n: int | None = None, *, batch_size: in
                 for start, rows in zip(starts, sizes, strict=True)
             ]
     finally:
-        for module, training in modes:
-            module.training = training
+        for module in training:
+            module.training = True
     if isinstance(outputs[0], Tensor):
-        return torch.cat([untile(output, n) for output in outputs], dim=1)
+        members = [untile(output, n) for output in outputs]
+        return members[0] if len(members) == 1 else torch.cat(members, dim=1)  # one chunk: a view, no copy
     return stack_members(outputs, n, sizes)
 
 

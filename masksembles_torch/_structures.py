@@ -88,7 +88,8 @@ def stack_members(outputs: list[Any], n: int, batches: list[int]) -> Any:
             isinstance(out, Tensor) and out.ndim and out.shape[0] == n * rows
             for out, rows in zip(outputs, batches, strict=True)
         ):
-            return torch.cat([out.unflatten(0, (n, rows)) for out, rows in zip(outputs, batches, strict=True)], dim=1)
+            members = [out.unflatten(0, (n, rows)) for out, rows in zip(outputs, batches, strict=True)]
+            return members[0] if len(members) == 1 else torch.cat(members, dim=1)  # one chunk: a view, no copy
         return first if len(outputs) == 1 else None
 
     def part(values: list[Any]) -> Any:

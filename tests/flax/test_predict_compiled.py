@@ -1,0 +1,108 @@
+"""predict runs an nnx.Module, and a functools.partial of a linen apply, as one jitted program, traced once per model
+structure and shape; eagerly where it cannot be traced; results equal the eager computation within float32 rounding."""
+
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import masksembles_flax as mf
+from masksembles_flax import linen as ml
+from masksembles_flax import nnx as mn
+
+N = 3
+# jitted and eager programs may fuse and order float32 operations differently: a few hundred roundings of a value
+TOLERANCE = 256 * float(np.finfo(np.float32).eps)
+
+
+class Counting(nnx.Module):
+    """Linear, BatchNorm, Masksembles, Linear; ``runs`` counts the Python runs of ``__call__`` (one per trace where
+    jitted, one per call where eager). ``to_numpy``: the call reads its hidden values as NumPy, which no trace can."""
+
+    runs = 0
+
+    def __init__(self, seed: int, to_numpy: bool = False) -> None:
+        rngs = nnx.Rngs(seed)
+        self.hidden, self.norm = nnx.Linear(5, 12, rngs=rngs), nnx.BatchNorm(12, rngs=rngs)
+        self.masks, self.head = mn.Masksembles(12, N, 2.0, seed=0), nnx.Linear(12, 2, rngs=rngs)
+        self.norm.mean.set_value(jax.random.normal(jax.random.key(seed), (12,)))  # inference BatchNorm does something
+        self.to_numpy = to_numpy
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        Counting.runs += 1
+        hidden = self.masks(nnx.relu(self.norm(self.hidden(x))))
+        if self.to_numpy:
+            hidden = jnp.asarray(np.asarray(hidden) * 0.5)
+        return self.head(hidden)
+
+
+def samples(batch: int) -> jax.Array:
+    return jnp.asarray(np.random.default_rng(batch).normal(size=(batch, 5)).astype(np.float32))
+
+
+def eager_members(model: nnx.Module, x: jax.Array) -> np.ndarray:
+    """The members computed operation by operation, the model in eval mode (a copy: the model keeps its mode)."""
+    evaluated = nnx.merge(*nnx.split(model))
+    evaluated.eval()
+    with jax.disable_jit():
+        return np.asarray(mf.untile(evaluated(mf.tile(x, N)), N))
+
+
+def assert_close(actual: jax.Array, expected: np.ndarray) -> None:
+    actual = np.asarray(actual)
+    np.testing.assert_allclose(actual, expected, rtol=TOLERANCE, atol=TOLERANCE * float(np.abs(expected).max()))
+
+
+def test_nnx_predict_traces_once_per_structure_and_shape_and_equals_the_eager_members() -> None:
+    model, other = Counting(seed=0), Counting(seed=1)  # the same structure, other weights
+    x = samples(7)
+    expected, other_expected = eager_members(model, x), eager_members(other, x)
+    Counting.runs = 0
+    assert_close(mf.predict(model, x), expected)
+    assert Counting.runs == 1
+    assert_close(mf.predict(model, x), expected)
+    assert_close(mf.predict(other, x), other_expected)
+    assert Counting.runs == 1, "a second call, or a model of the same structure, traced again"
+    model.train()  # predict runs in eval mode whatever mode the model is in, and leaves its mode alone
+    assert_close(mf.predict(model, x), expected)
+    assert model.norm.use_running_average is False
+
+
+def test_an_nnx_model_that_cannot_be_traced_runs_eagerly_with_the_same_result() -> None:
+    model = Counting(seed=0, to_numpy=True)
+    x = samples(6)
+    expected = eager_members(model, x)
+    np.testing.assert_array_equal(np.asarray(mf.predict(model, x)), expected)  # eager both: the same operations
+    Counting.runs = 0
+    np.testing.assert_array_equal(np.asarray(mf.predict(model, x)), expected)
+    assert Counting.runs == 1, "after the first failure predict runs it eagerly, without a new try to trace it"
+
+
+class LinenNet(nn.Module):
+    runs = 0
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        type(self).runs += 1
+        x = ml.Masksembles(n=N, scale=2.0, seed=0)(nn.relu(nn.Dense(12)(x)), deterministic=True)
+        return nn.Dense(2)(x)
+
+
+def test_a_partial_of_a_linen_apply_traces_once_and_equals_the_eager_members() -> None:
+    x, net = samples(5), LinenNet()
+    variables = net.init(jax.random.key(0), x)
+    doubled = jax.tree.map(lambda v: v * 2 if v.dtype == jnp.float32 else v, variables)
+    with jax.disable_jit():
+        expected = [np.asarray(mf.untile(net.apply(v, mf.tile(x, N)), N)) for v in (variables, doubled)]
+    LinenNet.runs = 0
+    assert_close(mf.predict(functools.partial(net.apply, variables), x), expected[0])
+    traced = LinenNet.runs  # n read by one abstract trace, then the jitted program's trace
+    assert_close(mf.predict(functools.partial(net.apply, variables), x), expected[0])
+    assert_close(mf.predict(functools.partial(net.apply, doubled), x), expected[1])  # other arrays, the same key
+    assert LinenNet.runs == traced, "a new partial of the same apply and variable structure traced again"
+    assert_close(mf.predict(lambda b: net.apply(variables, b), x), expected[0])  # any function: as it is
