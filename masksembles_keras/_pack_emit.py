@@ -26,7 +26,7 @@ import numpy as np
 from masksembles_core.packing import OUTPUT, Move, Program, Step, block_indices, channel_indices
 
 from ._layers import Masksembles
-from ._pack_capture import INPUT, Call, Capture, _Op, spatial_size
+from ._pack_capture import INPUT, Call, Capture, _Op, by_name, model_input, separable, spatial_size
 from ._packed_layers import (
     MEMBER_CONVOLUTIONS,
     MEMBER_DEPTHWISE,
@@ -60,13 +60,18 @@ def _laid_out(vector: np.ndarray, layouts: Sequence[np.ndarray]) -> np.ndarray:
 
 
 def _macs(call: Call, capture: Capture, key: str) -> int:
-    """Multiply-adds per sample of a model's Dense, EinsumDense or convolution layer at full width (0 for anything
-    else)."""
+    """Multiply-adds per sample of a model's Dense, EinsumDense or convolution layer (separable ones too) at full
+    width (0 for anything else)."""
     layer = call.operation
+    out = capture.seen[key].shape
+    if separable(layer):  # per output position: the depthwise part's (*window, C_in, multiplier), then the 1x1's
+        depthwise = tuple(int(size) for size in layer.depthwise_kernel.shape)
+        return math.prod(out[1:]) // layer.filters * math.prod(depthwise) + math.prod(out[1:]) * math.prod(
+            depthwise[-2:]
+        )
     if not isinstance(layer, keras.layers.Dense | keras.layers.EinsumDense | keras.layers.Conv1D | keras.layers.Conv2D
                       | keras.layers.Conv3D | keras.layers.DepthwiseConv1D | keras.layers.DepthwiseConv2D):  # fmt: skip
         return 0
-    out = capture.seen[key].shape
     if isinstance(layer, keras.layers.Dense):
         return math.prod(out[1:]) * int(layer.kernel.shape[0])
     if isinstance(layer, keras.layers.EinsumDense):  # every output value sums over the kernel's contracted axes
@@ -103,14 +108,14 @@ class Emitter:
         self.copies: list[tuple[Any, Any]] = []
         self.copy_of: dict[int, Any] = {}  # a layer's copy by the layer's id (None: the model's own), for each call
         self.results: dict[int, list[Any]] = {}  # a fallback call with several outputs: run once
+        plain = len(capture.inputs) == 1 and not by_name(capture.model)
         self.inputs = {
-            key: keras.Input(shape=shape, dtype=str(x.dtype), name="input" if len(capture.inputs) == 1 else tensor.name)
+            key: keras.Input(shape=shape, dtype=str(x.dtype), name="input" if plain else tensor.name)
             for key, shape, x, tensor in zip(
                 capture.inputs, capture.input_shapes, capture.leaves, capture.model.inputs, strict=True
             )
         }  # fmt: skip
-        inputs = list(self.inputs.values())
-        self.input = inputs[0] if len(inputs) == 1 else keras.tree.pack_sequence_as(capture.model.input, inputs)
+        self.input = model_input(capture.model, list(self.inputs.values()))
         self.tensors: dict[str, Any] = {}
         self.moved: dict[tuple[Any, ...], Any] = {}
         self.readers: dict[str, list[tuple[Step, int]]] = {}  # who reads each step, and through which edge
