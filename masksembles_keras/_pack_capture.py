@@ -306,7 +306,8 @@ def separable_parts(layer: Any) -> tuple[Any, Any]:
 class _Op(CapturedOp[str]):
     """A run-time value as the core sees it, with the call that computes it (``output``: which of its outputs) and
     how the emitter writes it (``role``): ``dense``, ``conv``, ``depthwise``, ``batchnorm``, ``layernorm``, ``masks``,
-    ``identity``, ``flatten``, ``reshape`` (a move whose shape is rebuilt), ``call`` (the operation again, on the
+    ``identity``, ``flatten``, ``reshape`` (a move whose shape is rebuilt), ``per_channel`` (an elementwise operation
+    with a per-channel constant, laid out like the compacted channels), ``call`` (the operation again, on the
     compacted tensor) or ``fallback``."""
 
     call: Call = field(kw_only=True)
@@ -546,6 +547,19 @@ class Capture:
         rank = self.seen[key].rank
         return self._layer(call, key, tensors, rank) if call.layer else self._raw(call, key, tensors, rank)
 
+    def _channel_constant(self, constant: Any, tensor: str, key: str) -> int | None:
+        """The axis along which a constant operand of an elementwise operation varies, where it varies along that
+        one alone (right-aligned, size 1 or absent on every other axis of the result; ``x * gamma`` with gamma (C,),
+        a per-channel scale) and the other operand has the result's shape: channel ``c`` of the result then reads
+        channel ``c`` of the operand and one number of the constant (None otherwise)."""
+        shape, out = constant_shape(constant), self.seen[key].shape
+        if self.seen[tensor].shape != out or len(shape) > len(out):
+            return None
+        varying = [len(out) - len(shape) + a for a, size in enumerate(shape) if size != 1]
+        if len(varying) != 1 or out[varying[0]] != shape[varying[0] - len(out) + len(shape)]:
+            return None
+        return varying[0]
+
     def _layer(self, call: Call, key: str, tensors: list[str], rank: int) -> _Op | None:
         layer = call.operation
         channels_first = getattr(layer, "data_format", "channels_last") == "channels_first"
@@ -628,6 +642,12 @@ class Capture:
             if name in BINARY_OPS and len(tensors) == 2 and not constants:
                 return _Op(key, "combine", tensors, call=call)
             return None
+        if name in BINARY_OPS and len(tensors) == 1 and len(constants) == 1 and len(_leaves(call)) == 2:
+            axis = self._channel_constant(constants[0], tensors[0], key)
+            if axis is not None and all(_scalar(value) for value in config.values()):
+                return _Op(key, "channelwise", tensors, rule="fixed", fixed_in=axis, fixed_out=axis, call=call,
+                           role="per_channel")  # fmt: skip
+            return None
         if (
             name in MOVE_OPS
             and len(tensors) == 1
@@ -641,6 +661,11 @@ class Capture:
         if name == "Concatenate" and len(tensors) == len(_leaves(call)):
             return _Op(key, "concat", tensors, rule="concat", concat_dim=config["axis"] % rank, call=call)
         return None
+
+
+def constant_shape(value: Any) -> tuple[int, ...]:
+    """The shape of a constant argument (an array, a ``keras.Variable``, a backend tensor)."""
+    return tuple(int(size) for size in getattr(value, "shape", np.shape(value)))
 
 
 def _input_shape(tensor: Any, x: np.ndarray) -> tuple[int | None, ...]:

@@ -26,7 +26,19 @@ import numpy as np
 from masksembles_core.packing import OUTPUT, Move, Program, Step, block_indices, channel_indices
 
 from ._layers import Masksembles
-from ._pack_capture import INPUT, Call, Capture, _Op, by_name, model_input, separable, spatial_size
+from ._pack_capture import (
+    INPUT,
+    Call,
+    Capture,
+    _leaves,
+    _Op,
+    _Ref,
+    _substitute,
+    by_name,
+    model_input,
+    separable,
+    spatial_size,
+)
 from ._packed_layers import (
     MEMBER_CONVOLUTIONS,
     MEMBER_DEPTHWISE,
@@ -230,7 +242,24 @@ class Emitter:
         if role == "reshape":
             width = int(edges[0].shape[self.axis[op.tensors[0]]])
             return keras.layers.Reshape(_reshaped(op, width))(edges[0])
+        if role == "per_channel":
+            return self._per_channel(step, op, edges[0])
         return self._call(op, edges)
+
+    def _per_channel(self, step: Step, op: _Op, x: Any) -> Any:
+        """An elementwise operation with a per-channel constant (``x * gamma``) on the compacted tensor, its constant
+        laid out like the step's channels (padding reads channel 0: finite, never read back)."""
+        call = op.call
+        (constant,) = (leaf for leaf in _leaves(call) if not isinstance(leaf, _Ref))
+        values, rank = _numpy(constant), self.capture.seen[op.key].rank
+        index, _ = channel_indices(step.placement.layouts)
+        shape = [1] * values.ndim
+        shape[op.axis - rank + values.ndim] = len(index)
+        laid_out = values.reshape(-1)[index].reshape(shape)
+        args, kwargs = _substitute(
+            (call.args, call.kwargs), lambda leaf: laid_out if leaf is constant else None
+        )
+        return Call(call.operation, args, kwargs, call.outputs, call.path).run({op.tensors[0]: x})[0]
 
     def _call(self, op: _Op, edges: list[Any]) -> Any:
         """The model's layer (a copy) or raw operation again, on the moved tensors."""
