@@ -170,7 +170,7 @@ def input_keys(model: Any) -> list[str]:
 
 def by_name(model: Any) -> bool:
     """Whether the model takes a dict of inputs by name (one input too: keras-hub's ``{"token_ids": ...}``)."""
-    return isinstance(model.input, dict)
+    return not isinstance(model, keras.Sequential) and isinstance(model.input, dict)  # a Sequential's input: a tensor
 
 
 def model_input(model: Any, leaves: Sequence[Any]) -> Any:
