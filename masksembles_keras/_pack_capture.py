@@ -104,6 +104,17 @@ def _substitute(value: Any, replace: Callable[[Any], Any | None]) -> Any:
     return value
 
 
+def _without(value: Any, keys: set[str]) -> Any:
+    """``value`` (nested lists, tuples and dicts) with each run-time value of ``keys`` replaced by None."""
+    if isinstance(value, _Ref):
+        return None if value.key in keys else value
+    if isinstance(value, list | tuple) and not hasattr(value, "_fields"):
+        return type(value)(_without(item, keys) for item in value)
+    if isinstance(value, dict):
+        return {key: _without(item, keys) for key, item in value.items()}
+    return value
+
+
 def _refs(value: Any) -> list[str]:
     found: list[str] = []
     _substitute(value, lambda leaf: found.append(leaf.key) if isinstance(leaf, _Ref) else None)
@@ -386,12 +397,25 @@ class Capture:
         run = compiled(self._run)
         with _no_autograd():
             probes = [run(self.leaves), run([np.concatenate([x, x[:1]]) for x in self.leaves])]
-        self.values = [{key: np.asarray(ops.convert_to_numpy(v)) for key, v in probe.items()} for probe in probes]
+        # an output a layer returns as None (XLNet's encoder: its memory, when none is asked for) is no value: the
+        # calls that read it are given None
+        absent = {key for key, value in probes[0].items() if value is None}
+        for call in self.calls:
+            call.args, call.kwargs = _without((call.args, call.kwargs), absent)
+        self.values = [
+            {key: np.asarray(ops.convert_to_numpy(v)) for key, v in probe.items() if key not in absent}
+            for probe in probes
+        ]
         self.seen = {
             key: Probed(tuple(tuple(int(d) for d in v[key].shape) for v in self.values), self.batch)
             for key in self.values[0]
         }
-        self.by_key = {key: (call, position) for call in self.calls for position, key in enumerate(call.outputs)}
+        self.by_key = {
+            key: (call, position)
+            for call in self.calls
+            for position, key in enumerate(call.outputs)
+            if key not in absent
+        }
         self.dependent: dict[str, bool] = {}
         classified = {key: self._classify(call, key, position) for key, (call, position) in self.by_key.items()}
         self.answers = self._answers(classified)

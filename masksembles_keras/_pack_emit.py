@@ -119,7 +119,9 @@ class Emitter:
         self.macs = {"dense": 0, "packed": 0, "fallback": 0, "moves": 0}
         self.copies: list[tuple[Any, Any]] = []
         self.copy_of: dict[int, Any] = {}  # a layer's copy by the layer's id (None: the model's own), for each call
-        self.results: dict[int, list[Any]] = {}  # a fallback call with several outputs: run once
+        # a call with several outputs: run once on what its steps read (outputs placed apart, one shared and one
+        # per member, read its inputs apart: run once each)
+        self.results: dict[tuple[int, ...], list[Any]] = {}
         plain = len(capture.inputs) == 1 and not by_name(capture.model)
         self.inputs = {
             key: keras.Input(shape=shape, dtype=str(x.dtype), name="input" if plain else tensor.name)
@@ -264,10 +266,11 @@ class Emitter:
     def _call(self, op: _Op, edges: list[Any]) -> Any:
         """The model's layer (a copy) or raw operation again, on the moved tensors."""
         call = op.call
-        if id(call) not in self.results:
+        run = (id(call), *(id(edge) for edge in edges))
+        if run not in self.results:
             values = dict(zip(op.tensors, edges, strict=True))
-            self.results[id(call)] = self._run_copy(call, values)
-        return self.results[id(call)][op.output]
+            self.results[run] = self._run_copy(call, values)
+        return self.results[run][op.output]
 
     def _run_copy(self, call: Call, values: dict[str, Any]) -> list[Any]:
         """``call`` on a copy of its layer or operation rebuilt from its config; on the model's own where its config
