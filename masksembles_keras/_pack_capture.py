@@ -397,6 +397,7 @@ class Capture:
         run = compiled(self._run)
         with _no_autograd():
             probes = [run(self.leaves), run([np.concatenate([x, x[:1]]) for x in self.leaves])]
+            again = run(self.leaves)
         # an output a layer returns as None (XLNet's encoder: its memory, when none is asked for) is no value: the
         # calls that read it are given None
         absent = {key for key, value in probes[0].items() if value is None}
@@ -406,6 +407,7 @@ class Capture:
             {key: np.asarray(ops.convert_to_numpy(v)) for key, v in probe.items() if key not in absent}
             for probe in probes
         ]
+        self._check_repeatable(again)
         self.seen = {
             key: Probed(tuple(tuple(int(d) for d in v[key].shape) for v in self.values), self.batch)
             for key in self.values[0]
@@ -421,6 +423,19 @@ class Capture:
         self.answers = self._answers(classified)
         self.ops: dict[str, _Op] = {}
         self.reset(dense=False)
+
+    def _check_repeatable(self, again: Mapping[str, Any]) -> None:
+        """The model's calls give the same values in a second inference call on the example (``again``): a model that
+        draws random numbers at every call has no one program that equals ``predict``."""
+        for call in self.calls:
+            for key in call.outputs:
+                if key in self.values[0] and not _close(self.values[0][key], np.asarray(ops.convert_to_numpy(again[key]))):
+                    raise ValueError(
+                        f"{PREFIX} need a model that computes the same outputs for the same input in inference; "
+                        f"{call.describe()} gave other values in two inference calls on the example input: it draws "
+                        "random numbers at every call (noise outside training). Pass that randomness in as an input "
+                        "of the model, or make it fixed in inference, then pack"
+                    )
 
     def _run(self, leaves: Sequence[Any]) -> dict[str, Any]:
         """Every call in inference on the inputs' values: each value."""
