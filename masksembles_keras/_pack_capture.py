@@ -429,7 +429,7 @@ class Capture:
         draws random numbers at every call has no one program that equals ``predict``."""
         for call in self.calls:
             for key in call.outputs:
-                if key in self.values[0] and not _close(self.values[0][key], np.asarray(ops.convert_to_numpy(again[key]))):
+                if key in self.values[0] and not _close(self.values[0][key], _numpy(again[key])):
                     raise ValueError(
                         f"{PREFIX} need a model that computes the same outputs for the same input in inference; "
                         f"{call.describe()} gave other values in two inference calls on the example input: it draws "
@@ -737,6 +737,10 @@ def _leaves(call: Call) -> list[Any]:
 
     _substitute((call.args, call.kwargs), lambda leaf: visit(leaf))
     return found
+
+
+def _numpy(value: Any) -> np.ndarray:
+    return np.asarray(ops.convert_to_numpy(value))
 
 
 def _close(a: np.ndarray, b: np.ndarray) -> bool:

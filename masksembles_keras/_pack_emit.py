@@ -258,9 +258,7 @@ class Emitter:
         shape = [1] * values.ndim
         shape[op.axis - rank + values.ndim] = len(index)
         laid_out = values.reshape(-1)[index].reshape(shape)
-        args, kwargs = _substitute(
-            (call.args, call.kwargs), lambda leaf: laid_out if leaf is constant else None
-        )
+        args, kwargs = _substitute((call.args, call.kwargs), lambda leaf: laid_out if leaf is constant else None)
         return Call(call.operation, args, kwargs, call.outputs, call.path).run({op.tensors[0]: x})[0]
 
     def _call(self, op: _Op, edges: list[Any]) -> Any:

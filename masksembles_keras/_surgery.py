@@ -752,10 +752,10 @@ def insert(
     depthwise convolution then a 1x1 one that mixes the channels, gets masks), an EinsumDense that contracts several
     axes of its input or another than the last, layers with a single input channel, layers reading several tensors
     or inputs of different channel counts, layers held twice, and layers inside custom layers the model never calls.
-    A layer a custom layer holds (keras-hub's ``TransformerEncoder`` holds its feedforward ``Dense`` layers) is replaced there by
-    ``Masked(masks, layer)``; so is a layer of a functional model whose class builds its own graph (keras-hub's
-    backbones and tasks), copied through its config so that it keeps its class (docs/keras.md, "What the surgery can
-    and cannot reach").
+    A layer a custom layer holds (keras-hub's ``TransformerEncoder`` holds its feedforward ``Dense`` layers) is
+    replaced there by ``Masked(masks, layer)``; so is a layer of a functional model whose class builds its own graph
+    (keras-hub's backbones and tasks), copied through its config so that it keeps its class (docs/keras.md, "What the
+    surgery can and cannot reach").
 
     Args:
         model: a built Sequential or functional model (left unchanged).
