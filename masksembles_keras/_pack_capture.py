@@ -394,10 +394,17 @@ class Capture:
         graph = _Graph(model)
         self.calls = graph.calls
         self.outputs = graph.outputs
-        run = compiled(self._run)
-        with _no_autograd():
-            probes = [run(self.leaves), run([np.concatenate([x, x[:1]]) for x in self.leaves])]
-            again = run(self.leaves)
+        compiled_run = compiled(self._run)
+        written: set[int] = set()  # the ids of the variables a call writes (a seed generator's state)
+
+        def run(leaves: Sequence[Any]) -> dict[str, Any]:
+            with _no_autograd(), keras.StatelessScope() as scope:  # what is written stays in the scope of one run
+                values: dict[str, Any] = compiled_run(leaves)
+            written.update(scope.state_mapping)
+            return values
+
+        probes = [run(self.leaves), run([np.concatenate([x, x[:1]]) for x in self.leaves])]
+        again = run(self.leaves)
         # an output a layer returns as None (XLNet's encoder: its memory, when none is asked for) is no value: the
         # calls that read it are given None
         absent = {key for key, value in probes[0].items() if value is None}
@@ -407,7 +414,7 @@ class Capture:
             {key: np.asarray(ops.convert_to_numpy(v)) for key, v in probe.items() if key not in absent}
             for probe in probes
         ]
-        self._check_repeatable(again)
+        self._check_repeatable(again, written)
         self.seen = {
             key: Probed(tuple(tuple(int(d) for d in v[key].shape) for v in self.values), self.batch)
             for key in self.values[0]
@@ -424,18 +431,27 @@ class Capture:
         self.ops: dict[str, _Op] = {}
         self.reset(dense=False)
 
-    def _check_repeatable(self, again: Mapping[str, Any]) -> None:
-        """The model's calls give the same values in a second inference call on the example (``again``): a model that
-        draws random numbers at every call has no one program that equals ``predict``."""
+    def _check_repeatable(self, again: Mapping[str, Any], written: set[int]) -> None:
+        """The model's calls give the same values in a second inference call on the example (``again``) and write no
+        variable (``written``: their ids; a seed generator's state, which draws other random numbers next call): a
+        model random at every call has no one program that equals ``predict``."""
+        why = (
+            "it draws random numbers at every call (noise outside training). Pass that randomness in as an input of "
+            "the model, or make it fixed in inference, then pack"
+        )
         for call in self.calls:
+            variables = getattr(call.operation, "variables", []) if call.layer else []
+            if any(id(variable) in written for variable in variables):
+                raise ValueError(f"{PREFIX} need a model that computes the same outputs for the same input in "
+                                 f"inference; {call.describe()} writes its state in an inference call: {why}")  # fmt: skip
             for key in call.outputs:
                 if key in self.values[0] and not _close(self.values[0][key], _numpy(again[key])):
-                    raise ValueError(
-                        f"{PREFIX} need a model that computes the same outputs for the same input in inference; "
-                        f"{call.describe()} gave other values in two inference calls on the example input: it draws "
-                        "random numbers at every call (noise outside training). Pass that randomness in as an input "
-                        "of the model, or make it fixed in inference, then pack"
-                    )
+                    raise ValueError(f"{PREFIX} need a model that computes the same outputs for the same input in "
+                                     f"inference; {call.describe()} gave other values in two inference calls on the "
+                                     f"example input: {why}")  # fmt: skip
+        if written:
+            raise ValueError(f"{PREFIX} need a model that computes the same outputs for the same input in inference; "
+                             f"it writes a variable in an inference call (keras.random's global seed): {why}")  # fmt: skip
 
     def _run(self, leaves: Sequence[Any]) -> dict[str, Any]:
         """Every call in inference on the inputs' values: each value."""

@@ -578,7 +578,7 @@ def test_a_model_random_at_every_call_is_refused_with_what_to_do() -> None:
     inputs = keras.Input((6,))
     x = masks("m1", 0)(layers.Dense(12)(inputs))
     model = keras.Model(inputs, layers.Dense(3)(Noisy(name="noisy")(x)))
-    random_per_call = r"noisy \(Noisy\) gave other values in two inference calls on the example input: it draws random"
+    random_per_call = r"noisy \(Noisy\) writes its state in an inference call: it draws random numbers at every call"
     for packing in (lambda: mk.pack(model, example(model, 4)), lambda: mk.extract_member(model, 0, example(model, 4))):
         with pytest.raises(ValueError, match=random_per_call):
             packing()
