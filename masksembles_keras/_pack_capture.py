@@ -435,6 +435,7 @@ class Capture:
         """The model's calls give the same values in a second inference call on the example (``again``) and write no
         variable (``written``: their ids; a seed generator's state, which draws other random numbers next call): a
         model random at every call has no one program that equals ``predict``."""
+        need = f"{PREFIX} need a model that computes the same outputs for the same input in inference"
         why = (
             "it draws random numbers at every call (noise outside training). Pass that randomness in as an input of "
             "the model, or make it fixed in inference, then pack"
@@ -442,16 +443,15 @@ class Capture:
         for call in self.calls:
             variables = getattr(call.operation, "variables", []) if call.layer else []
             if any(id(variable) in written for variable in variables):
-                raise ValueError(f"{PREFIX} need a model that computes the same outputs for the same input in "
-                                 f"inference; {call.describe()} writes its state in an inference call: {why}")  # fmt: skip
+                raise ValueError(f"{need}; {call.describe()} writes its state in an inference call: {why}")
             for key in call.outputs:
                 if key in self.values[0] and not _close(self.values[0][key], _numpy(again[key])):
-                    raise ValueError(f"{PREFIX} need a model that computes the same outputs for the same input in "
-                                     f"inference; {call.describe()} gave other values in two inference calls on the "
-                                     f"example input: {why}")  # fmt: skip
+                    raise ValueError(
+                        f"{need}; {call.describe()} gave other values in two inference calls on the example input: "
+                        f"{why}"
+                    )
         if written:
-            raise ValueError(f"{PREFIX} need a model that computes the same outputs for the same input in inference; "
-                             f"it writes a variable in an inference call (keras.random's global seed): {why}")  # fmt: skip
+            raise ValueError(f"{need}; it writes a variable in an inference call (keras.random's global seed): {why}")
 
     def _run(self, leaves: Sequence[Any]) -> dict[str, Any]:
         """Every call in inference on the inputs' values: each value."""
