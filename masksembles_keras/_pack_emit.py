@@ -78,9 +78,8 @@ def _macs(call: Call, capture: Capture, key: str) -> int:
     out = capture.seen[key].shape
     if separable(layer):  # per output position: the depthwise part's (*window, C_in, multiplier), then the 1x1's
         depthwise = tuple(int(size) for size in layer.depthwise_kernel.shape)
-        return math.prod(out[1:]) // layer.filters * math.prod(depthwise) + math.prod(out[1:]) * math.prod(
-            depthwise[-2:]
-        )
+        positions = math.prod(out[1:]) // int(layer.filters)
+        return positions * math.prod(depthwise) + math.prod(out[1:]) * math.prod(depthwise[-2:])
     if not isinstance(layer, keras.layers.Dense | keras.layers.EinsumDense | keras.layers.Conv1D | keras.layers.Conv2D
                       | keras.layers.Conv3D | keras.layers.DepthwiseConv1D | keras.layers.DepthwiseConv2D):  # fmt: skip
         return 0
