@@ -192,9 +192,9 @@ def model_input(model: Any, leaves: Sequence[Any]) -> Any:
 
 def example_leaves(model: Any, example: Any) -> list[np.ndarray]:
     """``example`` as one array per input of ``model`` (``model.inputs``' order): an array for a model with one
-    input; the structure of ``model.input`` (a dict by input name, whatever the number of inputs, or a list) for one
-    with several."""
-    if by_name(model):
+    input (or a dict of it by name, where the model takes one); the structure of ``model.input`` (a list, or a dict
+    by input name) for one with several."""
+    if by_name(model) and (isinstance(example, Mapping) or len(model.inputs) > 1):
         if not isinstance(example, Mapping) or set(example) != set(model.input):
             raise ValueError(f"{PREFIX} need an example input with the model's inputs {sorted(model.input)}")
         given = [example[name] for name in sorted(model.input)]  # keras.tree's order of a dict: its sorted keys

@@ -25,6 +25,7 @@ import pytest
 
 import masksembles_keras as mk
 from masksembles_core.insertion import INSERTED, LEFT
+from masksembles_keras._pack_capture import example_leaves
 from tests.backends import requested_backends
 
 if "keras_hub" not in requested_backends():
@@ -341,6 +342,9 @@ def test_a_model_with_a_none_output_or_a_one_key_dict_input_packs(build: Callabl
     assert_close(keras.tree.map_structure(lambda y: np.moveaxis(y, 1, 0), packed.predict(x, verbose=0)), members)
     member = mk.extract_member(result, 2, x)
     assert_close(member.predict(x, verbose=0), keras.tree.map_structure(lambda y: y[2], members))
+    if len(x) == 1:  # the bare array of a one-key dict is the same example
+        (bare,) = x.values()
+        assert [leaf.tolist() for leaf in example_leaves(result, bare)] == [bare.tolist()]
 
 
 OUTPUT_PROJECTION = r"einsum '\w+,\w+->\w+' contracts 2 axes of its input \(\w, \w\), not one channel axis"
