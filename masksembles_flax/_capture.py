@@ -221,6 +221,8 @@ def trace(model: nnx.Module, example: Any) -> Program:
     copy.eval()  # type: ignore[no-untyped-call]
     graphdef, state = nnx.split(copy)
     leaves, treedef = jax.tree.flatten(state)
+    streams = {id(leaf) for leaf in jax.tree.leaves(nnx.state(copy, nnx.RngState))}
+    random = [position for position, leaf in enumerate(leaves) if id(leaf) in streams]  # its RNG keys and counts
 
     def call(leaves: list[Any], x: jax.Array) -> Any:
         return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))(x)
@@ -236,6 +238,7 @@ def trace(model: nnx.Module, example: Any) -> Program:
                     f"{PREFIX} need a model JAX can trace in eval mode (no Python control flow on array values, e.g. "
                     f"`if x.sum() > 0`); tracing {type(model).__name__} failed: {type(error).__name__}: {error}"
                 ) from error
+            _check_draws_nothing(closed.jaxpr, random, type(model).__name__)
             flat = _Flat()
             args = [flat.variable(var.aval) for var in closed.jaxpr.invars]
             for position, leaf in enumerate(leaves):
@@ -253,6 +256,18 @@ def trace(model: nnx.Module, example: Any) -> Program:
         # JAX simplifies some operations away at batch 1 (a broadcast of a class token to the batch is then a
         # no-op): the program is traced from batch 2, and verification checks it at the example's batch of 1
         return probed(2)
+
+
+def _check_draws_nothing(jaxpr: jex.Jaxpr, streams: Sequence[int], name: str) -> None:
+    """The program of a model in eval mode reads none of its RNG streams' keys and counts (the invariables at
+    ``streams``): one that does draws other random numbers at every call, and no program equals ``predict``."""
+    read = {var for eqn in jaxpr.eqns for var in eqn.invars if isinstance(var, jex.Var)}
+    if any(jaxpr.invars[position] in read for position in streams):
+        raise ValueError(
+            f"{PREFIX} need a model that computes the same outputs for the same input in eval mode; {name} reads an "
+            "RNG stream (nnx.Rngs) in eval mode: it draws random numbers at every call (noise outside training). "
+            "Pass that randomness in as an input of the model, or make it fixed in eval mode, then pack"
+        )
 
 
 def _merge(flats: list[tuple[_Flat, list[Any]]], out_trees: list[Any], leaves: int, batch: int, name: str) -> Program:

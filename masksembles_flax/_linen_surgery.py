@@ -34,7 +34,7 @@ from masksembles_core.insertion import (
 
 from ._dropout import dropout_reason
 from ._insertion import DEPTHWISE
-from ._ops import MASKS_COLLECTION, apply_masks
+from ._ops import MASKS_COLLECTION, folded_samples, grouped_masking
 
 MASKS = "masks"
 LayerFilter = type | tuple[type, ...] | Callable[[str, nn.Module], bool]
@@ -110,7 +110,9 @@ def _masked_call(plan: dict[str, LayerChange], n: int, scale: float, replace: bo
         if not module.has_variable(MASKS_COLLECTION, MASKS):
             return next_fun(*args, **kwargs)
         masks = module.get_variable(MASKS_COLLECTION, MASKS)
-        masked = apply_masks(args[0], masks, channel_axis=-1)
+        x = args[0]
+        # the named jit every Masksembles layer runs: predict(n=None) and pack find it in a traced program
+        masked = grouped_masking(x.ndim - 1, folded_samples(x.shape[0]))(x, masks)
         return masked if replace else next_fun(masked, *args[1:], **kwargs)
 
     return interceptor

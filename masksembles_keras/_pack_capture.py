@@ -63,6 +63,7 @@ MOVE_OPS = {
 REDUCTION_OPS = {"Mean", "Sum", "Max", "Min", "Amax", "Amin"}  # whether they keep zeros is evaluated
 CONV_TYPES = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D)
 DEPTHWISE_TYPES = (keras.layers.DepthwiseConv1D, keras.layers.DepthwiseConv2D)
+SEPARABLE_TYPES = (keras.layers.SeparableConv1D, keras.layers.SeparableConv2D)
 IDENTITY_TYPES = (  # at inference
     keras.layers.Dropout, keras.layers.GaussianNoise, keras.layers.GaussianDropout, keras.layers.AlphaDropout,
     keras.layers.ActivityRegularization, keras.layers.Identity,
@@ -100,6 +101,17 @@ def _substitute(value: Any, replace: Callable[[Any], Any | None]) -> Any:
         return type(value)(_substitute(item, replace) for item in value)
     if isinstance(value, dict):
         return {key: _substitute(item, replace) for key, item in value.items()}
+    return value
+
+
+def _without(value: Any, keys: set[str]) -> Any:
+    """``value`` (nested lists, tuples and dicts) with each run-time value of ``keys`` replaced by None."""
+    if isinstance(value, _Ref):
+        return None if value.key in keys else value
+    if isinstance(value, list | tuple) and not hasattr(value, "_fields"):
+        return type(value)(_without(item, keys) for item in value)
+    if isinstance(value, dict):
+        return {key: _without(item, keys) for key, item in value.items()}
     return value
 
 
@@ -167,15 +179,27 @@ def input_keys(model: Any) -> list[str]:
     return [INPUT] + [f"{INPUT}{i}" for i in range(1, len(model.inputs))]
 
 
+def by_name(model: Any) -> bool:
+    """Whether the model takes a dict of inputs by name (one input too: keras-hub's ``{"token_ids": ...}``)."""
+    return not isinstance(model, keras.Sequential) and isinstance(model.input, dict)  # a Sequential's input: a tensor
+
+
+def model_input(model: Any, leaves: Sequence[Any]) -> Any:
+    """One value per input of ``model`` (``model.inputs``' order) in the structure the model takes: the value of a
+    model with one input (not by name); else the structure of ``model.input``."""
+    return leaves[0] if len(leaves) == 1 and not by_name(model) else keras.tree.pack_sequence_as(model.input, leaves)
+
+
 def example_leaves(model: Any, example: Any) -> list[np.ndarray]:
     """``example`` as one array per input of ``model`` (``model.inputs``' order): an array for a model with one
-    input; the structure of ``model.input`` (a list or a dict by input name) for one with several."""
-    if len(model.inputs) == 1:
-        given = [example]
-    elif isinstance(model.input, dict):
+    input (or a dict of it by name, where the model takes one); the structure of ``model.input`` (a list, or a dict
+    by input name) for one with several."""
+    if by_name(model) and (isinstance(example, Mapping) or len(model.inputs) > 1):
         if not isinstance(example, Mapping) or set(example) != set(model.input):
             raise ValueError(f"{PREFIX} need an example input with the model's inputs {sorted(model.input)}")
         given = [example[name] for name in sorted(model.input)]  # keras.tree's order of a dict: its sorted keys
+    elif len(model.inputs) == 1:
+        given = [example]
     else:
         given = list(example) if isinstance(example, list | tuple) else [example]
         if len(given) != len(model.inputs):
@@ -202,6 +226,7 @@ class _Graph:
     def __init__(self, model: Any) -> None:
         self.calls: list[Call] = []
         self.count = 0
+        self.parts: dict[int, tuple[Any, Any]] = {}  # a separable convolution's two layers, by the layer's id
         self.outputs = self._walk(model, input_keys(model), "")
 
     def _walk(self, model: Any, inputs: list[str], prefix: str) -> list[str]:
@@ -232,6 +257,13 @@ class _Graph:
             reads = [leaf.key for leaf in given if isinstance(leaf, _Ref)]
             if len(reads) == len(given) == len(operation.inputs) and len(operation.outputs) == outputs:
                 return self._walk(operation, reads, f"{prefix}{operation.name}/")
+        if separable(operation) and len(args) == 1 and set(kwargs) <= {"training"} and outputs == 1:
+            # the depthwise convolution and the 1x1 convolution it computes, two calls the planner compacts
+            if id(operation) not in self.parts:
+                self.parts[id(operation)] = separable_parts(operation)
+            depthwise, pointwise = self.parts[id(operation)]
+            (spread,) = self._call(depthwise, args, {}, 1, prefix)
+            return self._call(pointwise, (_Ref(spread),), {}, 1, prefix)
         if isinstance(operation, Masked) and len(args) == 1 and set(kwargs) <= {"training"} and outputs == 1:
             # insert's wrapper (inside custom layers, in a model whose class builds its graph): its two calls
             (masked,) = self._call(operation.masksembles, args, {}, 1, prefix)
@@ -247,11 +279,46 @@ class _Graph:
         return keys
 
 
+def separable(operation: Any) -> bool:
+    """A ``SeparableConv1D/2D`` that computes what Keras' own does (its class's ``call`` is Keras')."""
+    return isinstance(operation, SEPARABLE_TYPES) and any(type(operation).call is t.call for t in SEPARABLE_TYPES)
+
+
+def separable_parts(layer: Any) -> tuple[Any, Any]:
+    """What a ``SeparableConv1D/2D`` computes (``keras.ops.separable_conv``, then its bias and activation) as two
+    layers holding its weights: a ``DepthwiseConv1D/2D`` with its depthwise kernel, strides, padding and dilation (no
+    bias, no activation), then a 1x1 ``Conv1D/2D`` with its pointwise kernel, bias and activation. Each output channel
+    ``c * depth_multiplier + j`` of the first reads input channel ``c`` alone; the second mixes them."""
+    rank = len(layer.kernel_size)
+    depthwise_type, conv_type = DEPTHWISE_TYPES[rank - 1], CONV_TYPES[rank - 1]
+    depthwise = depthwise_type(
+        kernel_size=layer.kernel_size, strides=layer.strides, padding=layer.padding,
+        depth_multiplier=layer.depth_multiplier, data_format=layer.data_format, dilation_rate=layer.dilation_rate,
+        use_bias=False, dtype=layer.dtype_policy, name=f"{layer.name}_depthwise",
+    )  # fmt: skip
+    pointwise = conv_type(
+        filters=layer.filters, kernel_size=1, data_format=layer.data_format, activation=layer.activation,
+        use_bias=layer.use_bias, dtype=layer.dtype_policy, name=f"{layer.name}_pointwise",
+    )  # fmt: skip
+    channels, multiplier = (int(size) for size in layer.depthwise_kernel.shape[-2:])
+    axis = 1 if layer.data_format == "channels_first" else rank + 1
+    for part, width in ((depthwise, channels), (pointwise, channels * multiplier)):
+        shape: list[int | None] = [None] * (rank + 2)
+        shape[axis] = width
+        part.build(tuple(shape))
+    depthwise.kernel.assign(layer.depthwise_kernel)
+    pointwise.kernel.assign(layer.pointwise_kernel)
+    if layer.use_bias:
+        pointwise.bias.assign(layer.bias)
+    return depthwise, pointwise
+
+
 @dataclass(eq=False)
 class _Op(CapturedOp[str]):
     """A run-time value as the core sees it, with the call that computes it (``output``: which of its outputs) and
     how the emitter writes it (``role``): ``dense``, ``conv``, ``depthwise``, ``batchnorm``, ``layernorm``, ``masks``,
-    ``identity``, ``flatten``, ``reshape`` (a move whose shape is rebuilt), ``call`` (the operation again, on the
+    ``identity``, ``flatten``, ``reshape`` (a move whose shape is rebuilt), ``per_channel`` (an elementwise operation
+    with a per-channel constant, laid out like the compacted channels), ``call`` (the operation again, on the
     compacted tensor) or ``fallback``."""
 
     call: Call = field(kw_only=True)
@@ -300,7 +367,8 @@ def compiled(function: Callable[..., Any]) -> Callable[..., Any]:
 @dataclass(frozen=True)
 class _Question:
     """One evaluation of a call: ``"zero"`` (its inputs all +0, or -0 with ``sign``), ``"index"`` (its input holding
-    each position's index along ``axis``) or ``"redrawn"`` (at the second probe, sample 0 of every input changed)."""
+    each position's index along ``axis``), ``"redrawn"`` (at the second probe, sample 0 of every input changed) or
+    ``"first"`` (the first B samples of the second probe's inputs: the same samples at the first probe's batch size)."""
 
     key: str
     kind: str
@@ -321,27 +389,69 @@ class Capture:
         self.inputs = input_keys(model)  # the first is the core's input; the others are read where the model reads them
         self.leaves = example_leaves(model, example)
         self.batch = int(self.leaves[0].shape[0])
-        self.example = (
-            self.leaves[0] if len(self.leaves) == 1 else keras.tree.pack_sequence_as(model.input, self.leaves)
-        )
+        self.example = model_input(model, self.leaves)
         self.input_shapes = [_input_shape(t, x) for t, x in zip(model.inputs, self.leaves, strict=True)]
         graph = _Graph(model)
         self.calls = graph.calls
         self.outputs = graph.outputs
-        run = compiled(self._run)
-        with _no_autograd():
-            probes = [run(self.leaves), run([np.concatenate([x, x[:1]]) for x in self.leaves])]
-        self.values = [{key: np.asarray(ops.convert_to_numpy(v)) for key, v in probe.items()} for probe in probes]
+        compiled_run = compiled(self._run)
+        written: set[int] = set()  # the ids of the variables a call writes (a seed generator's state)
+
+        def run(leaves: Sequence[Any]) -> dict[str, Any]:
+            with _no_autograd(), keras.StatelessScope() as scope:  # what is written stays in the scope of one run
+                values: dict[str, Any] = compiled_run(leaves)
+            written.update(scope.state_mapping)
+            return values
+
+        probes = [run(self.leaves), run([np.concatenate([x, x[:1]]) for x in self.leaves])]
+        again = run(self.leaves)
+        # an output a layer returns as None (XLNet's encoder: its memory, when none is asked for) is no value: the
+        # calls that read it are given None
+        absent = {key for key, value in probes[0].items() if value is None}
+        for call in self.calls:
+            call.args, call.kwargs = _without((call.args, call.kwargs), absent)
+        self.values = [
+            {key: np.asarray(ops.convert_to_numpy(v)) for key, v in probe.items() if key not in absent}
+            for probe in probes
+        ]
+        self._check_repeatable(again, written)
         self.seen = {
             key: Probed(tuple(tuple(int(d) for d in v[key].shape) for v in self.values), self.batch)
             for key in self.values[0]
         }
-        self.by_key = {key: (call, position) for call in self.calls for position, key in enumerate(call.outputs)}
+        self.by_key = {
+            key: (call, position)
+            for call in self.calls
+            for position, key in enumerate(call.outputs)
+            if key not in absent
+        }
         self.dependent: dict[str, bool] = {}
         classified = {key: self._classify(call, key, position) for key, (call, position) in self.by_key.items()}
         self.answers = self._answers(classified)
         self.ops: dict[str, _Op] = {}
         self.reset(dense=False)
+
+    def _check_repeatable(self, again: Mapping[str, Any], written: set[int]) -> None:
+        """The model's calls give the same values in a second inference call on the example (``again``) and write no
+        variable (``written``: their ids; a seed generator's state, which draws other random numbers next call): a
+        model random at every call has no one program that equals ``predict``."""
+        need = f"{PREFIX} need a model that computes the same outputs for the same input in inference"
+        why = (
+            "it draws random numbers at every call (noise outside training). Pass that randomness in as an input of "
+            "the model, or make it fixed in inference, then pack"
+        )
+        for call in self.calls:
+            variables = getattr(call.operation, "variables", []) if call.layer else []
+            if any(id(variable) in written for variable in variables):
+                raise ValueError(f"{need}; {call.describe()} writes its state in an inference call: {why}")
+            for key in call.outputs:
+                if key in self.values[0] and not _close(self.values[0][key], _numpy(again[key])):
+                    raise ValueError(
+                        f"{need}; {call.describe()} gave other values in two inference calls on the example input: "
+                        f"{why}"
+                    )
+        if written:
+            raise ValueError(f"{need}; it writes a variable in an inference call (keras.random's global seed): {why}")
 
     def _run(self, leaves: Sequence[Any]) -> dict[str, Any]:
         """Every call in inference on the inputs' values: each value."""
@@ -360,7 +470,7 @@ class Capture:
     def _answers(self, classified: Mapping[str, _Op | None]) -> dict[_Question, np.ndarray]:
         """Every evaluation the core may ask for, run in one call (one compiled program on JAX): zeros through each
         elementwise call, index tensors through each move, a redrawn sample through every call."""
-        questions = []
+        questions = [_Question(key, "first") for key in classified if self._inputs_differ(key)]
         for key, op in classified.items():
             if op is None:
                 questions.append(_Question(key, "redrawn"))
@@ -381,6 +491,8 @@ class Capture:
                     shape = self.seen[t].shape
                     if question.kind == "zero":
                         given[t] = ops.full(shape, question.sign, dtype=dtypes[t])
+                    elif question.kind == "first":
+                        given[t] = large[t][: self.batch]
                     elif question.kind == "index":
                         view = [1] * len(shape)
                         view[question.axis] = shape[question.axis]
@@ -450,14 +562,26 @@ class Capture:
     def _reads_the_batch(self, call: Call, key: str) -> bool:
         """Whether a call may read the batch (its size, or other samples), so that it runs per member: a Masksembles
         layer, a value without an exact batch axis, or a result that changes for other samples when one sample is
-        redrawn, or with the batch size."""
+        redrawn, or with the batch size: the same samples at the two probe batch sizes give other results (the call
+        run on the first B samples of its inputs at B+1, where those differ from its inputs at B, as after a
+        Masksembles layer, which gives a sample another member at another batch size)."""
         if key not in self.dependent:
+            first = _Question(key, "first")
+            alone = self.answers[first] if first in self.answers else self.values[0][key]
             self.dependent[key] = (
                 bool(_masks_layers(call.operation))
                 or self.mixes_samples(call, key)
-                or not _close(self.values[0][key], self.values[1][key][: self.batch])
+                or not _close(alone, self.values[1][key][: self.batch])
             )
         return self.dependent[key]
+
+    def _inputs_differ(self, key: str) -> bool:
+        """Whether the call of ``key`` and its inputs hold the batch on axis 0 and some input's first B samples at the
+        second probe differ from its value at the first (``_reads_the_batch`` then runs the call on them)."""
+        call, _ = self.by_key[key]
+        if not call.inputs or any(self.seen[k].batch_axis != 0 for k in (*call.inputs, key)):
+            return False
+        return not all(_close(self.values[0][t], self.values[1][t][: self.batch]) for t in call.inputs)
 
     def mixes_samples(self, call: Call, key: str) -> bool:
         """Whether a call may compute a sample's result from other samples: a call without inputs, a value without
@@ -477,6 +601,19 @@ class Capture:
             return None
         rank = self.seen[key].rank
         return self._layer(call, key, tensors, rank) if call.layer else self._raw(call, key, tensors, rank)
+
+    def _channel_constant(self, constant: Any, tensor: str, key: str) -> int | None:
+        """The axis along which a constant operand of an elementwise operation varies, where it varies along that
+        one alone (right-aligned, size 1 or absent on every other axis of the result; ``x * gamma`` with gamma (C,),
+        a per-channel scale) and the other operand has the result's shape: channel ``c`` of the result then reads
+        channel ``c`` of the operand and one number of the constant (None otherwise)."""
+        shape, out = constant_shape(constant), self.seen[key].shape
+        if self.seen[tensor].shape != out or len(shape) > len(out):
+            return None
+        varying = [len(out) - len(shape) + a for a, size in enumerate(shape) if size != 1]
+        if len(varying) != 1 or out[varying[0]] != shape[varying[0] - len(out) + len(shape)]:
+            return None
+        return varying[0]
 
     def _layer(self, call: Call, key: str, tensors: list[str], rank: int) -> _Op | None:
         layer = call.operation
@@ -560,6 +697,12 @@ class Capture:
             if name in BINARY_OPS and len(tensors) == 2 and not constants:
                 return _Op(key, "combine", tensors, call=call)
             return None
+        if name in BINARY_OPS and len(tensors) == 1 and len(constants) == 1 and len(_leaves(call)) == 2:
+            axis = self._channel_constant(constants[0], tensors[0], key)
+            if axis is not None and all(_scalar(value) for value in config.values()):
+                return _Op(key, "channelwise", tensors, rule="fixed", fixed_in=axis, fixed_out=axis, call=call,
+                           role="per_channel")  # fmt: skip
+            return None
         if (
             name in MOVE_OPS
             and len(tensors) == 1
@@ -573,6 +716,11 @@ class Capture:
         if name == "Concatenate" and len(tensors) == len(_leaves(call)):
             return _Op(key, "concat", tensors, rule="concat", concat_dim=config["axis"] % rank, call=call)
         return None
+
+
+def constant_shape(value: Any) -> tuple[int, ...]:
+    """The shape of a constant argument (an array, a ``keras.Variable``, a backend tensor)."""
+    return tuple(int(size) for size in getattr(value, "shape", np.shape(value)))
 
 
 def _input_shape(tensor: Any, x: np.ndarray) -> tuple[int | None, ...]:
@@ -605,6 +753,10 @@ def _leaves(call: Call) -> list[Any]:
 
     _substitute((call.args, call.kwargs), lambda leaf: visit(leaf))
     return found
+
+
+def _numpy(value: Any) -> np.ndarray:
+    return np.asarray(ops.convert_to_numpy(value))
 
 
 def _close(a: np.ndarray, b: np.ndarray) -> bool:

@@ -26,7 +26,19 @@ import numpy as np
 from masksembles_core.packing import OUTPUT, Move, Program, Step, block_indices, channel_indices
 
 from ._layers import Masksembles
-from ._pack_capture import INPUT, Call, Capture, _Op, spatial_size
+from ._pack_capture import (
+    INPUT,
+    Call,
+    Capture,
+    _leaves,
+    _Op,
+    _Ref,
+    _substitute,
+    by_name,
+    model_input,
+    separable,
+    spatial_size,
+)
 from ._packed_layers import (
     MEMBER_CONVOLUTIONS,
     MEMBER_DEPTHWISE,
@@ -60,13 +72,17 @@ def _laid_out(vector: np.ndarray, layouts: Sequence[np.ndarray]) -> np.ndarray:
 
 
 def _macs(call: Call, capture: Capture, key: str) -> int:
-    """Multiply-adds per sample of a model's Dense, EinsumDense or convolution layer at full width (0 for anything
-    else)."""
+    """Multiply-adds per sample of a model's Dense, EinsumDense or convolution layer (separable ones too) at full
+    width (0 for anything else)."""
     layer = call.operation
+    out = capture.seen[key].shape
+    if separable(layer):  # per output position: the depthwise part's (*window, C_in, multiplier), then the 1x1's
+        depthwise = tuple(int(size) for size in layer.depthwise_kernel.shape)
+        positions = math.prod(out[1:]) // int(layer.filters)
+        return positions * math.prod(depthwise) + math.prod(out[1:]) * math.prod(depthwise[-2:])
     if not isinstance(layer, keras.layers.Dense | keras.layers.EinsumDense | keras.layers.Conv1D | keras.layers.Conv2D
                       | keras.layers.Conv3D | keras.layers.DepthwiseConv1D | keras.layers.DepthwiseConv2D):  # fmt: skip
         return 0
-    out = capture.seen[key].shape
     if isinstance(layer, keras.layers.Dense):
         return math.prod(out[1:]) * int(layer.kernel.shape[0])
     if isinstance(layer, keras.layers.EinsumDense):  # every output value sums over the kernel's contracted axes
@@ -102,15 +118,17 @@ class Emitter:
         self.macs = {"dense": 0, "packed": 0, "fallback": 0, "moves": 0}
         self.copies: list[tuple[Any, Any]] = []
         self.copy_of: dict[int, Any] = {}  # a layer's copy by the layer's id (None: the model's own), for each call
-        self.results: dict[int, list[Any]] = {}  # a fallback call with several outputs: run once
+        # a call with several outputs: run once on what its steps read (outputs placed apart, one shared and one
+        # per member, read its inputs apart: run once each)
+        self.results: dict[tuple[int, ...], list[Any]] = {}
+        plain = len(capture.inputs) == 1 and not by_name(capture.model)
         self.inputs = {
-            key: keras.Input(shape=shape, dtype=str(x.dtype), name="input" if len(capture.inputs) == 1 else tensor.name)
+            key: keras.Input(shape=shape, dtype=str(x.dtype), name="input" if plain else tensor.name)
             for key, shape, x, tensor in zip(
                 capture.inputs, capture.input_shapes, capture.leaves, capture.model.inputs, strict=True
             )
         }  # fmt: skip
-        inputs = list(self.inputs.values())
-        self.input = inputs[0] if len(inputs) == 1 else keras.tree.pack_sequence_as(capture.model.input, inputs)
+        self.input = model_input(capture.model, list(self.inputs.values()))
         self.tensors: dict[str, Any] = {}
         self.moved: dict[tuple[Any, ...], Any] = {}
         self.readers: dict[str, list[tuple[Step, int]]] = {}  # who reads each step, and through which edge
@@ -225,15 +243,31 @@ class Emitter:
         if role == "reshape":
             width = int(edges[0].shape[self.axis[op.tensors[0]]])
             return keras.layers.Reshape(_reshaped(op, width))(edges[0])
+        if role == "per_channel":
+            return self._per_channel(step, op, edges[0])
         return self._call(op, edges)
+
+    def _per_channel(self, step: Step, op: _Op, x: Any) -> Any:
+        """An elementwise operation with a per-channel constant (``x * gamma``) on the compacted tensor, its constant
+        laid out like the step's channels (padding reads channel 0: finite, never read back)."""
+        call = op.call
+        (constant,) = (leaf for leaf in _leaves(call) if not isinstance(leaf, _Ref))
+        values, rank = _numpy(constant), self.capture.seen[op.key].rank
+        index, _ = channel_indices(step.placement.layouts)
+        shape = [1] * values.ndim
+        shape[op.axis - rank + values.ndim] = len(index)
+        laid_out = values.reshape(-1)[index].reshape(shape)
+        args, kwargs = _substitute((call.args, call.kwargs), lambda leaf: laid_out if leaf is constant else None)
+        return Call(call.operation, args, kwargs, call.outputs, call.path).run({op.tensors[0]: x})[0]
 
     def _call(self, op: _Op, edges: list[Any]) -> Any:
         """The model's layer (a copy) or raw operation again, on the moved tensors."""
         call = op.call
-        if id(call) not in self.results:
+        run = (id(call), *(id(edge) for edge in edges))
+        if run not in self.results:
             values = dict(zip(op.tensors, edges, strict=True))
-            self.results[id(call)] = self._run_copy(call, values)
-        return self.results[id(call)][op.output]
+            self.results[run] = self._run_copy(call, values)
+        return self.results[run][op.output]
 
     def _run_copy(self, call: Call, values: dict[str, Any]) -> list[Any]:
         """``call`` on a copy of its layer or operation rebuilt from its config; on the model's own where its config

@@ -45,7 +45,7 @@ from masksembles_core.packing import (
 from . import _packed_layers
 from ._inference import _no_autograd
 from ._layers import SERIALIZATION_PACKAGE, Masksembles
-from ._pack_capture import Capture, compiled
+from ._pack_capture import Capture, by_name, compiled, model_input
 from ._pack_emit import Emitter
 from ._packed_layers import SelectMembers, TileBatch, in_chunks
 
@@ -190,11 +190,11 @@ def _whole_model(model: keras.Model, n: int, chosen: Sequence[int], squeeze: boo
         copy.set_weights(model.get_weights())
     except Exception:  # a model whose config does not rebuild it (a keras-hub task after surgery)
         copy = model
-    single = len(model.inputs) == 1
+    plain = len(model.inputs) == 1 and not by_name(model)
     inputs = [
-        keras.Input(shape=t.shape[1:], dtype=t.dtype, name="input" if single else t.name) for t in model.inputs
+        keras.Input(shape=t.shape[1:], dtype=t.dtype, name="input" if plain else t.name) for t in model.inputs
     ]  # fmt: skip
-    x = inputs[0] if single else keras.tree.pack_sequence_as(model.input, inputs)
+    x = model_input(model, inputs)
     tiled = keras.tree.map_structure(TileBatch(n), x)
     y = keras.tree.map_structure(SelectMembers(n, chosen, squeeze), copy(tiled, training=False))
     report = _report(chosen, "dense", [why], {})

@@ -58,23 +58,24 @@ from ._rewire import (
 Shape = tuple[int | None, ...]
 Predicate = Callable[[str, Any], bool]
 
-# the convolutions and fully connected layers: an EinsumDense is one when its equation says so (_contraction_reason)
+# the convolutions and fully connected layers: an EinsumDense is one when its equation says so (_contraction_reason);
+# a separable convolution's channels meet in its pointwise part, its depthwise part reads each one alone
 DEFAULT_BEFORE = (
     keras.layers.Conv1D,
     keras.layers.Conv2D,
     keras.layers.Conv3D,
     keras.layers.Dense,
     keras.layers.EinsumDense,
+    keras.layers.SeparableConv1D,
+    keras.layers.SeparableConv2D,
 )
+DEPTHWISE_TYPES = (keras.layers.DepthwiseConv1D, keras.layers.DepthwiseConv2D)  # listed by the default, left alone
 INPUT_LAYERS = (  # the kinds of layer that read a network's raw input: those that do are its first layers
     *DEFAULT_BEFORE,
+    *DEPTHWISE_TYPES,
     keras.layers.Conv1DTranspose,
     keras.layers.Conv2DTranspose,
     keras.layers.Conv3DTranspose,
-    keras.layers.DepthwiseConv1D,
-    keras.layers.DepthwiseConv2D,
-    keras.layers.SeparableConv1D,
-    keras.layers.SeparableConv2D,
     keras.layers.Embedding,
 )
 MIXING = (*INPUT_LAYERS, keras.layers.RNN)  # what mixes the raw input's channels (attention holds EinsumDense layers)
@@ -701,7 +702,8 @@ def _candidate(site: _Site, default: bool, traced: str) -> Candidate:
     channels, reason = _channels(site, axis, traced)
     if isinstance(site.op, keras.layers.EinsumDense):
         reason = _contraction_reason(site.op.equation) or reason
-    if not reason and default and 1 < getattr(site.op, "groups", 1) == channels:
+    depthwise = isinstance(site.op, DEPTHWISE_TYPES) or 1 < getattr(site.op, "groups", 1) == channels
+    if not reason and default and depthwise:
         reason = DEPTHWISE
     return Candidate(site.path, type(site.op).__name__, channels, axis, reason)
 
@@ -746,19 +748,21 @@ def insert(
     input multiplied into an attention output) does not read the raw input. Layers before ``start`` in
     ``model.layers`` order (a nested model's layers follow it) are skipped; the ``i``-th layer given masks gets
     ``derive_seed(seed, i)``. Left alone, with the reason in the report: depthwise convolutions
-    (``Conv2D(groups=C)``) when ``before`` is the default, an EinsumDense that contracts several axes of its input or
-    another than the last, layers with a single input channel, layers reading several tensors or inputs of different
-    channel counts, layers held twice, and layers inside custom layers the model never calls. A layer a custom layer
-    holds (keras-hub's ``TransformerEncoder`` holds its feedforward ``Dense`` layers) is replaced there by
-    ``Masked(masks, layer)``; so is a layer of a functional model whose class builds its own graph (keras-hub's
-    backbones and tasks), copied through its config so that it keeps its class (docs/keras.md, "What the surgery can
-    and cannot reach").
+    (``DepthwiseConv1D/2D``, ``Conv2D(groups=C)``) when ``before`` is the default (a ``SeparableConv1D/2D``, a
+    depthwise convolution then a 1x1 one that mixes the channels, gets masks), an EinsumDense that contracts several
+    axes of its input or another than the last, layers with a single input channel, layers reading several tensors
+    or inputs of different channel counts, layers held twice, and layers inside custom layers the model never calls.
+    A layer a custom layer holds (keras-hub's ``TransformerEncoder`` holds its feedforward ``Dense`` layers) is
+    replaced there by ``Masked(masks, layer)``; so is a layer of a functional model whose class builds its own graph
+    (keras-hub's backbones and tasks), copied through its config so that it keeps its class (docs/keras.md, "What the
+    surgery can and cannot reach").
 
     Args:
         model: a built Sequential or functional model (left unchanged).
         n, scale, seed: as for ``Masksembles``; ``seed`` makes every layer's masks reproducible.
-        before: a layer type, a tuple or list of them (default Conv1D/2D/3D, Dense and EinsumDense, subclasses
-            included; not DepthwiseConv2D, SeparableConv2D or transposed convolutions), or a predicate
+        before: a layer type, a tuple or list of them (default Conv1D/2D/3D, Dense, EinsumDense and
+            SeparableConv1D/2D, subclasses included; not transposed convolutions; DepthwiseConv1D/2D are listed in
+            the report, left alone), or a predicate
             ``(path, layer) -> bool`` on every layer (paths as in the module docstring: ``"block3/conv"``).
         start: the path of the layer insertion starts from, e.g. ``"conv4_block1_1_conv"``: ResNet50's third
             residual stage (torchvision's ``layer3``), whose shortcut ``conv4_block1_0_conv`` comes later in
@@ -781,10 +785,11 @@ def insert(
     default = isinstance(before, tuple | list) and set(before) == set(DEFAULT_BEFORE)
     _check_model(model, "insert")
     sites, calls, traced = _survey(model)
+    listed = (lambda path, layer: isinstance(layer, DEPTHWISE_TYPES) or matches(path, layer)) if default else matches
     chosen = [
         site
         for site in sites
-        if isinstance(site.op, keras.layers.Layer) and not _is_graph_model(site.op) and matches(site.path, site.op)
+        if isinstance(site.op, keras.layers.Layer) and not _is_graph_model(site.op) and listed(site.path, site.op)
     ]
     stops = {id(site.op) for site in sites if isinstance(site.op, INPUT_LAYERS)} | {id(site.op) for site in chosen}
     report = plan_insertion(

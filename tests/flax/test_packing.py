@@ -304,6 +304,16 @@ class Gate(nnx.Module):
         return x * nnx.sigmoid(x)
 
 
+class Noisy(nnx.Module):
+    """Noise added in eval mode too: another draw from its RNG stream at every call."""
+
+    def __init__(self) -> None:
+        self.rngs = nnx.Rngs(noise=0)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return x + jax.random.normal(self.rngs.noise(), x.shape)
+
+
 def linear_masks(*tail: Callable[..., Any], n: int = N, channel_axis: int = -1) -> nnx.Sequential:
     return nnx.Sequential(linear(4, 8, nnx.Rngs(0)), Masksembles(8, n, 2.0, channel_axis=channel_axis), *tail)
 
@@ -357,6 +367,10 @@ REFUSED = {
         r"need a model JAX can trace in eval mode .*tracing Sequential failed: TypeError: add got incompatible shapes",
     ),
     "no-masks": (nnx.Sequential(linear(4, 8, nnx.Rngs(0)), nnx.relu), "the model has no Masksembles layer"),
+    "random-per-call": (
+        linear_masks(Noisy(), linear(8, 3, nnx.Rngs(1))),
+        r"Sequential reads an RNG stream \(nnx\.Rngs\) in eval mode: it draws random numbers at every call",
+    ),
     "no-masks-in-a-module": (Gate(), "the model has no Masksembles layer"),
     "mixed-n": (
         linear_masks(linear(8, 8, nnx.Rngs(0)), Masksembles(8, 3, 2.0), n=2),

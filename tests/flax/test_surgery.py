@@ -217,6 +217,8 @@ def test_linen_models_train_predict_checkpoint_and_tabulate(
     members = jax.jit(lambda v, x: predict(lambda batch: model.apply(v, batch), x, 4))(trained_variables, x)
     assert members.shape == (4, x.shape[0], 4)
     assert not np.allclose(members[0], members[1])
+    read = jax.jit(lambda v, x: predict(lambda batch: model.apply(v, batch), x))(trained_variables, x)
+    assert_same_bits(read, np.asarray(members))  # n read from the apply, as docs/flax.md says
     with ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(tmp_path / "ckpt", trained_variables)
         checkpointer.wait_until_finished()

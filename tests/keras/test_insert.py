@@ -14,6 +14,7 @@ import masksembles_core as mc
 import masksembles_core.adapter as mca
 import masksembles_keras as mk
 from masksembles_core.insertion import INSERTED, LEFT
+from masksembles_keras._surgery import DEPTHWISE
 from tests.keras.architectures import BUILDERS, CLASSES, mobilenet_v3_like, resnet_like
 from tests.keras.common import (
     assert_file_round_trip_keeps_masks,
@@ -81,7 +82,10 @@ def test_insert_puts_masks_on_the_input_of_every_conv_and_dense_layer(name: str)
     assert {row.path: (row.channels, row.channel_axis) for row in report.changed} == expected
     assert [(row.path, row.action) for row in report.unchanged][:1] == [(first, LEFT)]
     assert "first layer" in report.unchanged[0].reason
-    assert all("distinct masks" in row.reason for row in report.unchanged[1:])
+    assert all(
+        "distinct masks" in row.reason or (row.layer.startswith("DepthwiseConv") and row.reason == DEPTHWISE)
+        for row in report.unchanged[1:]
+    )  # depthwise convolutions are listed, left alone
     assert set(masksembles_layers(result)) == {masks_path(path) for path in expected}
     for row in report.changed:
         masks = layer_at(result, masks_path(row.path))

@@ -25,6 +25,7 @@ import pytest
 
 import masksembles_keras as mk
 from masksembles_core.insertion import INSERTED, LEFT
+from masksembles_keras._pack_capture import example_leaves
 from tests.backends import requested_backends
 
 if "keras_hub" not in requested_backends():
@@ -314,6 +315,36 @@ def test_a_keras_hub_model_gets_members_that_train_save_and_pack(name: str, oper
     assert_close(keras.tree.map_structure(lambda y: np.moveaxis(y, 1, 0), packed.predict(x, verbose=0)), members)
     member = mk.extract_member(result, 1, x)
     assert_close(member.predict(x, verbose=0), keras.tree.map_structure(lambda y: y[1], members))
+
+
+def xlnet() -> tuple[keras.Model, Any]:
+    """XLNet's encoder layers return their memory as None (no ``mems`` asked for) beside their output."""
+    backbone = hub.XLNetBackbone(vocabulary_size=VOCABULARY, num_heads=2, dropout=0.1, **TEXT)
+    return backbone, text_inputs(backbone)
+
+
+def esm() -> tuple[keras.Model, Any]:
+    """A task whose one input is a dict of one key (``{"token_ids": ...}``)."""
+    backbone = hub.ESMBackbone(vocabulary_size=VOCABULARY, num_heads=2, max_sequence_length=16, **TEXT)
+    return hub.ESMProteinClassifier(backbone, num_classes=3, preprocessor=None, dropout=0.1), text_inputs(backbone)
+
+
+@pytest.mark.parametrize("build", [xlnet, esm])
+def test_a_model_with_a_none_output_or_a_one_key_dict_input_packs(build: Callable[[], tuple[keras.Model, Any]]) -> None:
+    """Regression: ``pack`` of XLNet crashed on the None its encoders return ("Invalid dtype: object" on torch), and
+    ESM's dict input was refused ("batch of at least 1 ... received ()"); both equal ``predict`` now, with the input
+    structure the model takes."""
+    keras.utils.set_random_seed(0)
+    model, x = build()
+    result = mk.insert(model, N, 2.0, seed=0)
+    members = mk.predict(result, x)
+    packed = mk.pack(result, x, program="packed")
+    assert_close(keras.tree.map_structure(lambda y: np.moveaxis(y, 1, 0), packed.predict(x, verbose=0)), members)
+    member = mk.extract_member(result, 2, x)
+    assert_close(member.predict(x, verbose=0), keras.tree.map_structure(lambda y: y[2], members))
+    if len(x) == 1:  # the bare array of a one-key dict is the same example
+        (bare,) = x.values()
+        assert [leaf.tolist() for leaf in example_leaves(result, bare)] == [bare.tolist()]
 
 
 OUTPUT_PROJECTION = r"einsum '\w+,\w+->\w+' contracts 2 axes of its input \(\w, \w\), not one channel axis"

@@ -560,3 +560,25 @@ def test_n_must_match_the_masks() -> None:
     model = build("mlp")
     with pytest.raises(ValueError, match="n=3 does not match"):
         mk.pack(model, example(model, 4), 3)
+
+
+class Noisy(layers.Layer):  # type: ignore[misc]
+    """Noise added in inference too: another draw at every call."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.seed_generator = keras.random.SeedGenerator(0)
+
+    def call(self, x: Any) -> Any:
+        return x + keras.random.normal(ops.shape(x), seed=self.seed_generator)
+
+
+def test_a_model_random_at_every_call_is_refused_with_what_to_do() -> None:
+    """No program equals predict for such a model: pack says so instead of returning the whole model tiled."""
+    inputs = keras.Input((6,))
+    x = masks("m1", 0)(layers.Dense(12)(inputs))
+    model = keras.Model(inputs, layers.Dense(3)(Noisy(name="noisy")(x)))
+    random_per_call = r"noisy \(Noisy\) writes its state in an inference call: it draws random numbers at every call"
+    for packing in (lambda: mk.pack(model, example(model, 4)), lambda: mk.extract_member(model, 0, example(model, 4))):
+        with pytest.raises(ValueError, match=random_per_call):
+            packing()
