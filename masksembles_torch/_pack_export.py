@@ -51,6 +51,22 @@ FUNCTIONS: dict[Any, tuple[Callable[..., Any], int | None]] = {
     ATEN.softmax.int: (torch.softmax, None), ATEN.matmul.default: (torch.matmul, None),
     ATEN.bmm.default: (torch.bmm, None), ATEN.add.Tensor: (operator.add, 2), ATEN.sub.Tensor: (operator.sub, 2),
     ATEN.mul.Tensor: (operator.mul, 2), ATEN.div.Tensor: (operator.truediv, 2),
+    ATEN.hardswish.default: (F.hardswish, None), ATEN.hardsigmoid.default: (F.hardsigmoid, None),
+    ATEN.hardtanh.default: (F.hardtanh, None), ATEN.relu6.default: (F.relu6, None),
+    ATEN.leaky_relu.default: (F.leaky_relu, None), ATEN.celu.default: (F.celu, None), ATEN.selu.default: (F.selu, None),
+    ATEN.mish.default: (F.mish, None), ATEN.softplus.default: (F.softplus, None),
+    ATEN.log_sigmoid.default: (F.logsigmoid, None), ATEN.hardshrink.default: (F.hardshrink, None),
+    ATEN.softshrink.default: (F.softshrink, None), ATEN.threshold.default: (F.threshold, None),
+    ATEN.rrelu.default: (F.rrelu, 4), ATEN.prelu.default: (F.prelu, None), ATEN.clamp.default: (torch.clamp, None),
+    ATEN.clamp_min.default: (torch.clamp, None), ATEN.square.default: (torch.square, None),
+    ATEN.sign.default: (torch.sign, None), ATEN.log.default: (torch.log, None), ATEN.sin.default: (torch.sin, None),
+    ATEN.cos.default: (torch.cos, None), ATEN.pad.default: (F.pad, None),
+    ATEN.avg_pool1d.default: (F.avg_pool1d, None), ATEN.avg_pool2d.default: (F.avg_pool2d, None),
+    ATEN.avg_pool3d.default: (F.avg_pool3d, None), ATEN.max_pool1d.default: (F.max_pool1d, None),
+    ATEN.max_pool2d.default: (F.max_pool2d, None), ATEN.max_pool3d.default: (F.max_pool3d, None),
+    ATEN.adaptive_avg_pool1d.default: (F.adaptive_avg_pool1d, None),
+    ATEN.adaptive_avg_pool2d.default: (F.adaptive_avg_pool2d, None),
+    ATEN.adaptive_avg_pool3d.default: (F.adaptive_avg_pool3d, None),
 }  # fmt: skip
 
 
@@ -58,6 +74,56 @@ FUNCTIONS: dict[Any, tuple[Callable[..., Any], int | None]] = {
 METHODS = {
     ATEN.view.default: "view", ATEN.reshape.default: "reshape", ATEN.expand.default: "expand",
     ATEN.sym_size.int: "size", ATEN.contiguous.default: "contiguous", ATEN.clone.default: "clone",
+    ATEN.mean.dim: "mean", ATEN.sum.dim_IntList: "sum", ATEN.amax.default: "amax", ATEN.amin.default: "amin",
+    ATEN.var.dim: "var", ATEN.var.correction: "var", ATEN.std.dim: "std", ATEN.std.correction: "std",
+    ATEN.to.dtype: "to",
+}  # fmt: skip
+
+
+def _batch_norm(x: Any, weight: Any, bias: Any, mean: Any, var: Any, training: Any, momentum: Any, eps: Any,
+                _cudnn: Any) -> tuple[Callable[..., Any], tuple[Any, ...]]:  # fmt: skip
+    """``aten.batch_norm`` -> ``F.batch_norm`` (the statistics before the affine parameters; ``cudnn_enabled`` only
+    picks a kernel)."""
+    return F.batch_norm, (x, mean, var, weight, bias, training, momentum, eps)
+
+
+def _elu(x: Any, alpha: Any = 1.0, scale: Any = 1.0, input_scale: Any = 1.0) -> Any:
+    """``aten.elu`` -> ``F.elu``, which has no ``scale``/``input_scale``: only where both are 1."""
+    return (F.elu, (x, alpha)) if scale == 1 and input_scale == 1 else None
+
+
+def _rsub(x: Any, other: Any, alpha: Any = 1) -> Any:
+    """``aten.rsub.Scalar(x, c)`` (``c - x``) -> ``operator.sub(c, x)``, as torch.fx records ``c - x``."""
+    return (operator.sub, (other, x)) if alpha == 1 else None
+
+
+def _clamp_max(x: Any, maximum: Any) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    return torch.clamp, (x, None, maximum)
+
+
+def _constant_pad(x: Any, pad: Any, value: Any = 0) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    return F.pad, (x, pad, "constant", value)
+
+
+def _upsample(mode: str, aligned: bool) -> Callable[..., Any]:
+    """``aten.upsample_<mode>.vec`` -> ``F.interpolate`` (which calls it with the same sizes and scale factors)."""
+
+    def rewrite(x: Any, size: Any, *rest: Any) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        align_corners, scale_factors = rest if aligned else (None, *rest)
+        return F.interpolate, (x, size, scale_factors, mode, align_corners)
+
+    return rewrite
+
+
+# ATen operations whose twin takes the arguments in another order or form: a function of the node's arguments that
+# gives the twin and its arguments, or None where the twin would not compute the same (the node then stays ATen)
+REORDERED: dict[Any, Callable[..., Any]] = {
+    ATEN.batch_norm.default: _batch_norm, ATEN.elu.default: _elu, ATEN.rsub.Scalar: _rsub,
+    ATEN.clamp_max.default: _clamp_max, ATEN.constant_pad_nd.default: _constant_pad,
+    ATEN.upsample_nearest1d.vec: _upsample("nearest", False), ATEN.upsample_nearest2d.vec: _upsample("nearest", False),
+    ATEN.upsample_nearest3d.vec: _upsample("nearest", False), ATEN.upsample_linear1d.vec: _upsample("linear", True),
+    ATEN.upsample_bilinear2d.vec: _upsample("bilinear", True), ATEN.upsample_bicubic2d.vec: _upsample("bicubic", True),
+    ATEN.upsample_trilinear3d.vec: _upsample("trilinear", True),
 }  # fmt: skip
 
 
@@ -320,6 +386,10 @@ def _rewrite(node: fx.Node) -> None:
         node.args = node.args if kept is None else node.args[:kept]
     elif target in METHODS:
         node.op, node.target = "call_method", METHODS[target]
+    elif target in REORDERED and not node.kwargs:
+        twin = REORDERED[target](*node.args)
+        if twin is not None:
+            node.target, node.args = twin
     elif target in (ATEN.select.int, ATEN.slice.Tensor):
         _as_index(node)
 
