@@ -151,6 +151,7 @@ def exported(model: nn.Module, example: Inputs) -> tuple[fx.GraphModule, _PyTree
     _module_paths(gm)
     _drop_checks(gm)
     _layers_as_modules(gm, model)
+    _out_of_place(gm)
     for node in list(gm.graph.nodes):  # before the views it reads become methods
         if node.op == "call_function" and node.target is ATEN.addmm.default:
             _addmm_as_linear(gm, node)
@@ -233,6 +234,67 @@ def _layers_as_modules(gm: fx.GraphModule, model: nn.Module) -> None:
         for node in reversed(nodes):
             if not node.users:
                 gm.graph.erase_node(node)
+
+
+def _out_of_place(gm: fx.GraphModule) -> None:
+    """In-place ATen calls (``relu_``, ``hardswish_``, ``add_.Tensor``, ...) as their twins out of place, each reader
+    reading the value written last before it, where that is proven to be the memory's value: for each tensor the model
+    writes in place, every call that shares its memory (the calls' schemas say which: views, ``split``, and in-place
+    calls, which return what they write) must be an in-place call that has a twin out of place here, and the tensor
+    must not be a parameter or buffer. Otherwise (a view written in place, or read after a write) its calls stay as the
+    model runs them: they fall back."""
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    alias: dict[fx.Node, fx.Node] = {}  # a call -> the value whose memory its result shares
+    for node in gm.graph.nodes:
+        source = node.args[0] if node.op == "call_function" and node.args else None
+        shares = _returns_alias(node.target) or _writes_first(node.target) or node.target is operator.getitem
+        if isinstance(source, fx.Node) and shares and (node.target is not operator.getitem or source in alias):
+            alias[node] = source
+    families: dict[fx.Node, list[fx.Node]] = {}
+    for node in alias:
+        root = node
+        while root in alias:
+            root = alias[root]
+        families.setdefault(root, []).append(node)
+    for root, calls in families.items():
+        twins = [_out_of_place_twin(call.target) for call in calls]
+        if root.op == "get_attr" or not all(twins):
+            continue
+        for call, twin in zip(calls, twins, strict=True):
+            call.target = twin
+        values = [root, *calls]  # the memory's value after each write, in graph order
+        for value in values:
+            for reader in list(value.users):
+                latest = max((v for v in values if order[v] < order[reader]), key=order.__getitem__)
+                reader.replace_input_with(value, latest)
+
+
+def _writes_first(target: Any) -> bool:
+    """Whether an ATen call writes its first argument in place (and returns it)."""
+    if not isinstance(target, torch._ops.OpOverload) or not target._schema.arguments:
+        return False
+    alias_info = target._schema.arguments[0].alias_info
+    return alias_info is not None and alias_info.is_write
+
+
+def _returns_alias(target: Any) -> bool:
+    """Whether an ATen call's result shares memory with an argument without writing it (a view: ``view``,
+    ``select``, ``split``, ...)."""
+    if not isinstance(target, torch._ops.OpOverload) or not target._schema.returns:
+        return False
+    alias_info = target._schema.returns[0].alias_info
+    return alias_info is not None and not alias_info.is_write
+
+
+def _out_of_place_twin(target: Any) -> Any:
+    """``aten.<name>_.<overload>`` -> ``aten.<name>.<overload>`` where the schema writes the first argument and the
+    out-of-place call has a twin here (else None)."""
+    name = target._schema.name.split("::")[-1] if isinstance(target, torch._ops.OpOverload) else ""
+    if not name.endswith("_") or not _writes_first(target):
+        return None
+    packet = getattr(ATEN, name[:-1], None)
+    twin = getattr(packet, target._overloadname, None) if packet is not None else None
+    return twin if twin in FUNCTIONS or twin in REORDERED or twin in METHODS else None
 
 
 # ATen views whose result may be the tensor itself: then the batch size they read changes nothing
