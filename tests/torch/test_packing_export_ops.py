@@ -151,6 +151,7 @@ OPERATIONS: dict[str, Callable[[], nn.Module]] = {
         nn.AdaptiveAvgPool2d((2, 3)),
         nn.Upsample(scale_factor=2),
         nn.Upsample(scale_factor=2, mode="bilinear"),
+        nn.Upsample(scale_factor=1.5, mode="bicubic"),
         lambda x: F.pad(x, (1, 1, 1, 1), value=1.0),
     ),
     "reductions": lambda: chain(
