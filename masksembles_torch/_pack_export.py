@@ -127,11 +127,10 @@ REORDERED: dict[Any, Callable[..., Any]] = {
 }  # fmt: skip
 
 
-# twins that take the arguments after the tensor by keyword, as torch.fx records an ``F`` call (the packed program
-# then runs them in place where the fx capture's would: ``inplace=True``)
+# twins (Python functions) that take the arguments after the tensor by keyword, as torch.fx records an ``F`` call (the
+# packed program then runs them in place where the fx capture's would: ``inplace=True``)
 KEYWORD_TWINS = {
-    F.hardswish, F.hardsigmoid, F.hardtanh, F.relu6, F.leaky_relu, F.elu, F.celu, F.selu, F.mish, F.softplus,
-    F.hardshrink, F.softshrink, F.threshold,
+    F.hardswish, F.hardsigmoid, F.hardtanh, F.relu6, F.leaky_relu, F.elu, F.celu, F.selu, F.mish, F.threshold,
 }  # fmt: skip
 
 
@@ -460,12 +459,12 @@ def _rewrite(node: fx.Node) -> None:
         twin = REORDERED[target](*node.args)
         if twin is not None:
             node.target, node.args = twin
-    if node.target in KEYWORD_TWINS:
-        arguments = inspect.signature(cast(Callable[..., Any], node.target)).bind(*node.args, **node.kwargs).arguments
-        first, *rest = arguments
-        node.args, node.kwargs = (arguments[first],), {name: arguments[name] for name in rest}
     elif target in (ATEN.select.int, ATEN.slice.Tensor):
         _as_index(node)
+    if node.target in KEYWORD_TWINS:
+        arguments = inspect.signature(node.target).bind(*node.args, **node.kwargs).arguments
+        first, *rest = arguments
+        node.args, node.kwargs = (arguments[first],), {name: arguments[name] for name in rest}
 
 
 def _rank(node: Any) -> int | None:
