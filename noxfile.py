@@ -111,7 +111,8 @@ def keras(session: nox.Session, backend: str) -> None:
     hub_deps = nox.project.dependency_groups(PYPROJECT, "test-keras-hub-deps")
     if backend != "tensorflow":  # a keras-hub task's fit/predict needs tf.data or grain
         hub_deps = (*hub_deps, *nox.project.dependency_groups(PYPROJECT, "test-keras-hub-grain"))
-    session.install(*CONSTRAINTS, "-e", ".[keras]", *KERAS_BACKEND_PACKAGES[backend], *TEST, *hub_deps, *DEMO)
+    deploy = nox.project.dependency_groups(PYPROJECT, f"test-keras-deploy-{backend}")  # export formats, runtimes
+    session.install(*CONSTRAINTS, "-e", ".[keras]", *KERAS_BACKEND_PACKAGES[backend], *TEST, *hub_deps, *deploy, *DEMO)
     session.install("--no-deps", *nox.project.dependency_groups(PYPROJECT, "test-keras-hub"))
     session.env["KERAS_BACKEND"] = backend
     run_pytest(session, f"keras-{backend},keras_hub", "tests/keras", *ADAPTER_TESTS)
@@ -251,6 +252,8 @@ def bench(session: nox.Session) -> None:
     session.install(*CONSTRAINTS, *METRICS_TEST, "netcal==1.4.0")  # the metrics' references (netcal needs torch)
     transformers = [r for r in nox.project.dependency_groups(PYPROJECT, "test-torch") if r.startswith("transformers")]
     session.install(*CONSTRAINTS, *transformers)  # bench_packing's ViT (transformers) row
-    scripts = ("generation", "torch", "packing", "keras", "flax", "flax_barrier", "flax_packing", "metrics")
+    onnx = [r for r in nox.project.dependency_groups(PYPROJECT, "test-torch") if r.startswith("onnx")]
+    session.install(*CONSTRAINTS, *onnx)  # bench_deploy: ONNX export, run in onnxruntime
+    scripts = ("generation", "torch", "packing", "deploy", "keras", "flax", "flax_barrier", "flax_packing", "metrics")
     for script in scripts:
         session.run("python", f"benchmarks/bench_{script}.py")

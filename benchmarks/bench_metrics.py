@@ -1,12 +1,15 @@
 """Metrics speed: each masksembles_core.metrics function ÷ its reference implementation on the same input.
 
-    python benchmarks/bench_metrics.py [--rounds 5] [--samples 1000000]
+    python benchmarks/bench_metrics.py [--rounds 5] [--samples 1000000] [--cases all|metrics|conformal]
 
 B = 10⁶ samples (10⁵ for temperature scaling, as netcal is timed there), K = 10 classes, n = 4 members where a
 metric takes members, float64. Ours and the reference are timed in turn within every round (interleaved medians),
 so machine noise hits both alike; the table gives ours ÷ reference (below 1: ours is faster). The references:
 scikit-learn (ranking metrics, log loss, Brier), SciPy (entropies), netcal (ECE, temperature scaling),
-properscoring (Gaussian CRPS) and uncertainty-toolbox (regression calibration).
+properscoring (Gaussian CRPS) and uncertainty-toolbox (regression calibration). Conformal prediction
+(masksembles_core.conformal): ``calibrate_sets`` and ``.sets`` against MAPIE's ``SplitConformalClassifier``
+(``conformalize`` and ``predict_set``, its estimator a prefit stand-in that returns the given probabilities) on
+B = 10⁵ samples × K = 100 classes, one member, calibrated and predicted on the same arrays.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from masksembles_core import metrics
 CLASSES = 10
 MEMBERS = 4
 TEMPERATURE_SAMPLES = 10**5
+CONFORMAL_SAMPLES, CONFORMAL_CLASSES = 10**5, 100
 
 
 class Case(NamedTuple):
@@ -142,10 +146,69 @@ def cases(samples: int) -> list[Case]:
     ]
 
 
+def conformal_cases() -> list[Case]:
+    """``calibrate_sets`` + ``.sets`` against MAPIE's conformalize + predict_set, LAC and APS (non-randomized sets:
+    ``include_last_label=False``), α = 0.1, on the same (B, K) probabilities."""
+    from mapie.classification import SplitConformalClassifier
+    from scipy.special import softmax
+    from sklearn.base import BaseEstimator, ClassifierMixin
+
+    from masksembles_core import conformal
+
+    class GivenProbabilities(ClassifierMixin, BaseEstimator):  # type: ignore[misc]
+        """A prefit classifier whose input (B, K) is its predictive distribution."""
+
+        classes_ = np.arange(CONFORMAL_CLASSES)
+
+        def fit(self, x: np.ndarray, y: np.ndarray) -> GivenProbabilities:
+            return self
+
+        def __sklearn_is_fitted__(self) -> bool:
+            return True
+
+        def predict_proba(self, x: np.ndarray) -> np.ndarray:
+            return x
+
+        def predict(self, x: np.ndarray) -> np.ndarray:
+            return x.argmax(axis=1)
+
+    rng = np.random.default_rng(1)
+    probs = softmax(2.0 * rng.normal(size=(CONFORMAL_SAMPLES, CONFORMAL_CLASSES)), axis=1)
+    drawn = (rng.random((CONFORMAL_SAMPLES, 1)) > probs.cumsum(axis=1)).sum(axis=1)  # labels from the model itself
+    labels = np.minimum(drawn, CONFORMAL_CLASSES - 1)
+
+    def ours(score: conformal.SetScore) -> Callable[[], object]:
+        return lambda: conformal.calibrate_sets(probs, labels, alpha=0.1, score=score).sets(probs)
+
+    def mapie(score: str) -> Callable[[], object]:
+        def run() -> object:
+            classifier = SplitConformalClassifier(
+                GivenProbabilities(), confidence_level=0.9, conformity_score=score, prefit=True, random_state=0
+            )
+            params = {"include_last_label": False} if score == "aps" else None
+            return classifier.conformalize(probs, labels).predict_set(probs, conformity_score_params=params)
+
+        return run
+
+    return [
+        Case(
+            f"conformal.calibrate_sets + .sets ({score.upper()}, K = {CONFORMAL_CLASSES})",
+            "MAPIE 1.6 SplitConformalClassifier conformalize + predict_set",
+            ours(score),
+            mapie(score),
+            CONFORMAL_SAMPLES,
+        )
+        for score in ("lac", "aps")
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
     parser.add_argument("--samples", type=int, default=10**6)
+    parser.add_argument(
+        "--cases", choices=("all", "metrics", "conformal"), default="all", help="a part prints only (no write)"
+    )
     parser.add_argument("--no-write", action="store_true", help="print only, leave BENCHMARKS.md alone")
     args = parser.parse_args()
     warnings.simplefilter("ignore")  # the references' own deprecation warnings
@@ -153,7 +216,11 @@ def main() -> None:
         "| metric | reference | B | ours (ms) | reference (ms) | ours ÷ reference |",
         "|---|---|---:|---:|---:|---:|",
     ]
-    for case in cases(args.samples):
+    selected = [
+        *(cases(args.samples) if args.cases in ("all", "metrics") else []),
+        *(conformal_cases() if args.cases in ("all", "conformal") else []),
+    ]
+    for case in selected:
         times = interleaved_medians({"ours": case.ours, "theirs": case.theirs}, rounds=args.rounds, warmup=1)
         ours, theirs = times["ours"], times["theirs"]
         row = (
@@ -171,12 +238,14 @@ def main() -> None:
             "`mutual_information` take member probabilities, so their time includes checking them). Medians of "
             f"{args.rounds} interleaved rounds, one run on {machine()}. Below 1×: ours is faster. "
             "`crps_gaussian` calls the C library's `erfc` element by element (NumPy has no vectorized erf and SciPy "
-            "is not a dependency), where properscoring uses SciPy's.",
+            "is not a dependency), where properscoring uses SciPy's. The conformal rows: B = 10⁵ samples × K = "
+            f"{CONFORMAL_CLASSES} classes (one member), calibrated and predicted on the same probabilities; MAPIE's "
+            "estimator is a prefit stand-in returning them, its APS sets non-randomized (`include_last_label=False`).",
             "",
             *rows,
         ]
     )
-    publish("metrics", text, write=not args.no_write)
+    publish("metrics", text, write=not args.no_write and args.cases == "all")  # the section holds every row
 
 
 if __name__ == "__main__":

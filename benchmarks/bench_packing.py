@@ -1,4 +1,4 @@
-"""Packed inference: all N members at about the cost of one model.
+"""Packed inference: all N members in one call, timed ÷ one model and ÷ tiled ``predict``.
 
     python benchmarks/bench_packing.py [--rounds 15] [--device cpu|cuda] [--models MLP,ResNet,...]
     MALLOC_MMAP_THRESHOLD_=4000000000 MALLOC_TRIM_THRESHOLD_=4000000000 python benchmarks/bench_packing.py
@@ -16,14 +16,15 @@ in the single model too (SDPA); with dropouts converted by
 single model skips the padded tokens with nested tensors; a second row runs it on every token, as the packed program
 and the MAC ratio count them) and,
 GPT-like, with a causal mask (pre-norm, the last token classified); and the issue's case, a
-ResNet-50 (bottleneck blocks 3-4-6-3) on 3×32×32 with masks after every block. For each batch size (medians of
-interleaved rounds, every ratio from the same run), ÷ one forward of the same network without Masksembles on the
-same batch: ``pack(model, program="packed")``, the tiled dense ``predict(model, x, 4)``, and packed ÷ tiled
-(``pack``'s default ``program="auto"`` keeps the faster of the two). Next to the packed ratio: the
-multiply-accumulate (MAC) ratio of its Linear/Conv layers and attention products, and the share of those MACs that
-run at full width because they fell back; where the packed program runs on chunks of the batch (CPU, per-sample
-programs), the single model run on the same chunks. The second command keeps glibc from returning freed memory to
-the system, so that large allocations do not page-fault on every call (its table goes to its own section)."""
+ResNet-50 (bottleneck blocks 3-4-6-3) on 3×32×32 with masks after every block; issue #39's 1-D CNN (Conv1d 1→32, kernel
+7; 32→64, kernel 5; 64→64, kernel 3; average pool; Linear 64→10; masks before the last three) on 1×128. For each batch
+size (medians of interleaved rounds, every ratio from the same run), ÷ one forward of the same network without
+Masksembles on the same batch: ``pack(model, program="packed")``, the tiled dense ``predict(model, x, 4)``, and packed ÷
+tiled (``pack``'s default ``program="auto"`` keeps the faster of the two). Next to the packed ratio: the
+multiply-accumulate (MAC) ratio of its Linear/Conv layers and attention products, and the share of those MACs that run
+at full width because they fell back; where the packed program runs on chunks of the batch (CPU, per-sample programs),
+the single model run on the same chunks. The second command keeps glibc from returning freed memory to the system, so
+that large allocations do not page-fault on every call (its table goes to its own section)."""
 
 from __future__ import annotations
 
@@ -379,6 +380,21 @@ class ResNet50(nn.Module):
         return self.fc(F.adaptive_avg_pool2d(self.blocks(F.relu(self.stem(x))), 1).flatten(1))
 
 
+def conv1d_cnn(masks: bool) -> nn.Module:
+    """Issue #39's 1-D CNN: three Conv1d layers and a Linear, Masksembles before the last three."""
+
+    def masked(channels: int, seed: int) -> nn.Module:
+        return mt.Masksembles1D(channels, N, SCALE, seed=seed) if masks else nn.Identity()
+
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv1d(1, 32, 7, padding=3), nn.ReLU(), masked(32, 0),
+        nn.Conv1d(32, 64, 5, padding=2), nn.ReLU(), masked(64, 1),
+        nn.Conv1d(64, 64, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool1d(1), nn.Flatten(), masked(64, 2),
+        nn.Linear(64, 10),
+    )  # fmt: skip
+
+
 def inserted(factory: Callable[[], nn.Module]) -> Callable[[bool], nn.Module]:
     """The model, with masks placed by ``insert`` when asked (the unmasked one has the same weights)."""
 
@@ -393,6 +409,7 @@ def inserted(factory: Callable[[], nn.Module]) -> Callable[[bool], nn.Module]:
 MODELS: dict[str, tuple[Callable[[bool], nn.Module], tuple[int, ...], tuple[int, ...]]] = {
     "MLP": (mlp, (784,), (1, 32, 256)),
     "ResNet": (ResNet, (3, 32, 32), (1, 32, 256)),
+    "1-D CNN": (conv1d_cnn, (1, 128), (1, 32, 256)),
     "MobileNetV3-like": (inserted(MobileNet), (3, 64, 64), (1, 32, 256)),
     "ConvNeXt-like": (inserted(ConvNeXt), (3, 64, 64), (1, 32, 256)),
     "ViT-like": (inserted(ViT), (3, 32, 32), (1, 32, 256)),
@@ -515,7 +532,8 @@ def build_times(models: list[str], device: torch.device) -> str:
         f"Seconds for one call of `pack` on the middle batch size of each model above, {machine()}; one measurement "
         "each (a build is not repeated), so read them as orders of magnitude. `auto` traces and probes the model "
         "once for all its candidates, builds and verifies each, and times them in up to 7 interleaved rounds "
-        "(fewer once no other program can still be chosen); the last column is its choice.",
+        "(fewer once the rest could not change its choice, and none that would end after twice the packed build "
+        "time); the last column is its choice.",
         "",
         '| model | batch | `pack(program="packed")` (s) | `pack()` (s) | auto ÷ packed | auto\'s choice |',
         "|---|---:|---:|---:|---:|---|",

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import _demo_conformal as conformal_intervals
 import numpy as np
 from _demo_common import Framework, ModelSpec, N, TrainConfig, Trained, masksembles_spec, train_ensemble
 from _demo_data import (
@@ -40,6 +41,7 @@ TOY_WIDTHS = (64, 64)
 TOY_RATE = 0.1
 TOY_SCALE = 3.0
 TOY_TEST_POINTS = 1000
+CALIBRATION_POINTS = 500  # the conformal intervals' calibration points, drawn like the test points
 TOY_RESOLUTION = 241
 DIABETES_WIDTHS = (32, 32)
 MODELS = ("Single", "MC-Dropout", "Masksembles", "Deep Ensemble")
@@ -87,10 +89,12 @@ def toy_regions(x: FloatArray) -> dict[str, NDArray[np.bool_]]:
 
 def run_regression_toy(
     framework: Framework, *, seeds: Sequence[int], points: int, config: TrainConfig, output: Path
-) -> Table:
+) -> tuple[Table, Table]:
+    """The toy's table and its conformal intervals' table (``_demo_conformal.regression_table``)."""
     grid = np.linspace(*REGRESSION_PLOT, TOY_RESOLUTION).astype(np.float32)
     regions = toy_regions(grid.astype(np.float64))
     per_seed: dict[str, list[dict[str, float]]] = {name: [] for name in MODELS}
+    conformal_per_seed: dict[str, list[dict[str, float]]] = {name: [] for name in MODELS}
     parameters: dict[str, int] = {}
     curves: dict[str, RegressionCurves] = {}
     first_x, first_y = regression_points(points, seeds[0])
@@ -98,14 +102,22 @@ def run_regression_toy(
         x, y = regression_points(points, seed)
         x_test, y_test = regression_points(TOY_TEST_POINTS, mc.derive_seed(seed, 1))
         x_gap, y_gap = regression_points(TOY_TEST_POINTS, mc.derive_seed(seed, 2), gap=True)
+        x_calibration, y_calibration = regression_points(CALIBRATION_POINTS, mc.derive_seed(seed, 3))
         for name, spec in tqdm(toy_specs(seed).items(), desc=f"regression toy seed {seed}", disable=None):
             model = train(framework, name, spec, x / REGRESSION_INPUT_SCALE, y, config, seed)
             parameters[name] = model.parameters
             scores: dict[str, float] = {}
+            evaluated = {}
             for where, (inputs, targets) in {"test": (x_test, y_test), "gap": (x_gap, y_gap)}.items():
-                mean, variance = metrics.gaussian_mixture(*gaussians(model.predict(inputs / REGRESSION_INPUT_SCALE)))
+                members = gaussians(model.predict(inputs / REGRESSION_INPUT_SCALE))
+                evaluated[where] = (*members, targets.astype(np.float64))
+                mean, variance = metrics.gaussian_mixture(*members)
                 scores[f"{where}_nll"] = metrics.gaussian_nll(mean, variance, targets)
                 scores[f"{where}_coverage"] = metrics.interval_coverage(mean, variance, targets, level=LEVEL)
+            calibration = gaussians(model.predict(x_calibration / REGRESSION_INPUT_SCALE))
+            conformal_per_seed[name].append(
+                conformal_intervals.interval_scores((*calibration, y_calibration.astype(np.float64)), evaluated)
+            )
             means, variances = gaussians(model.predict(grid[:, None] / REGRESSION_INPUT_SCALE))
             epistemic = metrics.uncertainty_split(means, variances)[1]
             spread = {where: float(np.sqrt(epistemic[inside]).mean()) for where, inside in regions.items()}
@@ -142,6 +154,7 @@ def run_regression_toy(
         for name in MODELS
     )
     (low, split), (resume, high) = REGRESSION_DATA
+    intervals = conformal_intervals.regression_table(conformal_per_seed, CALIBRATION_POINTS, TOY_TEST_POINTS)
     return Table(
         "Regression toy: the epistemic spread in the gap and beyond the data",
         ("Model", "Parameters", *(title for _, title in columns)),
@@ -158,7 +171,7 @@ def run_regression_toy(
             f"gap and beyond ±{high:g}; a ratio > 1 means the band widens away from the data. "
             f"Mean ± std over {len(seeds)} seed(s) (data, weights, masks)."
         ),
-    )
+    ), intervals
 
 
 # --- 2. diabetes -----------------------------------------------------------------------------------

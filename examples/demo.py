@@ -12,7 +12,8 @@
 3. Regression (examples/_demo_regression.py): members with a (mean, log-variance) head trained on
    each adapter's Gaussian NLL loss. A 1-D toy with noise growing with x and a gap in the data
    (intervals plotted; the epistemic spread in the gap and beyond the data divided by that on the
-   data), and scikit-learn's diabetes (RMSE, NLL, 90% interval coverage, calibration error).
+   data), and scikit-learn's diabetes (RMSE, NLL, 90% interval coverage, calibration error). Conformal
+   intervals on the toy (examples/_demo_conformal.py): absolute vs normalized by the members' mixture std.
 4. Digits: scikit-learn's 8x8 digits, a small CNN trained on classes 0-6 (30% train, 15%
    validation, 55% test, split once per class from --seed), classes 7-9 held out as OOD. Single,
    MC-Dropout (rate picked on validation NLL), Masksembles N=4 at the single model's layer widths
@@ -20,7 +21,8 @@
    model, 2.3x its parameters) and a Deep Ensemble of 4, each also temperature-scaled, over several
    seeds: accuracy, NLL, ECE, Brier, AURC, OOD AUROC/AUPR/FPR95 by every uncertainty score,
    parameters, training time; accuracy and ECE under 5 corruptions at 5 severities; reliability
-   diagrams; diversity.
+   diagrams; diversity; conformal prediction sets (LAC, APS, RAPS at α = 0.1 and 0.05, calibrated on
+   half of the test images).
 
 Everything is seeded. The torch path takes about 2 minutes with ``--quick`` and about 10 minutes
 in full on two CPU cores. ``--framework keras`` runs on the backend KERAS_BACKEND names (torch
@@ -38,6 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import _demo_conformal
 import numpy as np
 from _demo_common import Framework, ModelSpec, N, TrainConfig, Trained, masksembles_spec, train_ensemble
 from _demo_data import (
@@ -356,7 +359,9 @@ def digits_seed(
     return runs
 
 
-def run_digits(framework: Framework, preset: Preset, base_seed: int, output: Path) -> tuple[Table, Table, Table, Table]:
+def run_digits(
+    framework: Framework, preset: Preset, base_seed: int, output: Path
+) -> tuple[Table, Table, Table, Table, Table]:
     data = digits_split(base_seed)
     seeds = list(range(base_seed, base_seed + preset.digits_seeds))
     size_scale = paper_size_scale(digits_single(data))
@@ -377,6 +382,12 @@ def run_digits(framework: Framework, preset: Preset, base_seed: int, output: Pat
     sweep_table = sweep_table_of(sweep, picks, data, seeds)
     ood_table = ood_scores_table(final, seeds)
     shift = corruption_study(final, data, output)
+    conformal_sets = {
+        name: [_demo_conformal.set_scores(run.test, data.y_test, seed) for run, seed in zip(runs, seeds, strict=True)]
+        for name, runs in scaled.items()
+    }
+    calibration = len(_demo_conformal.calibration_halves(len(data.y_test), base_seed)[0])
+    conformal_table = _demo_conformal.digits_table(conformal_sets, calibration, len(data.y_test) - calibration)
     pooled = {name: pooled_test_set([run.test for run in runs], data) for name, runs in final.items()}
     by_scale = {
         scale: pooled_test_set([run.test for run in sweep[f"Masksembles (S={scale:g})"]], data)
@@ -395,7 +406,7 @@ def run_digits(framework: Framework, preset: Preset, base_seed: int, output: Pat
         },
         [run.scores["accuracy"] for run in final["Single"]],
     )
-    return main, sweep_table, ood_table, shift
+    return main, sweep_table, ood_table, shift, conformal_table
 
 
 def pooled_test_set(members: Sequence[NDArray[np.float64]], data: DigitsSplit) -> Pooled:
@@ -633,10 +644,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     timed("masks and theory", section)
     section = time.perf_counter()
     seeds = range(args.seed, args.seed + preset.regression_seeds)
-    regression = run_regression_toy(
+    regression, regression_conformal = run_regression_toy(
         framework, seeds=seeds, points=preset.regression_points, config=preset.regression_train, output=output
     )
     regression.write(output / "regression_toy")
+    regression_conformal.write(output / "regression_conformal")
     diabetes = run_diabetes(
         framework,
         seeds=range(args.seed, args.seed + preset.diabetes_seeds),
@@ -648,15 +660,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     diabetes.write(output / "diabetes_results")
     timed("regression", section)
     section = time.perf_counter()
-    digits, sweep, ood, shift = run_digits(framework, preset, args.seed, output)
+    digits, sweep, ood, shift, digits_conformal = run_digits(framework, preset, args.seed, output)
     digits.write(output / "digits_results")
     sweep.write(output / "digits_sweep")
     ood.write(output / "digits_ood_scores")
     shift.write(output / "digits_shift")
+    digits_conformal.write(output / "digits_conformal")
     timed("digits", section)
     total = time.perf_counter() - start
 
-    tables = (toy, regression, diabetes, digits, sweep, ood, shift)
+    tables = (toy, regression, regression_conformal, diabetes, digits, sweep, ood, shift, digits_conformal)
     summary = (
         f"# Masksembles demo results ({args.framework}, {preset_name} run, seed {args.seed})\n\n"
         f"Wall time {total:.0f} s ({'; '.join(timings)}).\n\n"

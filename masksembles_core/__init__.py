@@ -3,12 +3,13 @@
 Masks (the paper's algorithm, ``sample_masks``, and the fixed-width form layers use, ``generate_masks``), their
 statistics and the paper's formulas, the batch-grouping rule (``group_index``, ``tile``, ``untile``) and the NumPy
 reference layer every framework adapter is tested against (``apply_masks``). Submodules: ``metrics`` (uncertainty
-and evaluation from member outputs), ``heads`` (the uncertainty a deployed model answers with), ``insertion``
-(where ``insert`` puts masks), ``packing`` (the program behind packed inference) and ``adapter`` (what framework
-adapters build on). Importing this package imports no deep learning framework.
+and evaluation from member outputs), ``conformal`` (prediction sets and intervals with a coverage guarantee),
+``heads`` (the uncertainty a deployed model answers with), ``insertion`` (where ``insert`` puts masks), ``packing``
+(the program behind packed inference) and ``adapter`` (what framework adapters build on). Importing this package
+imports no deep learning framework.
 """
 
-from . import adapter, heads, insertion, metrics, packing
+from . import adapter, conformal, heads, insertion, metrics, packing
 from ._generation import (
     DuplicateMasksWarning,
     derive_seed,
@@ -29,6 +30,7 @@ __all__ = [
     "adapter",
     "apply_masks",
     "apply_masks_grad",
+    "conformal",
     "derive_seed",
     "expected_iou",
     "expected_width",

@@ -796,8 +796,8 @@ K = TypeVar("K", bound=Hashable)
 VERIFY_SAMPLES = 4  # samples of the example input a built program is checked on
 VERIFICATION = "verification"  # how the fallback entry starts that adapters write when verification replaced a program
 AUTO_ROUNDS = 7  # interleaved timing rounds of pack(program="auto"), at most
-AUTO_MARGIN = 0.9  # ``auto`` leaves the preferred program only for one at most this fraction of its median time...
-AUTO_WINS = 0.75  # ...that was faster in at least this fraction of the interleaved rounds
+AUTO_SLOWER = 1.1  # ``auto`` never keeps a program whose median time is more than this times another's
+AUTO_BUILD = 2.0  # ``auto`` stops timing once it has taken this times the preferred program's build time
 
 
 def samples_per_chunk(batch: int, bytes_per_sample: int, chunk_bytes: int) -> int:
@@ -880,67 +880,89 @@ def timed_rounds(
     rounds: int,
     warmup: int = 1,
     until: Callable[[Mapping[K, Sequence[float]]], bool] | None = None,
+    deadline: float = math.inf,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> dict[K, list[float]]:
-    """Wall time of each call in every round, the calls timed in turn within a round (noise hits all alike), after
-    ``warmup`` untimed rounds; fewer rounds where ``until(times)`` says, after a round, that the rest cannot matter.
-    Each call must wait for its own result (synchronize an accelerator)."""
+    """Wall time (``clock``, seconds) of each call in every round, the calls timed in turn within a round (noise hits
+    all alike), after ``warmup`` rounds that do not count; fewer rounds where ``until(times)`` says, after a round,
+    that the rest cannot matter, or where another round, as long as the last one, would end after ``deadline`` (a
+    ``clock`` value; where that leaves no counted round, the warm-up rounds count). Each call must wait for its own
+    result (synchronize an accelerator)."""
     times: dict[K, list[float]] = {name: [] for name in calls}
-    for counted in [False] * warmup + [True] * rounds:
+    warm: dict[K, list[float]] = {name: [] for name in calls}
+    for index in range(warmup + rounds):
+        counted = index >= warmup
+        started = clock()
         for name, call in calls.items():
-            start = time.perf_counter()
+            start = clock()
             call()
-            if counted:
-                times[name].append(time.perf_counter() - start)
+            (times if counted else warm)[name].append(clock() - start)
         if counted and until is not None and until(times):
             break
-    return times
+        now = clock()
+        if now + (now - started) > deadline:
+            break
+    return times if all(times.values()) else warm
+
+
+def median_bounds(values: Sequence[float], rounds: int) -> tuple[float, float]:
+    """The least and greatest median of ``rounds`` times of which ``values`` are the first, whatever the rest are."""
+    ordered, missing = sorted(values), rounds - len(values)
+    middle = (rounds - 1) // 2, rounds // 2  # the two middle ranks (one for an odd count)
+    low = [ordered[rank - missing] if rank >= missing else 0.0 for rank in middle]
+    high = [ordered[rank] if rank < len(ordered) else math.inf for rank in middle]
+    return sum(low) / 2, sum(high) / 2
 
 
 def timed_choice(
-    calls: Mapping[str, Callable[[], object]], preferred: str, *, rounds: int = AUTO_ROUNDS
+    calls: Mapping[str, Callable[[], object]],
+    preferred: str,
+    *,
+    rounds: int = AUTO_ROUNDS,
+    deadline: float = math.inf,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> tuple[str, str, dict[str, list[float]]]:
-    """``choose_program`` on up to ``rounds`` interleaved rounds of ``calls``, stopped as soon as no other program
-    can still win the ``AUTO_WINS`` share of the rounds it needs (where the preferred one wins the first rounds, as it
-    usually does, that is after two of seven): the program, why, and the times."""
-    needed = math.ceil(AUTO_WINS * rounds)
+    """``choose_program`` on up to ``rounds`` interleaved rounds of ``calls`` (one warm-up round first): the program,
+    why, and the times. It stops as soon as no outcome of the remaining rounds could change the choice (each
+    program's median bounded by ``median_bounds``), or where the next round would end after ``deadline`` (``clock``
+    seconds; ``pack`` passes its start plus ``AUTO_BUILD`` times the preferred program's build time)."""
 
     def settled(times: Mapping[str, Sequence[float]]) -> bool:
-        done = len(times[preferred])
-        wins = {
-            name: sum(a < b for a, b in zip(values, times[preferred], strict=True))
-            for name, values in times.items()
-            if name != preferred
-        }
-        return all(won + rounds - done < needed for won in wins.values())
+        bounds = {name: median_bounds(values, rounds) for name, values in times.items()}
+        fastest_low = min((low for name, (low, _) in bounds.items() if name != preferred), default=math.inf)
+        if bounds[preferred][1] <= AUTO_SLOWER * fastest_low:
+            return True  # the preferred program stays within the margin of every other
+        for name, (_, high) in bounds.items():
+            others = [low for other, (low, _) in bounds.items() if other != name]
+            if name != preferred and high < min(others) and AUTO_SLOWER * high < bounds[preferred][0]:
+                return True  # this one stays the fastest, and the preferred one more than the margin slower
+        return False
 
-    times = timed_rounds(calls, rounds=rounds, until=settled)
+    times = timed_rounds(calls, rounds=rounds, until=settled, deadline=deadline, clock=clock)
+    name, why = choose_program(times, preferred)
     done = len(times[preferred])
-    if done < rounds:  # stopped early: no other program could still be chosen
-        why = f"{preferred}: after {done} of {rounds} rounds no other program could still win {needed}"
-        return preferred, why, times
-    return (*choose_program(times, preferred), times)
+    if done < rounds:
+        stop = "the rest could not change the choice" if settled(times) else "the time to build ran out"
+        why += f"; stopped after {done} of {rounds} rounds: {stop}"
+    return name, why, times
 
 
 def choose_program(times: Mapping[str, Sequence[float]], preferred: str) -> tuple[str, str]:
-    """The program ``auto`` returns, and why, from interleaved timings (``timed_rounds``).
+    """The program ``auto`` returns, and why (naming every program's median time), from interleaved timings
+    (``timed_rounds``).
 
-    ``preferred`` (the compacted program: fewest multiply-adds) is kept unless another one took at most
-    ``AUTO_MARGIN`` of its median time and was faster in at least ``AUTO_WINS`` of the rounds, so one noisy
-    measurement never trades it for a program that does several times the work; of several such, the fastest.
+    ``preferred`` (the compacted program: fewest multiply-adds) is kept while its median time is at most
+    ``AUTO_SLOWER`` times every other program's, so that noise never trades it for a program that does several times
+    the work; otherwise the program with the least median time. No program whose median is more than ``AUTO_SLOWER``
+    times another's is ever returned.
     """
     medians = {name: statistics.median(values) for name, values in times.items()}
-    base = times[preferred]
-
-    def clearly_faster(name: str) -> bool:
-        wins = sum(a < b for a, b in zip(times[name], base, strict=True))
-        return medians[name] <= AUTO_MARGIN * medians[preferred] and wins >= AUTO_WINS * len(base)
-
-    faster = [name for name in times if name != preferred and clearly_faster(name)]
-    if not faster:
-        return preferred, (
-            f"{preferred}: no other program was faster by {1 - AUTO_MARGIN:.0%} in {AUTO_WINS:.0%} of "
-            f"{len(base)} interleaved rounds"
-        )
-    chosen = min(faster, key=medians.__getitem__)
-    ratio = medians[chosen] / medians[preferred]
-    return chosen, f"{chosen}: {ratio:.2f}x the time of {preferred} (median of {len(base)} interleaved rounds)"
+    fastest = min(medians, key=medians.__getitem__)
+    chosen = preferred if medians[preferred] <= AUTO_SLOWER * medians[fastest] else fastest
+    named = ", ".join(f"{name} {median * 1e3:.3g} ms" for name, median in medians.items())
+    rule = (
+        f"within {AUTO_SLOWER - 1:.0%} of the fastest"
+        if chosen == preferred
+        else f"the fastest; {preferred} is {medians[preferred] / medians[chosen]:.2f}x its time"
+    )
+    return chosen, f"{chosen} ({rule}): median times over {len(times[preferred])} interleaved rounds: {named}"

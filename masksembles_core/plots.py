@@ -1,4 +1,5 @@
-"""The pictures of ``masksembles_core.metrics``: reliability, risk-coverage, OOD scores and regression intervals.
+"""The pictures of ``masksembles_core.metrics`` and ``conformal``: reliability, risk-coverage, OOD scores, regression
+intervals, conformal sets and intervals.
 
 Each function takes the arrays the metrics take (members (n, B, K) or (B, K), ``logits``,
 ``member_axis``), draws on ``ax`` (a new figure's Axes when None) and returns that Axes. The
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 from numpy.typing import ArrayLike
 
-from . import metrics
+from . import conformal, metrics
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -196,4 +197,56 @@ def regression(
             raise ValueError(f"y must have the shape of x {x_array.shape}; received {y_array.shape}")
         axes.plot(x_array, y_array, ".", color="0.35", markersize=2)
     axes.set(xlabel="x", ylabel="y")
+    return axes
+
+
+def conformal_sets(sets: ArrayLike, labels: ArrayLike, *, color: Any = "tab:blue", ax: Axes | None = None) -> Axes:
+    """Histogram of the conformal set sizes, with the coverage of each size above its bar.
+
+    sets (B, K) bool (``ConformalSets.sets``), labels (B,). The bars count the sets of each size that occurs
+    (``conformal.size_stratified_coverage``); the title gives the coverage and the mean set size.
+    """
+    stratified = conformal.size_stratified_coverage(sets, labels)
+    axes = _axes(ax)
+    axes.bar(stratified.sizes, stratified.counts, width=0.8, color=color, edgecolor="black", linewidth=0.5)
+    for size, count, covered in zip(stratified.sizes, stratified.counts, stratified.coverage, strict=True):
+        axes.text(size, count, f"{covered:.2f}", ha="center", va="bottom", fontsize=7)
+    axes.set(xlabel="set size", ylabel="sets")
+    overall, size = conformal.coverage(sets, labels), conformal.mean_set_size(sets)
+    axes.set_title(f"coverage {overall:.3f}, mean size {size:.2f} (coverage per size above the bars)", fontsize=9)
+    return axes
+
+
+def conformal_intervals(
+    x: ArrayLike,
+    lower: ArrayLike,
+    upper: ArrayLike,
+    y: ArrayLike | None = None,
+    *,
+    color: Any = "tab:blue",
+    ax: Axes | None = None,
+) -> Axes:
+    """Conformal intervals over a 1-D input: the band from ``lower`` to ``upper`` and the targets, missed ones in red.
+
+    x, lower, upper and y (B,) (``ConformalIntervals.intervals``); drawn in the order of x. The title gives the
+    mean width and, with ``y``, the coverage.
+    """
+    x_array = metrics._finite_float_array("x", x)
+    bounds = conformal._bounds((lower, upper))
+    if x_array.ndim != 1 or bounds[0].shape != x_array.shape:
+        raise ValueError(f"x must be 1-D with one value per interval {bounds[0].shape}; received shape {x_array.shape}")
+    order = np.argsort(x_array, kind="stable")
+    axes = _axes(ax)
+    axes.fill_between(x_array[order], bounds[0][order], bounds[1][order], color=color, alpha=0.3, linewidth=0)
+    title = f"mean width {conformal.mean_width(bounds):.3g}"
+    if y is not None:
+        y_array = metrics._finite_float_array("y", y)
+        if y_array.shape != x_array.shape:
+            raise ValueError(f"y must have the shape of x {x_array.shape}; received {y_array.shape}")
+        inside = (bounds[0] <= y_array) & (y_array <= bounds[1])
+        axes.plot(x_array[inside], y_array[inside], ".", color="0.35", markersize=2, label="covered")
+        axes.plot(x_array[~inside], y_array[~inside], ".", color="tab:red", markersize=3, label="missed")
+        title = f"coverage {inside.mean():.3f}, {title}"
+    axes.set(xlabel="x", ylabel="y")
+    axes.set_title(title, fontsize=9)
     return axes

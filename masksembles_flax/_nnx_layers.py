@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 import jax
+import jax.export
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -130,7 +131,8 @@ def _recording(cls: type[ModuleT]) -> type[ModuleT]:
         arrays = [leaf for leaf in jax.tree.leaves((args, kwargs)) if getattr(leaf, "ndim", 0) > 0]
         if not arrays:
             return cls.__call__(self, *args, **kwargs)
-        with batch_size(int(arrays[0].shape[0])):
+        samples = arrays[0].shape[0]  # an int, or a symbolic dimension (jax.export) that batch_size keeps
+        with batch_size(cast(int, samples) if jax.export.is_symbolic_dim(samples) else int(samples)):
             return cls.__call__(self, *args, **kwargs)
 
     namespace = {

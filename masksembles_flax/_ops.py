@@ -6,9 +6,10 @@ import contextlib
 import contextvars
 import functools
 from collections.abc import Callable, Iterator, Sequence
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import jax
+import jax.export
 import jax.numpy as jnp
 
 import masksembles_core.adapter as mca
@@ -81,8 +82,10 @@ def batch_size(samples: int) -> Iterator[None]:
     """Within the block, every Masksembles layer (linen and NNX) groups its rows by ``samples``, the model's batch
     size: a layer called on ``samples * f`` rows (windows or tokens folded into the batch, sample-major) gives row
     ``r`` the member of sample ``r // f``; other row counts keep the plain rule. Enter it where the model is called,
-    inside the traced function under ``jit`` (it is read while tracing). An enclosing block's size wins."""
-    token = _MODEL_BATCH.set(mca.check_int("samples", samples, minimum=1)) if _MODEL_BATCH.get() is None else None
+    inside the traced function under ``jit`` (it is read while tracing). An enclosing block's size wins. A symbolic
+    size (``jax.export``) is kept as it is: the grouping's arithmetic on it is symbolic too."""
+    checked = samples if jax.export.is_symbolic_dim(samples) else mca.check_int("samples", samples, minimum=1)
+    token = _MODEL_BATCH.set(cast(int, checked)) if _MODEL_BATCH.get() is None else None  # symbolic: int arithmetic
     try:
         yield
     finally:

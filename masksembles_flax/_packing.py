@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import jax
+import jax.export
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -262,9 +263,9 @@ class PackedMasksembles(nnx.Module):
         whole batch in one call. On CPU a program proven to compute each sample from that sample alone runs on
         chunks of about ``CHUNK_SAMPLES`` samples, or more where that many samples' largest tensor (the members'
         together) is under ``CHUNK_BYTES``: chunks of equal size whose largest tensor is at most the larger of the
-        two."""
+        two. A symbolic batch (``jax.export``) runs in one call: the chunks need the batch's size."""
         sample_bytes = self.plan.sample_bytes
-        if not sample_bytes:
+        if not sample_bytes or jax.export.is_symbolic_dim(batch):
             return 0
         return samples_per_chunk(batch, sample_bytes, max(CHUNK_BYTES, CHUNK_SAMPLES * sample_bytes))
 
@@ -495,7 +496,9 @@ class _Run:
                 if operand.kind == "edge":
                     args.append(tensors[operand.index])
                 elif operand.kind == "literal":
-                    args.append(np.asarray(capture_module.instantiate(operand.value, frame, members)))
+                    # a value that follows a symbolic batch (jax.export: a mean's count) is traced: kept as it is
+                    value = capture_module.instantiate(operand.value, frame, members)
+                    args.append(value if isinstance(value, jax.Array) else np.asarray(value))
                 else:
                     target = tuple(capture_module.instantiate(operand.shape, frame, members))
                     args.append(jnp.broadcast_to(self.constant(operand.key), target))

@@ -7,7 +7,8 @@
 The masks live in their own variable collection, ``MASKS_COLLECTION``: they are made once at ``init``, saved and
 restored with the variables, and never seen by an optimizer over ``params``. Every later ``apply`` must be given
 them, like ``batch_stats``: ``model.apply({"params": params, "masksembles": variables["masksembles"]}, x)``; a call
-without them is an error, never new masks.
+without them is an error, never new masks. ``with_uncertainty(module)`` is a module whose ``apply`` on the same
+variables answers with the uncertainty (a dict computed in the graph).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from numpy.typing import ArrayLike
 
 import masksembles_core.adapter as mca
 
+from ._linen_head import UncertaintyHead, with_uncertainty
 from ._linen_surgery import Converted, Inserted, convert_dropout, insert
 from ._ops import (
     MASKS_COLLECTION,
@@ -32,7 +34,16 @@ from ._ops import (
     input_channels,
 )
 
-__all__ = ["MASKS_COLLECTION", "Converted", "Inserted", "Masksembles", "convert_dropout", "insert"]
+__all__ = [
+    "MASKS_COLLECTION",
+    "Converted",
+    "Inserted",
+    "Masksembles",
+    "UncertaintyHead",
+    "convert_dropout",
+    "insert",
+    "with_uncertainty",
+]
 
 
 class Masksembles(nn.Module):

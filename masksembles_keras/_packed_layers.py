@@ -23,12 +23,13 @@ from ._layers import SERIALIZATION_PACKAGE, _apply_masks, _constant_initializer
 
 def sizes(x: Any) -> list[Any]:
     """``x``'s shape for a reshape: each size known when traced as an int, the others (a sequence length declared
-    None) as the run-time size ``keras.ops.shape`` gives."""
+    None) as the run-time size ``keras.ops.shape`` gives; a symbolic size (``jax.export``'s shape polymorphism, as
+    ``model.export`` traces a None batch on JAX) stays symbolic: it is no int, and ``jnp.reshape`` takes it."""
     static = tuple(x.shape)
     if None not in static:
-        return [int(d) for d in static]
+        return [int(d) if isinstance(d, int | np.integer) else d for d in static]
     dynamic = ops.shape(x)
-    return [dynamic[a] if d is None else int(d) for a, d in enumerate(static)]
+    return [dynamic[a] if d is None else int(d) if isinstance(d, int | np.integer) else d for a, d in enumerate(static)]
 
 
 def _split_axis(x: Any, axis: int, members: int) -> Any:
@@ -165,6 +166,11 @@ class ChannelSelect(keras.layers.Layer):  # type: ignore[misc]  # keras is untyp
             y = parts[0] if len(parts) == 1 else ops.concatenate(parts, axis=axis)
         elif on_torch() and axis == len(x.shape) - 1 and len(x.shape) > 2:
             return _torch_gather_last(ops.convert_to_tensor(x), self.index, self.scale)
+        elif on_torch():  # the index_select that ops.take calls, without its ravel and squeeze (ONNX export lacks the
+            import torch  # first's aten::ravel, and writes the second, a no-op here, as a Squeeze onnxruntime refuses)
+
+            index = torch.as_tensor(self.index, dtype=torch.int64, device=x.device)
+            y = torch.index_select(ops.convert_to_tensor(x), axis, index)
         else:
             y = ops.take(x, ops.convert_to_tensor(np.asarray(self.index, dtype="int32")), axis=axis)
         if self.scale is None:
@@ -714,7 +720,9 @@ class SelectMembers(keras.layers.Layer):  # type: ignore[misc]
         self.n, self.members, self.squeeze = n, [int(k) for k in members], squeeze
 
     def call(self, x: Any) -> Any:
-        y = ops.take(ops.reshape(x, (self.n, -1, *sizes(x)[1:])), np.asarray(self.members, dtype="int32"), axis=0)
+        y = ops.reshape(x, (self.n, -1, *sizes(x)[1:]))
+        if self.members != list(range(self.n)):  # every member in order (with_uncertainty's) needs no gather
+            y = ops.take(y, np.asarray(self.members, dtype="int32"), axis=0)
         return y[0] if self.squeeze else ops.moveaxis(y, 0, 1)
 
     def compute_output_shape(self, input_shape: Sequence[int | None]) -> tuple[int | None, ...]:

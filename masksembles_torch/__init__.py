@@ -1,6 +1,7 @@
 """masksembles_torch: Masksembles layers and helpers for PyTorch, over masksembles_core."""
 
 from ._functional import masksembles
+from ._heads import UncertaintyHead, with_uncertainty
 from ._inference import predict, tile, untile
 from ._layers import Masksembles, Masksembles1D, Masksembles2D, Masksembles3D, record_batch_size
 from ._losses import gaussian_nll_loss
@@ -14,6 +15,7 @@ __all__ = [
     "Masksembles2D",
     "Masksembles3D",
     "PackedMasksembles",
+    "UncertaintyHead",
     "convert_dropout",
     "extract_member",
     "gaussian_nll_loss",
@@ -24,4 +26,5 @@ __all__ = [
     "record_batch_size",
     "tile",
     "untile",
+    "with_uncertainty",
 ]

@@ -10,12 +10,13 @@ zero" and the moves of the channel axis are evaluated on the operation itself, w
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect
 import math
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -24,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, fx, nn
 from torch.fx.graph import _PyTreeInfo
+from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from masksembles_core.captured import CapturedOp, Probed
 from masksembles_core.packing import (
@@ -303,6 +305,7 @@ class _Seen:
     values: tuple[Any, Any] = (None, None)
     dtype: torch.dtype | None = None
     parts: tuple[_Seen, ...] = ()
+    macs: int = 0  # the multiply-adds the node ran per sample (FlopCounterMode's count, its flops / 2)
 
     @property
     def rank(self) -> int:
@@ -366,15 +369,20 @@ def _merge(first: Any, second: Any) -> _Seen:
 
 
 class _Probe(fx.Interpreter):
-    """Runs the graph and keeps, per node, its summary (and the values of the nodes in ``keep``)."""
+    """Runs the graph and keeps, per node, its summary, the flops it ran (``counter``: matmuls, convolutions and
+    attention, whatever function calls them) and the values of the nodes in ``keep``."""
 
-    def __init__(self, gm: fx.GraphModule, keep: set[fx.Node]) -> None:
+    def __init__(self, gm: fx.GraphModule, keep: set[fx.Node], counter: FlopCounterMode) -> None:
         super().__init__(gm)
         self.seen: dict[fx.Node, Any] = {}
+        self.flops: dict[fx.Node, int] = {}
         self.keep, self.kept = keep, cast(dict[fx.Node, Any], {})
+        self.counter = counter
 
     def run_node(self, n: fx.Node) -> Any:
+        before = self.counter.get_total_flops()
         result = super().run_node(n)
+        self.flops[n] = self.counter.get_total_flops() - before
         self.seen[n] = _summary(result)
         if n in self.keep:
             self.kept[n] = result.detach() if isinstance(result, Tensor) else result
@@ -385,13 +393,15 @@ def _probe(
     gm: fx.GraphModule, runs: Sequence[list[Any]], constants: set[fx.Node]
 ) -> tuple[dict[fx.Node, _Seen], dict[fx.Node, Any]]:
     """Run the graph on the example's inputs and on one more sample (``runs``: the placeholders' values of each);
-    return what was seen and the constants' values."""
+    return what was seen (each node's multiply-adds per sample: what the one more sample added) and the constants'
+    values."""
     probes = []
     with torch.no_grad():
         for index, values in enumerate(runs):
-            probe = _Probe(gm, constants if index == 0 else set())
+            probe = _Probe(gm, constants if index == 0 else set(), flop_counter())
             try:
-                probe.run(*[value.clone() if isinstance(value, Tensor) else value for value in values])
+                with counting(probe.counter):
+                    probe.run(*[value.clone() if isinstance(value, Tensor) else value for value in values])
             except Exception as error:
                 batch = next(value.shape[0] for value in values if isinstance(value, Tensor) and value.ndim)
                 raise ValueError(
@@ -400,7 +410,41 @@ def _probe(
                 ) from error
             probes.append(probe)
     seen = {node: _merge(probes[0].seen[node], probes[1].seen[node]) for node in probes[0].seen}
+    for node, found in seen.items():
+        found.macs = (probes[1].flops[node] - probes[0].flops[node]) // 2
     return seen, probes[0].kept
+
+
+def flop_counter() -> FlopCounterMode:
+    """``FlopCounterMode`` that also counts the CPU's fused attention kernel, which it leaves out (0 flops for
+    ``F.scaled_dot_product_attention`` on CPU), by the formula it has for the other fused kernels. Enter it with
+    ``counting`` (``nn.MultiheadAttention``'s fused fast path, which it does not count either, turned off)."""
+    cpu_attention = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    return FlopCounterMode(display=False, custom_mapping={cpu_attention: _attention_flops})
+
+
+@contextlib.contextmanager
+def counting(counter: FlopCounterMode) -> Iterator[FlopCounterMode]:
+    """``counter`` active, with ``nn.MultiheadAttention`` on its unfused path (the same products, each counted)."""
+    fast = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        with counter:
+            yield counter
+    finally:
+        torch.backends.mha.set_fastpath_enabled(fast)
+
+
+def _attention_flops(query: Sequence[int], key: Sequence[int], value: Sequence[int], *_: Any, **__: Any) -> int:
+    """Flops of fused attention on tensors of these shapes (FlopCounterMode's formula, its other arguments unread)."""
+    return int(sdpa_flop_count(query, key, value))  # type: ignore[no-untyped-call]  # torch leaves it untyped
+
+
+def counted_macs(function: Callable[[], Any]) -> tuple[Any, int]:
+    """``function()`` and the multiply-adds it ran (``flop_counter``'s flops / 2)."""
+    with counting(flop_counter()) as counter:
+        result = function()
+    return result, counter.get_total_flops() // 2
 
 
 @dataclass(eq=False)

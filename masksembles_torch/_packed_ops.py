@@ -185,17 +185,23 @@ class MemberLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         stacked, lead = self.blocks(x)
+        # Exported, every result is a fresh tensor: a write into a block of a buffer becomes a scatter over the whole
+        # buffer in ONNX (onnxruntime's ScatterElements: most of a packed ViT's time there).
+        exporting = torch.compiler.is_exporting()
         if self.split_heads:
             members, _, outputs = self.weight.shape
-            y = stacked.new_empty(stacked.shape[1], members, outputs)
-            self.batched(stacked, out=y.transpose(0, 1))  # one matmul per member, each writing its block
+            if exporting:
+                y = self.batched(stacked).transpose(0, 1)
+            else:
+                y = stacked.new_empty(stacked.shape[1], members, outputs)
+                self.batched(stacked, out=y.transpose(0, 1))  # one matmul per member, each writing its block
             size = outputs // (self.split_heads * self.output_split)
-            return y.view(*lead, members * self.split_heads, self.output_split, size).transpose(-3, -2)
+            return y.reshape(*lead, members * self.split_heads, self.output_split, size).transpose(-3, -2)
         if self.output_split > 1:
             members, _, outputs = self.weight.shape
             y = self.batched(stacked).view(members, -1, self.output_split, outputs // self.output_split)
             return y.permute(1, 2, 0, 3).reshape(*lead, members * outputs)
-        if self.per_member:
+        if self.per_member and not exporting:  # exported: the one batched matmul below
             y, outs = self.result(stacked, lead)
             for k, (block, out) in enumerate(zip(stacked.unbind(0), outs.unbind(0), strict=True)):
                 if self.bias is None:

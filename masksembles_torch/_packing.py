@@ -33,6 +33,7 @@ import copy
 import functools
 import statistics
 from collections.abc import Callable, Iterator, Sequence
+from time import perf_counter as clock  # the wall clock auto's build time and timings read
 from typing import Any, cast
 
 import numpy as np
@@ -44,6 +45,7 @@ from torch.utils import _pytree as pytree
 from masksembles_core import captured
 from masksembles_core.adapter import check_program
 from masksembles_core.packing import (
+    AUTO_BUILD,
     OUTPUT,
     VERIFY_SAMPLES,
     FoldConflict,
@@ -58,7 +60,7 @@ from masksembles_core.packing import (
 from . import _packed_ops as ops
 from ._layers import Masksembles
 from ._pack_attention import Region, fold_regions, unfold
-from ._pack_capture import _Capture, _describe, _members_of, _SharedInPlace
+from ._pack_capture import _Capture, _describe, _members_of, _SharedInPlace, counted_macs
 from ._pack_chunks import _in_chunks, _planned, _samples_per_chunk
 from ._pack_emit import _Emitter
 from ._pack_graph import _Graph, _solve_axes
@@ -101,9 +103,10 @@ class PackedMasksembles(fx.GraphModule):
 
     @property
     def macs(self) -> dict[str, int]:
-        """Multiply-adds per sample of the Linear and convolution layers and of attention (its products, which
-        run at full width): ``dense`` (m dense models), ``packed`` (as emitted) and ``fallback`` (the part of
-        ``packed`` that runs at full width); empty when the whole model runs tiled (see ``fallbacks``)."""
+        """Multiply-adds per sample of every matmul, convolution and attention product (``FlopCounterMode``'s flops
+        / 2, whatever module or function runs them): ``dense`` (the m members' dense models), ``packed`` (the
+        program it runs) and ``fallback`` (the part of ``packed`` that runs at full width). Always these three keys:
+        a dense program or the whole model tiled runs all of it at full width."""
         return cast(dict[str, int], self.meta["masksembles"]["macs"])
 
     def extra_repr(self) -> str:
@@ -203,22 +206,25 @@ def _check_folds(program: Program, regions: Sequence[Region], graph: _Graph) -> 
             raise FoldConflict(region.ops[0].name)
 
 
-def _member_outputs(model: nn.Module, x: Inputs, n: int) -> tuple[Any, tuple[int, ...]]:
-    """The model's output on ``x`` tiled ``n`` times (what ``predict`` runs) and each output leaf's batch axis (-1 for
-    a leaf without one), found from a second run on one more sample."""
+def _member_outputs(model: nn.Module, x: Inputs, n: int) -> tuple[Any, tuple[int, ...], int]:
+    """The model's output on ``x`` tiled ``n`` times (what ``predict`` runs), each output leaf's batch axis (-1 for
+    a leaf without one), found from a second run on one more sample, and the multiply-adds per sample of one model
+    (what that sample added, ÷ n)."""
     with torch.no_grad():
-        small = call(model, map_batched(x, functools.partial(ops.tile, members=n, batch_axis=0)))
+        tiled = map_batched(x, functools.partial(ops.tile, members=n, batch_axis=0))
+        small, small_macs = counted_macs(lambda: call(model, tiled))
         larger = map_batched(x, lambda tensor: ops.tile(torch.cat([tensor, tensor[:1]]), n, 0))
-        large = call(model, larger)
-    return small, ops.leaf_batch_axes(small, large, n * batch_size(x))
+        large, large_macs = counted_macs(lambda: call(model, larger))
+    return small, ops.leaf_batch_axes(small, large, n * batch_size(x)), (large_macs - small_macs) // n
 
 
 def _whole_model(
-    model: nn.Module, example: Inputs, axes: Sequence[int], chosen: Sequence[int], squeeze: bool, n: int
+    model: nn.Module, example: Inputs, axes: Sequence[int], chosen: Sequence[int], squeeze: bool, n: int, macs: int
 ) -> PackedMasksembles:
     """The model itself (a copy, in eval mode) on the member-stacked batch: what ``predict`` computes, each output
-    leaf's batch axis given by ``axes`` (``_member_outputs``), called as the model is called on ``example``. The
-    caller says why in ``fallbacks``."""
+    leaf's batch axis given by ``axes`` and one model's multiply-adds per sample by ``macs`` (``_member_outputs``),
+    called as the model is called on ``example``. The caller says why in ``fallbacks``."""
+    macs_of = {"dense": macs * len(chosen), "packed": macs * n, "fallback": macs * n}  # all n members, at full width
     whole = copy.deepcopy(model).eval().requires_grad_(False)
     root = nn.Module()
     root.model = whole
@@ -229,7 +235,7 @@ def _whole_model(
             ops.select_members, (graph.call_module("model", (tiled,)), n, axes, chosen, squeeze)
         )
         graph.output(result)
-        return _dense_whole(root, graph, chosen, squeeze)
+        return _dense_whole(root, graph, chosen, squeeze, macs_of)
     args, kwargs = call_arguments(example)
     leaves, spec = pytree.tree_flatten((args, kwargs))
     given = [
@@ -243,13 +249,15 @@ def _whole_model(
     graph.output(graph.call_function(ops.select_members, (result, n, axes, chosen, squeeze)))
     names = [f"input_{i}" for i in range(len(args))] + list(kwargs)  # forward's: the model's positions and keywords
     graph._codegen = _PyTreeCodeGen(_PyTreeInfo(names, spec, None))
-    return _dense_whole(root, graph, chosen, squeeze)
+    return _dense_whole(root, graph, chosen, squeeze, macs_of)
 
 
-def _dense_whole(root: nn.Module, graph: fx.Graph, chosen: Sequence[int], squeeze: bool) -> PackedMasksembles:
+def _dense_whole(
+    root: nn.Module, graph: fx.Graph, chosen: Sequence[int], squeeze: bool, macs: dict[str, int]
+) -> PackedMasksembles:
     packed = PackedMasksembles(root, graph, class_name="PackedMasksembles")
     packed.meta["masksembles"] = {
-        "members": tuple(chosen), "fallbacks": (), "macs": {}, "program": "dense", "seconds": {}, "choice": "",
+        "members": tuple(chosen), "fallbacks": (), "macs": macs, "program": "dense", "seconds": {}, "choice": "",
         "squeeze": squeeze,
     }  # fmt: skip
     return packed.eval()
@@ -274,7 +282,7 @@ class _Verifier:
 
     def __init__(self, model: nn.Module, example: Inputs, n: int, chosen: Sequence[int], squeeze: bool) -> None:
         self.x = map_batched(example, lambda tensor: tensor[:VERIFY_SAMPLES])
-        output, self.axes = _member_outputs(model, self.x, n)
+        output, self.axes, self.macs = _member_outputs(model, self.x, n)
         self.expected = _leaf_arrays(ops.select_members(output, n, self.axes, chosen, squeeze))
 
     def mismatch(self, packed: nn.Module) -> str | None:
@@ -306,7 +314,7 @@ def _verified(
             result.meta["masksembles"]["fallbacks"] = (reason, *result.fallbacks)
         return result
     squeeze = packed.meta["masksembles"]["squeeze"]
-    whole = _whole_model(model, verifier.x, verifier.axes, packed.members, squeeze, capture.n)
+    whole = _whole_model(model, verifier.x, verifier.axes, packed.members, squeeze, capture.n, verifier.macs)
     whole.meta["masksembles"]["fallbacks"] = (f"{reason}: the whole model runs tiled",)
     return whole
 
@@ -329,14 +337,15 @@ def _packed(
 ) -> PackedMasksembles:
     """``pack``/``extract_member``: capture once, build the program(s), verify, and choose."""
     check_program(program)
+    started = clock()
     keep_masks_off_fused_paths(model)  # as predict runs the model
     with _eval_mode(model):
         try:
             capture = _Capture(model, example_input)
         except _SharedInPlace as error:
             n = _members_of([layer for layer in model.modules() if isinstance(layer, Masksembles)])
-            axes = _member_outputs(model, example_input, n)[1]
-            whole = _whole_model(model, example_input, axes, chosen_members(members, n), squeeze, n)
+            _, axes, macs = _member_outputs(model, example_input, n)
+            whole = _whole_model(model, example_input, axes, chosen_members(members, n), squeeze, n, macs)
             whole.meta["masksembles"]["fallbacks"] = (f"the whole model, tiled: {error}",)
             return whole
         chosen = chosen_members(members, capture.n)
@@ -353,11 +362,12 @@ def _packed(
         packed = candidate()
         if packed.program == "dense":  # verification or the graph left nothing packed: nothing to choose
             return packed
+        deadline = started + AUTO_BUILD * (clock() - started)  # AUTO_BUILD times what program="packed" takes
         candidates = {"packed": packed, "dense": candidate(dense=True)}
         if packed.meta["masksembles"]["chunk"]:  # in one call too: faster where freed memory is kept for reuse
             candidates["packed, one call"] = candidate(chunks=False)
         calls = {name: _timed(module, example_input) for name, module in candidates.items()}
-        name, why, times = timed_choice(calls, "packed")
+        name, why, times = timed_choice(calls, "packed", deadline=deadline, clock=clock)
         result = candidates[name]
         result.meta["masksembles"]["seconds"] = {key: statistics.median(value) for key, value in times.items()}
         result.meta["masksembles"]["choice"] = why
@@ -387,9 +397,11 @@ def pack(model: nn.Module, example_input: Inputs, *, program: str = "auto", veri
         program: ``"packed"`` (compacted where it can; on CPU, on chunks of the batch where its tensors are large and a
             torch.fx capture proves it per-sample), ``"dense"`` (the tiled dense model as one graph: every node as the
             model runs it, on the member-stacked batch), or ``"auto"`` (the default: both, and the packed program in one
-            call where it would run in chunks, are timed in interleaved rounds on ``example_input``; the packed program
-            is kept unless another was clearly faster (``masksembles_core.packing.choose_program``); ``seconds`` holds
-            the medians and ``choice`` the reason; give an example of the batch size you will run).
+            call where it would run in chunks, are timed in interleaved rounds on ``example_input``, for at most as
+            long again as building the packed program took; the packed program is kept unless its median time is
+            more than 10 % above another's, and then the fastest is (``masksembles_core.packing.choose_program``);
+            ``seconds`` holds the medians and ``choice`` the reason, naming them; give an example of the batch size
+            you will run).
         verify: compare the program with ``predict`` on the first few samples of ``example_input`` before returning
             it (the default). One that differs beyond float rounding is never returned: every node then runs at full
             width, or the whole model tiled, and the first entry of ``fallbacks`` says why. ``False`` skips it.

@@ -1,4 +1,5 @@
-"""The Python snippets of docs/metrics.md, by the framework they import, for the tests to run."""
+"""The Python snippets of docs/metrics.md, by the framework they import, and the conformal recipe of each framework
+guide, for the tests to run."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from masksembles_core import metrics
+from masksembles_core import conformal, metrics
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+DOC = DOCS / "metrics.md"
+CONFORMAL_RECIPE = "Conformal prediction from `predict`"
 FRAMEWORK_IMPORTS = {"torch": "import torch", "keras": "import keras", "flax": "from flax import"}
 
 
@@ -39,3 +42,24 @@ def check_regression_snippet(framework: str, capsys: pytest.CaptureFixture[str])
     means, variances = np.asarray(namespace["means"]), np.asarray(namespace["variances"])
     assert means.shape == variances.shape == (4, 256)
     assert metrics.uncertainty_split(means, variances)[1].mean() > 0.0  # the members differ
+
+
+def guide_section(framework: str, title: str) -> list[str]:
+    """The Python blocks of the section ``## title`` of docs/``framework``.md, up to the next heading (a ``###``
+    subsection is a section of its own)."""
+    text = (DOCS / f"{framework}.md").read_text()
+    section = re.split(r"\n#{2,6} ", text.split(f"\n## {title}\n", 1)[1], maxsplit=1)[0]
+    return re.findall(r"^```python\n(.*?)^```", section, flags=re.MULTILINE | re.DOTALL)
+
+
+def check_conformal_recipe(framework: str, after: str | None = None) -> None:
+    """docs/``framework``.md's conformal recipe runs as written (after the blocks of its section ``after``, whose
+    model it uses): APS sets (8, 10) from ``predict``'s member logits, calibrated on 200 samples of 4 members."""
+    blocks = [*(guide_section(framework, after) if after else []), *guide_section(framework, CONFORMAL_RECIPE)]
+    namespace: dict[str, object] = {"__name__": f"guide_{framework}_conformal"}
+    for index, block in enumerate(blocks):
+        exec(compile(block, f"docs/{framework}.md block {index}", "exec"), namespace)
+    predictor, sets = namespace["predictor"], np.asarray(namespace["sets"])
+    assert isinstance(predictor, conformal.ConformalSets)
+    assert (predictor.members, predictor.classes, predictor.n_calibration) == (4, 10, 200)
+    assert sets.shape == (8, 10) and sets.dtype == np.bool_

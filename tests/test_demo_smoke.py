@@ -36,6 +36,8 @@ TABLES = (
     "digits_ood_scores",
     "digits_corruptions",
     "digits_shift",
+    "regression_conformal",
+    "digits_conformal",
 )
 DIGITS_MODELS = ["Single", "MC-Dropout", "Masksembles", "Masksembles 2.3×", "Deep Ensemble"]
 REGRESSION_MODELS = ["Single", "MC-Dropout", "Masksembles", "Deep Ensemble"]
@@ -195,9 +197,31 @@ def summary_holds_every_table(output: Path) -> None:
         "Digits: the validation sweeps",
         "Digits: OOD detection",
         "Digits under corruption",
+        "Digits: conformal prediction sets",
+        "Regression toy: conformal",
     ):
         assert title in summary
     assert "Wall time" in summary
+
+
+def conformal_tables_have_every_model_score_and_alpha(output: Path) -> None:
+    sets = read_csv(output / "digits_conformal.csv")
+    assert [(row["Model"], row["Score"], row["α"]) for row in sets] == [
+        (model, score, alpha)
+        for model in DIGITS_MODELS
+        for score in ("LAC", "APS", "RAPS")
+        for alpha in ("0.1", "0.05")
+    ]
+    for row in sets:
+        assert 0.0 <= float(row["Coverage mean"]) <= 1.0 and 0.0 <= float(row["Mean set size mean"]) <= 7.0
+    intervals = read_csv(output / "regression_conformal.csv")
+    assert [row["Model"] for row in intervals] == [model for model in REGRESSION_MODELS for _ in range(2)]
+    for row in intervals:
+        assert 0.0 <= float(row["Test coverage mean"]) <= 1.0 and float(row["Gap width mean"]) > 0.0
+    absolute = [row for row in intervals if row["Interval"] == "μ ± q̂"]
+    assert len(absolute) == len(REGRESSION_MODELS)
+    for row in absolute:  # one width everywhere
+        assert row["Test width mean"] == row["Gap width mean"]
 
 
 CHECKS: tuple[Callable[[Path], None], ...] = (
@@ -206,5 +230,6 @@ CHECKS: tuple[Callable[[Path], None], ...] = (
     ood_scores_table_has_every_score_a_model_gives,
     regression_tables_have_every_model,
     sweep_and_corruption_tables_cover_every_setting,
+    conformal_tables_have_every_model_score_and_alpha,
     summary_holds_every_table,
 )

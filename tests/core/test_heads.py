@@ -84,4 +84,4 @@ def test_gaussian_members_need_two_channels() -> None:
 )
 def test_bad_arguments(arguments: dict[str, object], error: type[Exception], message: str) -> None:
     with pytest.raises(error, match=message):
-        heads.check_head(**arguments)  # type: ignore[arg-type]
+        heads.check_head(**arguments)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from masksembles_core import metrics
+from masksembles_core import conformal, metrics
 from tests.metrics_docs import DOC, run, snippets
 
 DOC_TEXT = DOC.read_text()
@@ -29,6 +29,13 @@ def test_numpy_snippets_run(capsys: pytest.CaptureFixture[str]) -> None:
     assert np.asarray(namespace["per_member"]).shape == (4,)
     covered, alone = namespace["covered"], namespace["alone"]
     assert isinstance(covered, float) and isinstance(alone, float) and covered > alone
+    # the conformal section: the stated coverage, and the normalized intervals narrower than the absolute ones
+    sets = np.asarray(namespace["sets"])
+    assert sets.shape == (2000, 10) and sets.dtype == np.bool_
+    assert abs(conformal.coverage(sets, y_test) - 0.9) < 0.03
+    widths = namespace["widths"]
+    assert isinstance(widths, dict) and widths["normalized"] < widths["absolute"]
+    assert "ConformalSets(score='aps', alpha=0.1, threshold=" in printed and "n_calibration=1000" in printed
 
 
 def binary_stand_in(namespace: dict[str, object]) -> tuple[np.ndarray, np.ndarray]:

@@ -20,7 +20,7 @@ from matplotlib.axes import Axes
 from matplotlib.lines import Line2D
 from matplotlib.patches import Rectangle
 
-from masksembles_core import metrics, plots
+from masksembles_core import conformal, metrics, plots
 
 
 def classification(seed: int, batch: int = 300) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -140,6 +140,40 @@ def test_regression_with_members_on_the_last_axis_and_no_targets(ax: Axes) -> No
     np.testing.assert_allclose(ys(mean_line), means.mean(axis=1), rtol=1e-12)
     with pytest.raises(ValueError, match=r"x must be 1-D with one value per sample of means \(3, 20\)"):
         plots.regression(x[:5], means, variances, member_axis=1, ax=ax)
+
+
+def test_conformal_sets_histogram_and_coverage_per_size(ax: Axes) -> None:
+    logits, labels, _ = classification(8)
+    predictor = conformal.calibrate_sets(logits[:, :150], labels[:150], alpha=0.1, score="aps", logits=True)
+    sets = predictor.sets(logits[:, 150:], logits=True)
+    assert plots.conformal_sets(sets, labels[150:], ax=ax) is ax
+    stratified = conformal.size_stratified_coverage(sets, labels[150:])
+    np.testing.assert_array_equal(heights(ax), stratified.counts)
+    np.testing.assert_array_equal(
+        [bar.get_x() + bar.get_width() / 2 for bar in ax.patches if isinstance(bar, Rectangle)], stratified.sizes
+    )
+    assert [text.get_text() for text in ax.texts] == [f"{c:.2f}" for c in stratified.coverage]
+    assert f"coverage {conformal.coverage(sets, labels[150:]):.3f}" in ax.get_title()
+    assert f"mean size {conformal.mean_set_size(sets):.2f}" in ax.get_title()
+
+
+def test_conformal_intervals_band_and_missed_targets(ax: Axes) -> None:
+    rng = np.random.default_rng(9)
+    x = rng.uniform(-3.0, 3.0, 80)
+    means, y = np.sin(x) + 0.3 * rng.normal(size=(4, 80)), np.sin(x) + 0.2 * rng.normal(size=80)
+    lower, upper = conformal.calibrate_intervals(means[:, :40], y[:40], alpha=0.2).intervals(means[:, 40:])
+    assert plots.conformal_intervals(x[40:], lower, upper, y[40:], ax=ax) is ax
+    order = np.argsort(x[40:])
+    drawn = np.round(np.asarray(ax.collections[0].get_paths()[0].vertices, dtype=np.float64)[:, 1], 10)
+    assert np.isin(np.round(lower[order], 10), drawn).all() and np.isin(np.round(upper[order], 10), drawn).all()
+    covered, missed = ax.lines
+    inside = (lower <= y[40:]) & (y[40:] <= upper)
+    np.testing.assert_array_equal(ys(covered), y[40:][inside])
+    np.testing.assert_array_equal(ys(missed), y[40:][~inside])
+    assert 0 < len(ys(missed)) < 40
+    assert f"coverage {inside.mean():.3f}, mean width {(upper - lower).mean():.3g}" == ax.get_title()
+    with pytest.raises(ValueError, match=r"x must be 1-D with one value per interval \(40,\)"):
+        plots.conformal_intervals(x, lower, upper, ax=ax)
 
 
 def test_a_new_figure_when_no_axes_is_given() -> None:

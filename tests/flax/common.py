@@ -25,6 +25,8 @@ __all__ = [
     "DTYPES",
     "LinenMLP",
     "NnxMLP",
+    "assert_float32_close",
+    "assert_head_equals",
     "assert_same_bits",
     "oracle",
     "raises_like",
@@ -38,6 +40,24 @@ DTYPES = ("bfloat16", "float16", "float32")
 def assert_same_bits(actual: jax.Array | np.ndarray, expected: np.ndarray) -> None:
     """Bit for bit once widened to float32 (exact for every tested dtype); NaN at the same places."""
     shared_assert_same_bits(np.asarray(jnp.asarray(actual).astype(jnp.float32)), np.asarray(expected, np.float32))
+
+
+def assert_float32_close(actual: Any, expected: np.ndarray, name: str = "") -> None:
+    """float32, the expected shape, and within 64 float32 rounding units of ``expected`` (float64), scaled by its
+    magnitude: values computed another way (packed sums reordered, compiled, exported) differ by a few units, the
+    uncertainty head adds a few more; a wrong member, class or formula differs by orders of magnitude more."""
+    got = np.asarray(actual)
+    assert got.dtype == np.float32 and got.shape == expected.shape, name
+    tolerance = 64 * float(np.finfo(np.float32).eps) * max(1.0, float(np.abs(expected).max()))
+    np.testing.assert_allclose(got, expected, rtol=0, atol=tolerance, err_msg=name)
+
+
+def assert_head_equals(answer: Any, expected: dict[str, np.ndarray]) -> None:
+    """A ``with_uncertainty`` answer against ``masksembles_core.heads.uncertainty_head``'s: the same names in the same
+    order, each value ``assert_float32_close``."""
+    assert list(answer) == list(expected)
+    for name, want in expected.items():
+        assert_float32_close(answer[name], want, name)
 
 
 def raises_like(core_call: Callable[[], Any]) -> AbstractContextManager[Any]:

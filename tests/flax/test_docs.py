@@ -19,9 +19,10 @@ import pytest
 from flax import nnx
 
 import masksembles_core as mc
+from masksembles_core.heads import uncertainty_head
 from masksembles_flax import predict
 from masksembles_flax.nnx import Masks
-from tests.flax.common import LinenMLP
+from tests.flax.common import LinenMLP, assert_head_equals
 
 GUIDE = Path(__file__).resolve().parents[2] / "docs" / "flax.md"
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```\n", re.MULTILINE | re.DOTALL)
@@ -91,6 +92,8 @@ def test_the_guide_has_the_expected_sections() -> None:
         "`insert`: Masksembles into an existing model",
         "`convert_dropout` and scan-over-layers (NNX)",
         "Packed inference (Flax NNX)",
+        "Conformal prediction from `predict`",
+        "Deploy",
     ]
 
 
@@ -143,6 +146,16 @@ def test_packed_inference_equals_predict(run_section: Callable[[str], dict[str, 
     assert guide["member"](guide["x"]).shape == (2, 10)
     assert guide["packed"].program == "packed" and guide["fastest"].program in ("packed", "dense")
     np.testing.assert_allclose(guide["fastest"](guide["x"]), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_the_deploy_recipe_serves_the_core_head(run_section: Callable[[str], dict[str, Any]]) -> None:
+    guide = run_section("Deploy")
+    for batch in (1, 3):
+        x = jax.random.normal(jax.random.key(batch), (batch, 8, 8, 3))
+        assert_head_equals(guide["served"].call(x), uncertainty_head(np.asarray(predict(guide["model"], x))))
+        v = jax.random.normal(jax.random.key(batch), (batch, 32))
+        members = predict(lambda b: guide["Net"]().apply(guide["variables"], b), v, n=4)
+        assert_head_equals(guide["served_linen"].call(v), uncertainty_head(np.asarray(members), task="regression"))
 
 
 def quoted(text: str) -> str:

@@ -115,7 +115,7 @@ def test_auto_also_times_the_packed_program_in_one_call(monkeypatch: pytest.Monk
     x = torch.randn(10, 3, 8, 8)
     packed = mt.pack(model, x)
     assert set(packed.seconds) == {"packed", "packed, one call", "dense"}
-    chosen = packed.choice.split(":")[0]  # the packed program unless another was clearly faster
+    chosen = packed.choice.split(" (")[0]  # the packed program unless another was over 10 % faster
     assert packed.program == ("dense" if chosen == "dense" else "packed")
     assert ("in_chunks" in packed.code) is (chosen == "packed")
     result, expected = packed(x), tiled(model, x)

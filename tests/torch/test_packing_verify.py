@@ -1,7 +1,11 @@
 """pack/extract_member verify what they built against predict before returning it, take forward's optional
-arguments at their defaults, and choose a program in ``auto`` only on a clear, repeated measurement."""
+arguments at their defaults, and in ``auto`` never keep a program over 10 % slower than another, timed in the
+build time of the packed program."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -153,3 +157,54 @@ def test_auto_reports_its_choice() -> None:
     assert packed.choice.startswith(f"{'packed' if packed.program == 'packed' else 'dense'}")
     assert relative_error(packed(x), mt.predict(model, x, N)) <= 1e-6
     assert mt.pack(model, x, program="packed").choice == ""
+
+
+class FakeClock:
+    """The clock ``pack`` reads (``_packing.clock``), moved only by fake costs: building the packed program takes
+    ``build`` seconds (a dense one a fifth of it) and one timed call of a program ``seconds[program]``."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, build: float, seconds: dict[str, float]) -> None:
+        self.now = 0.0
+        real_build = packing._build
+
+        def build_program(*args: Any, dense: bool = False, **kwargs: Any) -> packing.PackedMasksembles:
+            self.now += build / 5 if dense else build
+            return real_build(*args, dense=dense, **kwargs)
+
+        def timed(module: packing.PackedMasksembles, x: torch.Tensor) -> Callable[[], None]:
+            def run() -> None:
+                self.now += seconds[module.program]
+
+            return run
+
+        monkeypatch.setattr(packing, "clock", lambda: self.now)
+        monkeypatch.setattr(packing, "_build", build_program)
+        monkeypatch.setattr(packing, "_timed", timed)
+
+
+@pytest.mark.parametrize(
+    ("seconds", "chosen", "rounds"),
+    [
+        ({"packed": 3.0, "dense": 1.0}, "dense", 1),  # warm-up 12-16, a round 16-20: another would end after 20
+        ({"packed": 1.05, "dense": 1.0}, "packed", 2),  # within 10 % of the dense program: the packed one stays
+        ({"packed": 0.5, "dense": 1.0}, "packed", 4),  # the median bounds settle it after 4 of 7 rounds
+    ],
+)
+def test_auto_keeps_no_program_over_10_percent_slower_and_times_within_the_packed_build_time(
+    monkeypatch: pytest.MonkeyPatch, seconds: dict[str, float], chosen: str, rounds: int
+) -> None:
+    """Building the packed program takes 10 (fake) seconds, so auto must be done by 20: the dense program's build
+    (2 s) and the timing rounds fit in the 10 s left, and whatever it keeps equals predict."""
+    torch.manual_seed(0)
+    model = SigmoidBetweenMasks().eval()
+    x = torch.randn(4, 3, 5, 5)
+    clock = FakeClock(monkeypatch, 10.0, seconds)
+    packed = mt.pack(model, x)
+    assert clock.now <= 20.0
+    assert packed.program == chosen and packed.seconds == pytest.approx(seconds)
+    named = ", ".join(f"{name} {value * 1e3:.3g} ms" for name, value in seconds.items())
+    assert (
+        packed.choice.startswith(f"{chosen} (")
+        and f"median times over {rounds} interleaved rounds: {named}" in packed.choice
+    )
+    assert relative_error(packed(x), mt.predict(model, x, N)) <= 1e-6

@@ -4,9 +4,7 @@ tensors, padding in ``attention_mask``, a batch that n does not divide), its ``M
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,6 +15,7 @@ import masksembles_torch as mt
 from masksembles_core.insertion import CONVERTED, INSERTED, LEFT
 from tests.backends import requested_backends
 from tests.rounding import assert_rounding_close
+from tests.torch.guide import guide_section
 
 if "transformers" not in requested_backends():
     pytest.skip(
@@ -32,7 +31,6 @@ BATCH = 5  # not a multiple of N
 LENGTH = 7
 VOCAB = 100
 HIDDEN = 32
-GUIDE = Path(__file__).resolve().parents[2] / "docs" / "torch.md"
 
 
 def bert() -> nn.Module:
@@ -279,13 +277,6 @@ def test_predict_keeps_the_output_structure_and_its_leaves_without_a_batch() -> 
     lm = surgery("gpt2", "insert")
     assert mt.predict(lm, inputs("gpt2")).past_key_values is not None, "the cache of the tiled batch, one call"
     assert mt.predict(lm, inputs("gpt2"), batch_size=2).past_key_values is None
-
-
-def guide_section(title: str) -> list[str]:
-    """The Python blocks of one section (``## title``) of docs/torch.md."""
-    text = GUIDE.read_text()
-    section = text.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
-    return re.findall(r"^```python\n(.*?)^```", section, flags=re.S | re.M)
 
 
 def test_the_guide_transformers_section_runs(capsys: pytest.CaptureFixture[str]) -> None:
