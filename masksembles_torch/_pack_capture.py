@@ -781,6 +781,8 @@ class _Capture:
             return self._layer_norm(node, tensors, self.argument(node, "normalized_shape", 1))
         if target is F.group_norm:
             return _Op(node, "norm", tensors, rule="fixed", fixed_in=1, fixed_out=1, how="norm")
+        if target is F.prelu:
+            return self._prelu(node, tensors, self.argument(node, "weight", 1))
         if target in POOL_FUNCTIONS or target is F.pad:
             return self._spatial(node, tensors)
         if target in MOVE_FUNCTIONS or (method and name in MOVES):
@@ -826,7 +828,8 @@ class _Capture:
         if isinstance(module, POOL_TYPES):
             return self._spatial(node, tensors, module)
         if isinstance(module, nn.PReLU) and module.num_parameters > 1:
-            return _Op(node, "channelwise", tensors, rule="fixed", fixed_in=1, fixed_out=1, module=module, how="prelu")
+            return _Op(node, "channelwise", tensors, rule="fixed", fixed_in=1, fixed_out=1, module=module, how="prelu",
+                       weight=module.weight.detach())  # fmt: skip
         if isinstance(module, ELEMENTWISE_MODULES):
             return _Op(node, "channelwise", tensors, module=module)
         return None
@@ -917,6 +920,16 @@ class _Capture:
                                    numpy(weight), numpy(bias), float(eps))  # fmt: skip
         return _Op(node, "channelwise", tensors, rule="fixed", fixed_in=1, fixed_out=1, how="affine",
                    weight=torch.as_tensor(scale).to(mean), bias=torch.as_tensor(shift).to(mean))  # fmt: skip
+
+    def _prelu(self, node: fx.Node, tensors: list[fx.Node], weight: Any) -> _Op | None:
+        """``F.prelu(x, weight)`` as ``nn.PReLU``: one slope per channel on axis 1, or one slope for all (then
+        elementwise)."""
+        if not isinstance(weight, Tensor) or weight.dim() != 1:
+            return None
+        if weight.numel() == 1:
+            return _Op(node, "channelwise", tensors)
+        return _Op(node, "channelwise", tensors, rule="fixed", fixed_in=1, fixed_out=1, how="prelu",
+                   weight=weight.detach())  # fmt: skip
 
     def _layer_norm(
         self, node: fx.Node, tensors: list[fx.Node], shape: Any, module: nn.Module | None = None

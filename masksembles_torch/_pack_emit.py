@@ -352,7 +352,8 @@ class _Emitter:
             affine = ops.Affine(scale, shift, op.axis, self.capture.seen[op.node].rank)
             return self._call("affine", affine, inputs[0])
         if op.how == "prelu":
-            weight = _per_channel(cast(nn.PReLU, op.module).weight.detach(), placement.layouts, 0.0)
+            assert op.weight is not None
+            weight = _per_channel(op.weight, placement.layouts, 0.0)
             return self.graph.call_function(F.prelu, (inputs[0], self._attribute("prelu", weight)))
         if kind == "concat":
             parts = [value for value, edge in zip(inputs, step.edges, strict=True) if edge.placement.width > 0]

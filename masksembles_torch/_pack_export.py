@@ -51,6 +51,22 @@ FUNCTIONS: dict[Any, tuple[Callable[..., Any], int | None]] = {
     ATEN.softmax.int: (torch.softmax, None), ATEN.matmul.default: (torch.matmul, None),
     ATEN.bmm.default: (torch.bmm, None), ATEN.add.Tensor: (operator.add, 2), ATEN.sub.Tensor: (operator.sub, 2),
     ATEN.mul.Tensor: (operator.mul, 2), ATEN.div.Tensor: (operator.truediv, 2),
+    ATEN.hardswish.default: (F.hardswish, None), ATEN.hardsigmoid.default: (F.hardsigmoid, None),
+    ATEN.hardtanh.default: (F.hardtanh, None), ATEN.relu6.default: (F.relu6, None),
+    ATEN.leaky_relu.default: (F.leaky_relu, None), ATEN.celu.default: (F.celu, None), ATEN.selu.default: (F.selu, None),
+    ATEN.mish.default: (F.mish, None), ATEN.softplus.default: (F.softplus, None),
+    ATEN.log_sigmoid.default: (F.logsigmoid, None), ATEN.hardshrink.default: (F.hardshrink, None),
+    ATEN.softshrink.default: (F.softshrink, None), ATEN.threshold.default: (F.threshold, None),
+    ATEN.rrelu.default: (F.rrelu, 4), ATEN.prelu.default: (F.prelu, None), ATEN.clamp.default: (torch.clamp, None),
+    ATEN.clamp_min.default: (torch.clamp, None), ATEN.square.default: (torch.square, None),
+    ATEN.sign.default: (torch.sign, None), ATEN.log.default: (torch.log, None), ATEN.sin.default: (torch.sin, None),
+    ATEN.cos.default: (torch.cos, None), ATEN.pad.default: (F.pad, None),
+    ATEN.avg_pool1d.default: (F.avg_pool1d, None), ATEN.avg_pool2d.default: (F.avg_pool2d, None),
+    ATEN.avg_pool3d.default: (F.avg_pool3d, None), ATEN.max_pool1d.default: (F.max_pool1d, None),
+    ATEN.max_pool2d.default: (F.max_pool2d, None), ATEN.max_pool3d.default: (F.max_pool3d, None),
+    ATEN.adaptive_avg_pool1d.default: (F.adaptive_avg_pool1d, None),
+    ATEN.adaptive_avg_pool2d.default: (F.adaptive_avg_pool2d, None),
+    ATEN.adaptive_avg_pool3d.default: (F.adaptive_avg_pool3d, None),
 }  # fmt: skip
 
 
@@ -58,6 +74,63 @@ FUNCTIONS: dict[Any, tuple[Callable[..., Any], int | None]] = {
 METHODS = {
     ATEN.view.default: "view", ATEN.reshape.default: "reshape", ATEN.expand.default: "expand",
     ATEN.sym_size.int: "size", ATEN.contiguous.default: "contiguous", ATEN.clone.default: "clone",
+    ATEN.mean.dim: "mean", ATEN.sum.dim_IntList: "sum", ATEN.amax.default: "amax", ATEN.amin.default: "amin",
+    ATEN.var.dim: "var", ATEN.var.correction: "var", ATEN.std.dim: "std", ATEN.std.correction: "std",
+    ATEN.to.dtype: "to",
+}  # fmt: skip
+
+
+def _batch_norm(x: Any, weight: Any, bias: Any, mean: Any, var: Any, training: Any, momentum: Any, eps: Any,
+                _cudnn: Any) -> tuple[Callable[..., Any], tuple[Any, ...]]:  # fmt: skip
+    """``aten.batch_norm`` -> ``F.batch_norm`` (the statistics before the affine parameters; ``cudnn_enabled`` only
+    picks a kernel)."""
+    return F.batch_norm, (x, mean, var, weight, bias, training, momentum, eps)
+
+
+def _elu(x: Any, alpha: Any = 1.0, scale: Any = 1.0, input_scale: Any = 1.0) -> Any:
+    """``aten.elu`` -> ``F.elu``, which has no ``scale``/``input_scale``: only where both are 1."""
+    return (F.elu, (x, alpha)) if scale == 1 and input_scale == 1 else None
+
+
+def _rsub(x: Any, other: Any, alpha: Any = 1) -> Any:
+    """``aten.rsub.Scalar(x, c)`` (``c - x``) -> ``operator.sub(c, x)``, as torch.fx records ``c - x``."""
+    return (operator.sub, (other, x)) if alpha == 1 else None
+
+
+def _clamp_max(x: Any, maximum: Any) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    return torch.clamp, (x, None, maximum)
+
+
+def _constant_pad(x: Any, pad: Any, value: Any = 0) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    return F.pad, (x, pad, "constant", value)
+
+
+def _upsample(mode: str, aligned: bool) -> Callable[..., Any]:
+    """``aten.upsample_<mode>.vec`` -> ``F.interpolate`` (which calls it with the same sizes and scale factors)."""
+
+    def rewrite(x: Any, size: Any, *rest: Any) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        align_corners, scale_factors = rest if aligned else (None, *rest)
+        return F.interpolate, (x, size, scale_factors, mode, align_corners)
+
+    return rewrite
+
+
+# ATen operations whose twin takes the arguments in another order or form: a function of the node's arguments that
+# gives the twin and its arguments, or None where the twin would not compute the same (the node then stays ATen)
+REORDERED: dict[Any, Callable[..., Any]] = {
+    ATEN.batch_norm.default: _batch_norm, ATEN.elu.default: _elu, ATEN.rsub.Scalar: _rsub,
+    ATEN.clamp_max.default: _clamp_max, ATEN.constant_pad_nd.default: _constant_pad,
+    ATEN.upsample_nearest1d.vec: _upsample("nearest", False), ATEN.upsample_nearest2d.vec: _upsample("nearest", False),
+    ATEN.upsample_nearest3d.vec: _upsample("nearest", False), ATEN.upsample_linear1d.vec: _upsample("linear", True),
+    ATEN.upsample_bilinear2d.vec: _upsample("bilinear", True), ATEN.upsample_bicubic2d.vec: _upsample("bicubic", True),
+    ATEN.upsample_trilinear3d.vec: _upsample("trilinear", True),
+}  # fmt: skip
+
+
+# twins (Python functions) that take the arguments after the tensor by keyword, as torch.fx records an ``F`` call (the
+# packed program then runs them in place where the fx capture's would: ``inplace=True``)
+KEYWORD_TWINS = {
+    F.hardswish, F.hardsigmoid, F.hardtanh, F.relu6, F.leaky_relu, F.elu, F.celu, F.selu, F.mish, F.threshold,
 }  # fmt: skip
 
 
@@ -85,6 +158,7 @@ def exported(model: nn.Module, example: Inputs) -> tuple[fx.GraphModule, _PyTree
     _module_paths(gm)
     _drop_checks(gm)
     _layers_as_modules(gm, model)
+    _out_of_place(gm)
     for node in list(gm.graph.nodes):  # before the views it reads become methods
         if node.op == "call_function" and node.target is ATEN.addmm.default:
             _addmm_as_linear(gm, node)
@@ -167,6 +241,67 @@ def _layers_as_modules(gm: fx.GraphModule, model: nn.Module) -> None:
         for node in reversed(nodes):
             if not node.users:
                 gm.graph.erase_node(node)
+
+
+def _out_of_place(gm: fx.GraphModule) -> None:
+    """In-place ATen calls (``relu_``, ``hardswish_``, ``add_.Tensor``, ...) as their twins out of place, each reader
+    reading the value written last before it, where that is proven to be the memory's value: for each tensor the model
+    writes in place, every call that shares its memory (the calls' schemas say which: views, ``split``, and in-place
+    calls, which return what they write) must be an in-place call that has a twin out of place here, and the tensor
+    must not be a parameter or buffer. Otherwise (a view written in place, or read after a write) its calls stay as the
+    model runs them: they fall back."""
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    alias: dict[fx.Node, fx.Node] = {}  # a call -> the value whose memory its result shares
+    for node in gm.graph.nodes:
+        source = node.args[0] if node.op == "call_function" and node.args else None
+        shares = _returns_alias(node.target) or _writes_first(node.target) or node.target is operator.getitem
+        if isinstance(source, fx.Node) and shares and (node.target is not operator.getitem or source in alias):
+            alias[node] = source
+    families: dict[fx.Node, list[fx.Node]] = {}
+    for node in alias:
+        root = node
+        while root in alias:
+            root = alias[root]
+        families.setdefault(root, []).append(node)
+    for root, calls in families.items():
+        twins = [_out_of_place_twin(call.target) for call in calls]
+        if root.op == "get_attr" or not all(twins):
+            continue
+        for call, twin in zip(calls, twins, strict=True):
+            call.target = twin
+        values = [root, *calls]  # the memory's value after each write, in graph order
+        for value in values:
+            for reader in list(value.users):
+                latest = max((v for v in values if order[v] < order[reader]), key=order.__getitem__)
+                reader.replace_input_with(value, latest)
+
+
+def _writes_first(target: Any) -> bool:
+    """Whether an ATen call writes its first argument in place (and returns it)."""
+    if not isinstance(target, torch._ops.OpOverload) or not target._schema.arguments:
+        return False
+    alias_info = target._schema.arguments[0].alias_info
+    return alias_info is not None and alias_info.is_write
+
+
+def _returns_alias(target: Any) -> bool:
+    """Whether an ATen call's result shares memory with an argument without writing it (a view: ``view``,
+    ``select``, ``split``, ...)."""
+    if not isinstance(target, torch._ops.OpOverload) or not target._schema.returns:
+        return False
+    alias_info = target._schema.returns[0].alias_info
+    return alias_info is not None and not alias_info.is_write
+
+
+def _out_of_place_twin(target: Any) -> Any:
+    """``aten.<name>_.<overload>`` -> ``aten.<name>.<overload>`` where the schema writes the first argument and the
+    out-of-place call has a twin here (else None)."""
+    name = target._schema.name.split("::")[-1] if isinstance(target, torch._ops.OpOverload) else ""
+    if not name.endswith("_") or not _writes_first(target):
+        return None
+    packet = getattr(ATEN, name[:-1], None)
+    twin = getattr(packet, target._overloadname, None) if packet is not None else None
+    return twin if twin in FUNCTIONS or twin in REORDERED or twin in METHODS else None
 
 
 # ATen views whose result may be the tensor itself: then the batch size they read changes nothing
@@ -320,8 +455,16 @@ def _rewrite(node: fx.Node) -> None:
         node.args = node.args if kept is None else node.args[:kept]
     elif target in METHODS:
         node.op, node.target = "call_method", METHODS[target]
+    elif target in REORDERED and not node.kwargs:
+        twin = REORDERED[target](*node.args)
+        if twin is not None:
+            node.target, node.args = twin
     elif target in (ATEN.select.int, ATEN.slice.Tensor):
         _as_index(node)
+    if node.target in KEYWORD_TWINS:
+        arguments = inspect.signature(node.target).bind(*node.args, **node.kwargs).arguments
+        first, *rest = arguments
+        node.args, node.kwargs = (arguments[first],), {name: arguments[name] for name in rest}
 
 
 def _rank(node: Any) -> int | None:

@@ -3,10 +3,10 @@ config (nothing downloaded), called as it is called (keyword tensors, padding in
 that n does not divide): ``insert`` and ``convert_dropout``, then ``predict`` with the output structure kept, and
 ``pack`` and ``extract_member`` equal to it; a training step on the converted model. ``FOLDED`` lists the models
 whose multiply-adds all run packed (attention folded into the heads, rotary embeddings, grouped-query attention,
-T5's and BEiT's per-head position bias and GPT-Neo's ``torch.where`` causal mask included; OPT's feed-forward on its
-tokens folded into the batch, (B*L, C) rows); the others keep their attention at full width on the member-stacked
-batch, exactly (MPNet's position bias, added in place, DeBERTa's disentangled attention), and Swin its window
-attention and the output projection after it."""
+T5's, BEiT's and MPNet's per-head position bias (MPNet's added in place) and GPT-Neo's ``torch.where`` causal mask
+included; OPT's feed-forward on its tokens folded into the batch, (B*L, C) rows); the others keep their attention at
+full width on the member-stacked batch, exactly (DeBERTa's disentangled attention), and Swin its window attention and
+the output projection after it."""
 
 from __future__ import annotations
 
@@ -107,7 +107,7 @@ ARCHITECTURES: dict[str, tuple[str, str, str, str, dict[str, Any]]] = {
 }  # fmt: skip
 FOLDED = {"roberta", "albert", "electra", "xlm-roberta", "bart", "t5-encoder", "gpt-neo", "opt", "llama", "mistral",
           "qwen2", "gemma", "phi", "deit", "beit", "convnext", "resnet", "clip-vision", "dinov2",
-          "whisper"}  # fmt: skip
+          "whisper", "mpnet"}  # fmt: skip
 # a dropout module on the hidden states (OPT's, Whisper's and BART's others are F.dropout calls, which a model read
 # with torch.export keeps; Llama, Mistral, Qwen2, Gemma, CLIP, ResNet, ConvNeXt have none)
 DROPOUTS = ["roberta", "albert", "electra", "deberta-v2", "xlm-roberta", "mpnet", "bart", "t5-encoder", "gpt-neo",
