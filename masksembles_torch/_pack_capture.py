@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, fx, nn
 from torch.fx.graph import _PyTreeInfo
+from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from masksembles_core.captured import CapturedOp, Probed
@@ -35,7 +36,7 @@ from masksembles_core.packing import (
 from ._layers import Masksembles
 from ._pack_export import exported, flat_inputs
 from ._pack_modules import write_out_torch_modules
-from ._structures import Inputs, batch_size, batched_tensors, map_batched
+from ._structures import Inputs, batch_size, batched_tensors, call, map_batched
 
 PREFIX = "pack/extract_member"
 
@@ -191,6 +192,9 @@ def _exported(model: nn.Module, example: Inputs, traced: ValueError | None) -> t
     try:
         return exported(model, example)
     except Exception as error:  # torch.export raises many types for what it cannot capture
+        held = _object_in_output(model, example)
+        if held is not None:
+            raise ValueError(held) from error
         why = f"{type(error).__name__}: {str(error).strip().splitlines()[0]}"
         if traced is not None:
             raise ValueError(f"{traced}; torch.export failed too: {why}") from error
@@ -198,6 +202,34 @@ def _exported(model: nn.Module, example: Inputs, traced: ValueError | None) -> t
             f"{PREFIX} need a model torch.export can capture in eval mode; exporting {type(model).__name__} failed: "
             f"{why}"
         ) from error
+
+
+def _object_in_output(model: nn.Module, example: Inputs) -> str | None:
+    """Why the model cannot be packed where its output on ``example`` holds an object other than tensors, numbers
+    and strings (``transformers``' key-value cache, returned by default): a packed program returns tensors. None
+    where it holds none (or the model fails on ``example``: the capture's own error says more)."""
+    try:
+        with torch.no_grad():
+            output = call(model, example)
+    except Exception:  # whatever the model raises, the capture's error is reported instead
+        return None
+    held = [leaf for leaf in pytree.tree_leaves(output) if not isinstance(leaf, Tensor | int | float | str | None)]
+    if not held:
+        return None
+    name = type(model).__name__
+    cache = "use_cache" in inspect.signature(model.forward).parameters or hasattr(
+        getattr(model, "config", None), "use_cache"
+    )
+    return (
+        f"{PREFIX} cannot return the {type(held[0]).__name__} object in {name}'s output on the example input (a "
+        "packed program returns tensors): "
+        + (
+            "call the model with use_cache=False (add use_cache=False to the example input and to the packed "
+            "model's calls)"
+            if cache
+            else "call it so that its output holds tensors only"
+        )
+    )
 
 
 def _drop_defaults(graph: fx.Graph) -> None:

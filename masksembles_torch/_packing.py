@@ -60,7 +60,7 @@ from masksembles_core.packing import (
 from . import _packed_ops as ops
 from ._layers import Masksembles
 from ._pack_attention import Region, fold_regions, unfold
-from ._pack_capture import _Capture, _describe, _members_of, _SharedInPlace, counted_macs
+from ._pack_capture import PREFIX, _Capture, _describe, _members_of, _SharedInPlace, counted_macs
 from ._pack_chunks import _in_chunks, _planned, _samples_per_chunk
 from ._pack_emit import _Emitter
 from ._pack_graph import _Graph, _solve_axes
@@ -211,11 +211,16 @@ def _member_outputs(model: nn.Module, x: Inputs, n: int) -> tuple[Any, tuple[int
     a leaf without one), found from a second run on one more sample, and the multiply-adds per sample of one model
     (what that sample added, ÷ n)."""
     with torch.no_grad():
-        tiled = map_batched(x, functools.partial(ops.tile, members=n, batch_axis=0))
+        tiled = _tiled(x, n)
         small, small_macs = counted_macs(lambda: call(model, tiled))
         larger = map_batched(x, lambda tensor: ops.tile(torch.cat([tensor, tensor[:1]]), n, 0))
         large, large_macs = counted_macs(lambda: call(model, larger))
     return small, ops.leaf_batch_axes(small, large, n * batch_size(x)), (large_macs - small_macs) // n
+
+
+def _tiled(x: Inputs, n: int) -> Inputs:
+    """``x``'s batch-first tensors tiled ``n`` times, (B, ...) -> (n·B, ...): the batch ``predict`` runs."""
+    return map_batched(x, functools.partial(ops.tile, members=n, batch_axis=0))
 
 
 def _whole_model(
@@ -281,18 +286,53 @@ class _Verifier:
     """Checks built programs against ``predict`` on the first ``VERIFY_SAMPLES`` samples of the example input."""
 
     def __init__(self, model: nn.Module, example: Inputs, n: int, chosen: Sequence[int], squeeze: bool) -> None:
+        self.model, self.n, self.chosen, self.squeeze = model, n, chosen, squeeze
         self.x = map_batched(example, lambda tensor: tensor[:VERIFY_SAMPLES])
         output, self.axes, self.macs = _member_outputs(model, self.x, n)
-        self.expected = _leaf_arrays(ops.select_members(output, n, self.axes, chosen, squeeze))
+        self.expected = self._predicted(output)
+        self.repeatable = False  # set once a second run of the model has given the same output
+
+    def _predicted(self, output: Any) -> tuple[list[np.ndarray], list[float]]:
+        return _leaf_arrays(ops.select_members(output, self.n, self.axes, self.chosen, self.squeeze))
 
     def mismatch(self, packed: nn.Module) -> str | None:
-        """Why ``packed`` differs from ``predict`` on the sample, or None."""
+        """Why ``packed`` differs from ``predict`` on the sample, or None.
+
+        Raises:
+            ValueError: it differs because the model's own output changes from one call to the next on the same input
+                (random per call), so no program can be verified against it.
+        """
         try:
             with torch.no_grad():
                 actual = _leaf_arrays(call(packed, self.x))
         except Exception as error:  # a program that fails where the model runs differs from it
-            return f"it raised {type(error).__name__}: {error}"
-        return output_mismatch(self.expected[0], actual[0], self.expected[1])
+            why: str | None = f"it raised {type(error).__name__}: {error}"
+        else:
+            why = output_mismatch(self.expected[0], actual[0], self.expected[1])
+        if why is not None:
+            self._refuse_random()
+        return why
+
+    def _refuse_random(self) -> None:
+        """Run the model once more on the sample (only after a mismatch: a verified program costs nothing more) and
+        raise where its output moved. It is compared with the tolerance the programs are held to, not bit for bit:
+        the same call on the same input is the same arithmetic on a CPU, but not on a GPU whose kernels add with
+        atomics in any order; what matters is whether the reference moves by more than a program may differ."""
+        if self.repeatable:
+            return
+        with torch.no_grad():
+            again = self._predicted(call(self.model, _tiled(self.x, self.n)))
+        moved = output_mismatch(self.expected[0], again[0], self.expected[1])
+        if moved is not None:
+            raise ValueError(
+                f"{PREFIX} need a model whose output is the same from one call to the next on the same input (eval "
+                f"mode); {type(self.model).__name__}'s changed between two calls on the example input "
+                f"({moved.replace('from predict', 'from the first call')}): it is random per call (it draws noise "
+                "or a mask in forward). Pass its randomness in as an input, drawn once per call by you (transformers' "
+                "ViTMAE: noise=torch.rand(batch, patches) in the example input and in each call), or make the model "
+                "deterministic in eval mode"
+            )
+        self.repeatable = True
 
 
 def _verified(

@@ -174,9 +174,32 @@ def test_a_mask_from_the_inputs_alone_is_broadcast_over_the_folded_heads_one_tha
         torch.testing.assert_close(packed(**fewer), mt.predict(model, fewer), rtol=1e-5, atol=1e-6)
 
 
-def test_a_model_whose_output_holds_a_cache_object_is_refused_with_the_reason() -> None:
-    with pytest.raises(ValueError, match=r"torch\.export can capture .*DynamicCache"):
-        mt.pack(surgery("gpt2", "insert"), inputs("gpt2"))
+def test_a_causal_lm_called_with_its_cache_on_is_refused_saying_to_pass_use_cache_false() -> None:
+    """GPT-2 called as it is by default (``use_cache=True``) returns a ``DynamicCache``: refused with what to do,
+    not with torch.export's error about an unknown type; with ``use_cache=False`` it packs (the tests above)."""
+    model = surgery("gpt2", "insert")
+    refusal = (
+        r"cannot return the DynamicCache object in GPT2LMHeadModel's output .* call the model with use_cache=False"
+    )
+    with pytest.raises(ValueError, match=refusal):
+        mt.pack(model, inputs("gpt2"))
+    with pytest.raises(ValueError, match=refusal):  # torch.fx fails first on a tensor input, then torch.export
+        mt.extract_member(model, 0, inputs("gpt2")["input_ids"])
+
+
+def test_vit_mae_random_per_call_is_refused_naming_its_noise_input() -> None:
+    """ViTMAE without ``noise`` masks patches at random on every call, in eval too: refused, saying so and naming
+    ``noise=``, not packed as the whole model with figures that mean nothing."""
+    torch.manual_seed(0)
+    config = transformers.ViTMAEConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=16,
+        patch_size=4, decoder_hidden_size=32, decoder_num_hidden_layers=1, decoder_num_attention_heads=2,
+        decoder_intermediate_size=64,
+    )  # fmt: skip
+    batch = {"pixel_values": torch.randn(BATCH, 3, 16, 16)}
+    model = mt.insert(transformers.ViTMAEForPreTraining(config).eval(), N, 2.0, seed=0, example_input=batch)
+    with pytest.raises(ValueError, match=r"random per call.*noise=torch\.rand\(batch, patches\)"):
+        mt.pack(model, batch, program="packed")
 
 
 @pytest.mark.verification_fallback
