@@ -449,8 +449,10 @@ def pack(model: nn.Module, example_input: Inputs, *, program: str = "auto", veri
     Raises:
         ValueError: neither torch.fx nor torch.export can capture the model (an output holding an object such as a
             key-value cache: pass ``use_cache=False``), it needs more than one input tensor and was given one, has no
-            Masksembles layer, or holds Masksembles layers of different n; or the tensors of ``example_input`` have
-            different batch sizes.
+            Masksembles layer, or holds Masksembles layers of different n; the tensors of ``example_input`` have
+            different batch sizes; or (``verify``) a program differs from ``predict`` because the model's own output
+            changes from one call to the next on the same input (random per call: pass its randomness in as an
+            input, ViTMAE's ``noise``).
     """
     return _packed(model, example_input, None, False, program, verify)
 
