@@ -220,7 +220,7 @@ def _member_outputs(model: nn.Module, x: Inputs, n: int) -> tuple[Any, tuple[int
 
 def _tiled(x: Inputs, n: int) -> Inputs:
     """``x``'s batch-first tensors tiled ``n`` times, (B, ...) -> (n·B, ...): the batch ``predict`` runs."""
-    return map_batched(x, functools.partial(ops.tile, members=n, batch_axis=0))
+    return cast(Inputs, map_batched(x, functools.partial(ops.tile, members=n, batch_axis=0)))
 
 
 def _whole_model(
