@@ -781,6 +781,8 @@ class _Emitter:
         self.graph.output(value)
 
     def _members_first(self, value: fx.Node, axis: int, squeeze: bool) -> fx.Node:
+        if axis < 0:  # no batch axis (a loss over the member-stacked batch): as predict returns it
+            return value
         if self.returned is not None:  # computed for every member, some returned
             first = self.graph.call_function(ops.members_first, (value, self.m, axis))
             picked = self.graph.call_function(operator.getitem, (first, self.returned))

@@ -187,9 +187,10 @@ def test_a_causal_lm_called_with_its_cache_on_is_refused_saying_to_pass_use_cach
         mt.extract_member(model, 0, inputs("gpt2")["input_ids"])
 
 
-def test_vit_mae_random_per_call_is_refused_naming_its_noise_input() -> None:
+def test_vit_mae_random_per_call_is_refused_and_packs_with_its_noise_passed_in() -> None:
     """ViTMAE without ``noise`` masks patches at random on every call, in eval too: refused, saying so and naming
-    ``noise=``, not packed as the whole model with figures that mean nothing."""
+    ``noise=``, not packed as the whole model with figures that mean nothing. Given its noise, the packed program
+    equals predict, its loss (no batch axis: over the member-stacked batch) included."""
     torch.manual_seed(0)
     config = transformers.ViTMAEConfig(
         hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=16,
@@ -200,6 +201,10 @@ def test_vit_mae_random_per_call_is_refused_naming_its_noise_input() -> None:
     model = mt.insert(transformers.ViTMAEForPreTraining(config).eval(), N, 2.0, seed=0, example_input=batch)
     with pytest.raises(ValueError, match=r"random per call.*noise=torch\.rand\(batch, patches\)"):
         mt.pack(model, batch, program="packed")
+    with_noise = {**batch, "noise": torch.rand(BATCH, (16 // 4) ** 2)}
+    packed = mt.pack(model, with_noise, program="packed")
+    assert packed.program == "packed"
+    assert_same_output(packed(**with_noise), mt.predict(model, with_noise))
 
 
 @pytest.mark.verification_fallback
