@@ -258,11 +258,29 @@ def trace(model: nnx.Module, example: Any) -> Program:
         return probed(2)
 
 
+RANDOM_DRAWS = frozenset({"random_bits", "threefry2x32"})  # the primitives that turn a key into random numbers
+
+
+def _draws_random_bits(jaxpr: jex.Jaxpr) -> bool:
+    """Whether ``jaxpr`` or any program inside it (a scan's body, a jit's, a cond's branches) draws random bits."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in RANDOM_DRAWS:
+            return True
+        for value in eqn.params.values():
+            for item in value if isinstance(value, tuple | list) else (value,):
+                inner = item.jaxpr if isinstance(item, jex.ClosedJaxpr) else item
+                if isinstance(inner, jex.Jaxpr) and _draws_random_bits(inner):
+                    return True
+    return False
+
+
 def _check_draws_nothing(jaxpr: jex.Jaxpr, streams: Sequence[int], name: str) -> None:
-    """The program of a model in eval mode reads none of its RNG streams' keys and counts (the invariables at
-    ``streams``): one that does draws other random numbers at every call, and no program equals ``predict``."""
+    """The program of a model in eval mode draws no random bits from its RNG streams (the invariables at
+    ``streams``): one that does draws other random numbers at every call, and no program equals ``predict``. A
+    stream only carried through (``nnx.scan`` over layers passes every layer's state, its RNG streams included,
+    through the scan) draws nothing."""
     read = {var for eqn in jaxpr.eqns for var in eqn.invars if isinstance(var, jex.Var)}
-    if any(jaxpr.invars[position] in read for position in streams):
+    if any(jaxpr.invars[position] in read for position in streams) and _draws_random_bits(jaxpr):
         raise ValueError(
             f"{PREFIX} need a model that computes the same outputs for the same input in eval mode; {name} reads an "
             "RNG stream (nnx.Rngs) in eval mode: it draws random numbers at every call (noise outside training). "
