@@ -118,7 +118,15 @@ def with_uncertainty(
     if isinstance(member_axis, bool) or not isinstance(member_axis, int):
         raise TypeError(f"member_axis must be an integer; received {member_axis!r} ({type(member_axis).__name__})")
     _check_eval(model)
-    counts = [layer.n for layer in model.modules() if isinstance(layer, Masksembles)]
+    packed = [module for module in model.modules() if isinstance(module, PackedMasksembles)]
+    inside_packed = {id(module) for program in packed for module in program.modules()}
+    # a packed model's dense or whole-model program holds Masksembles layers: it outputs the members, never tiled here
+    counts = [layer.n for layer in model.modules() if isinstance(layer, Masksembles) and id(layer) not in inside_packed]
+    if counts and packed:
+        raise ValueError(
+            f"with_uncertainty reads either a Masksembles model (run on the tiled batch) or a packed one (it outputs "
+            f"the members); {type(model).__name__} holds a packed model and Masksembles layers outside it"
+        )
     if counts:
         if member_axis != 0:
             raise ValueError(
@@ -127,7 +135,6 @@ def with_uncertainty(
             )
         keep_masks_off_fused_paths(model)  # as predict runs the model
         return UncertaintyHead(model, spec, tiled_members=mca.check_members(counts, n), member_axis=0)
-    packed = [module for module in model.modules() if isinstance(module, PackedMasksembles)]
     members = {len(module.members) for module in packed if not module.meta["masksembles"]["squeeze"]}
     if not members:
         raise ValueError(

@@ -51,8 +51,8 @@ def masksembles_model(case: str) -> nn.Module:
 
 
 @functools.cache
-def packed_model(case: str) -> mt.PackedMasksembles:
-    return mt.pack(masksembles_model(case), torch.randn(8, FEATURES), program="packed")
+def packed_model(case: str, program: str = "packed") -> mt.PackedMasksembles:
+    return mt.pack(masksembles_model(case), torch.randn(8, FEATURES), program=program)
 
 
 def assert_members_match(actual: Tensor | np.ndarray, model: nn.Module, x: Tensor) -> None:

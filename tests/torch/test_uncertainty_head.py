@@ -14,11 +14,13 @@ import masksembles_torch as mt
 from masksembles_core import heads
 from tests.torch.heads import CASES, FEATURES, N, assert_head_matches, masksembles_model, packed_model
 
-KINDS = ("packed", "inserted")
+# "dense": pack's dense program (what `auto` may keep) holds the Masksembles layers and outputs the members as a packed
+# program does: the head must read its output, not tile its input
+KINDS = ("packed", "dense", "inserted")
 
 
 def wrapped(case: str, kind: str) -> mt.UncertaintyHead:
-    model = packed_model(case) if kind == "packed" else masksembles_model(case)
+    model = masksembles_model(case) if kind == "inserted" else packed_model(case, kind)
     return mt.with_uncertainty(model, **CASES[case][2])
 
 
@@ -111,11 +113,11 @@ def test_training_mode_is_refused(when: str) -> None:
 def test_outputs_that_are_not_what_logits_says_are_refused(kind: str) -> None:
     x = torch.randn(3, FEATURES)
     as_probabilities = mt.with_uncertainty(
-        packed_model("logits") if kind == "packed" else masksembles_model("logits"), logits=False
+        masksembles_model("logits") if kind == "inserted" else packed_model("logits", kind), logits=False
     )
     with pytest.raises(ValueError, match=r"members must be probabilities in \[0, 1\].*look like logits"):
         as_probabilities(x)
-    model = packed_model("probabilities") if kind == "packed" else masksembles_model("probabilities")
+    model = masksembles_model("probabilities") if kind == "inserted" else packed_model("probabilities", kind)
     with pytest.raises(ValueError, match="members look like probabilities, not logits"):
         mt.with_uncertainty(model)(x)
 
@@ -127,6 +129,12 @@ def test_a_model_without_members_is_refused() -> None:
     member = mt.extract_member(masksembles_model("point regression"), 0, torch.randn(4, FEATURES))
     with pytest.raises(ValueError, match="extract_member's output is one member"):
         mt.with_uncertainty(member, task="regression")
+
+
+def test_a_packed_model_beside_masksembles_layers_is_refused() -> None:
+    mixed = nn.Sequential(packed_model("logits"), mt.Masksembles1D(16, N, 2.0, seed=0)).eval()
+    with pytest.raises(ValueError, match="holds a packed model and Masksembles layers outside it"):
+        mt.with_uncertainty(mixed)
 
 
 @pytest.mark.parametrize(
