@@ -819,6 +819,14 @@ def chosen_members(members: Sequence[int] | None, n: int) -> list[int]:
     return chosen
 
 
+def program_raised(error: BaseException) -> str:
+    """Why a built program that raised on the example differs from the dense model: the error's type and the first
+    line of its message (a fallback reason, not a traceback: torch's C++ errors carry a whole stack in theirs)."""
+    lines = str(error).strip().splitlines()
+    first = f": {lines[0]}" + (" [...]" if len(lines) > 1 else "") if lines else ""
+    return f"it raised {type(error).__name__}{first}"
+
+
 def output_mismatch(expected: Sequence[ArrayLike], actual: Sequence[ArrayLike], eps: Sequence[float]) -> str | None:
     """Why a built program's outputs differ from the dense model's (``predict``), or None when they agree.
 

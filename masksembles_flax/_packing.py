@@ -64,6 +64,7 @@ from masksembles_core.packing import (
     chosen_members,
     output_mismatch,
     plan_program,
+    program_raised,
     samples_per_chunk,
     timed_choice,
     verified,
@@ -833,7 +834,7 @@ class _Verifier:
         try:
             actual = _leaf_arrays(_jitted(packed)(self.x))
         except Exception as error:  # a program that fails where the model runs differs from it
-            return f"it raised {type(error).__name__}: {error}"
+            return program_raised(error)
         return output_mismatch(self.expected[0], actual[0], self.expected[1])
 
 

@@ -37,6 +37,7 @@ from masksembles_core.packing import (
     chosen_members,
     output_mismatch,
     plan_program,
+    program_raised,
     samples_per_chunk,
     timed_choice,
     verified,
@@ -223,7 +224,7 @@ class _Verifier:
         try:
             actual = [_numpy(leaf) for leaf in keras.tree.flatten(run())]
         except Exception as error:  # a program that fails where the model runs differs from it
-            return f"it raised {type(error).__name__}: {error}"
+            return program_raised(error)
         if not self.squeeze:
             actual = [np.moveaxis(leaf, 1, 0) for leaf in actual]
         return output_mismatch(self.expected, actual, [_eps(leaf.dtype) for leaf in self.expected])

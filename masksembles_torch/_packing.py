@@ -53,6 +53,7 @@ from masksembles_core.packing import (
     chosen_members,
     output_mismatch,
     plan_program,
+    program_raised,
     timed_choice,
     verified,
 )
@@ -306,7 +307,7 @@ class _Verifier:
             with torch.no_grad():
                 actual = _leaf_arrays(call(packed, self.x))
         except Exception as error:  # a program that fails where the model runs differs from it
-            why: str | None = f"it raised {type(error).__name__}: {error}"
+            why: str | None = program_raised(error)
         else:
             why = output_mismatch(self.expected[0], actual[0], self.expected[1])
         if why is not None:

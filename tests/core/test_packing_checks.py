@@ -17,6 +17,7 @@ from masksembles_core.packing import (
     per_member_fallbacks,
     plan_program,
     program_macs,
+    program_raised,
     samples_per_chunk,
     timed_choice,
     timed_rounds,
@@ -255,3 +256,11 @@ def test_chunks_hold_about_the_chunk_size_and_split_the_batch_evenly(batch: int,
     """A batch whose largest tensor is at most the chunk size runs in one call (0); a larger one in
     ceil(total / chunk size) chunks of equal size, at least one sample each."""
     assert samples_per_chunk(batch, per_sample, 1024) == chunk
+
+
+def test_a_program_that_raised_is_reported_by_the_first_line_of_its_error() -> None:
+    """torch's C++ errors carry a whole stack trace in their message: the fallback reason keeps its first line."""
+    stack = RuntimeError("shape mismatch in aten::mm\nException raised from check at /src/a.cpp:12\nframe #0: ...")
+    assert program_raised(stack) == "it raised RuntimeError: shape mismatch in aten::mm [...]"
+    assert program_raised(ValueError("one line")) == "it raised ValueError: one line"
+    assert program_raised(KeyError()) == "it raised KeyError"
