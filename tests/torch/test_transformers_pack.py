@@ -27,7 +27,7 @@ if "transformers" not in requested_backends():
 
 import transformers
 
-from tests.torch.test_transformers import BATCH, LENGTH, MODELS, N, inputs, surgery
+from tests.torch.test_transformers import BATCH, HIDDEN, LENGTH, MODELS, N, VOCAB, inputs, surgery
 
 CASES = [(name, "insert") for name in MODELS] + [("bert", "convert_dropout")]
 
@@ -205,6 +205,24 @@ def test_vit_mae_random_per_call_is_refused_and_packs_with_its_noise_passed_in()
     packed = mt.pack(model, with_noise, program="packed")
     assert packed.program == "packed"
     assert_same_output(packed(**with_noise), mt.predict(model, with_noise))
+
+
+def test_xlnet_mems_come_back_in_predicts_layout() -> None:
+    """XLNet returns its memory sequence-first, ``mems`` (L, B, H) per layer: packed as ``predict`` returns it, (L,
+    n·B, H) with member k's block k (not (n, L, B, H)); the extracted member its own block."""
+    torch.manual_seed(0)
+    config = transformers.XLNetConfig(vocab_size=VOCAB, d_model=HIDDEN, n_layer=2, n_head=2, d_inner=64, num_labels=3)
+    batch = inputs("bert")
+    model = mt.insert(transformers.XLNetForSequenceClassification(config).eval(), N, 2.0, seed=0, example_input=batch)
+    expected = mt.predict(model, batch)
+    assert [tuple(memory.shape) for memory in expected.mems] == [(LENGTH, N * BATCH, HIDDEN)] * 2
+    packed = mt.pack(model, batch, program="packed")
+    assert packed.program == "packed"
+    assert_same_output(packed(**batch), expected)
+    member = mt.extract_member(model, 1, batch)(**batch)
+    torch.testing.assert_close(member.logits, expected.logits[1], rtol=1e-5, atol=1e-6)
+    for memory, predicted in zip(member.mems, expected.mems, strict=True):
+        torch.testing.assert_close(memory, predicted[:, BATCH : 2 * BATCH], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.verification_fallback
