@@ -27,7 +27,7 @@ if "transformers" not in requested_backends():
 
 import transformers
 
-from tests.torch.test_transformers import BATCH, HIDDEN, LENGTH, MODELS, N, VOCAB, inputs, surgery
+from tests.torch.test_transformers import BATCH, HIDDEN, LENGTH, MODELS, VOCAB, N, inputs, surgery
 
 CASES = [(name, "insert") for name in MODELS] + [("bert", "convert_dropout")]
 
