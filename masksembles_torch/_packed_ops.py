@@ -437,7 +437,7 @@ def in_chunks(program: nn.Module, x: Tensor, samples: int, layout: Sequence[tupl
 def _joined(parts: Sequence[Tensor], axis: int, blocks: int) -> Tensor:
     """Chunks' parts of one output leaf joined on ``axis``, where each holds ``blocks`` blocks of its chunk."""
     if blocks == 1:
-        return torch.cat(parts, axis)
+        return torch.cat(list(parts), axis)
     split = [part.unflatten(axis, (blocks, -1)) for part in parts]  # type: ignore[no-untyped-call]
     return torch.cat(split, axis + 1).flatten(axis, axis + 1)
 
