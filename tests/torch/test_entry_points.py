@@ -121,7 +121,7 @@ def test_a_submodule_called_directly_is_refused_in_training_and_whole_once_it_re
 def test_eval_mode_and_unrecorded_layers_are_unchanged() -> None:
     model, x = trained("swin")
     model.eval()
-    torch.testing.assert_close(model.forward_features(x), model.forward_features(x))  # eval: the plain rule, no refusal
+    assert torch.equal(model.forward_head(model.forward_features(x)), model(x)), "eval: the plain rule, no refusal"
     layer = mt.Masksembles1D(8, N, 2.0, seed=0).train()  # no model records for it: the plain rule over its rows
     rows = torch.randn(BATCH, 8)
     assert torch.equal(layer(rows), mt.masksembles(rows, layer.masks))
