@@ -3,7 +3,7 @@
 from ._functional import masksembles
 from ._heads import UncertaintyHead, with_uncertainty
 from ._inference import predict, tile, untile
-from ._layers import Masksembles, Masksembles1D, Masksembles2D, Masksembles3D, record_batch_size
+from ._layers import Masksembles, Masksembles1D, Masksembles2D, Masksembles3D, record_batch_size, recorded_call
 from ._losses import gaussian_nll_loss
 from ._packing import PackedMasksembles, extract_member, pack
 from ._surgery import Masked, convert_dropout, insert
@@ -24,6 +24,7 @@ __all__ = [
     "pack",
     "predict",
     "record_batch_size",
+    "recorded_call",
     "tile",
     "untile",
     "with_uncertainty",

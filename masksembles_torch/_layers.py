@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar, TypeVar
 
 import numpy as np
@@ -52,11 +53,16 @@ class Masksembles(nn.Module):
     sample-major order of ``reshape``), ``record_batch_size(model)`` (which ``insert`` and
     ``convert_dropout`` call) lets every layer in training give row ``r`` the member of sample
     ``r // f``, so a sample meets one member in every layer at any batch size (in eval the plain
-    rule: ``predict``'s tiled batch lines up with it).
+    rule: ``predict``'s tiled batch lines up with it). Such a layer refuses, in training, a call that is not part of a
+    call of the recording model (``model.forward_features(x)``, a submodule called directly): ``recorded_call``.
     """
 
     ranks: ClassVar[Sequence[int] | None] = None
     masks: Tensor
+    # Set by ``record_batch_size``: whether a recording model holds the layer, and how many of the calls that record
+    # for it are under way (class defaults: also for a layer pickled whole before they existed).
+    recorded: bool = False
+    open_calls: int = 0
 
     def __init__(
         self,
@@ -86,16 +92,18 @@ class Masksembles(nn.Module):
         if not factory_kwargs["dtype"].is_floating_point:
             raise TypeError(f"dtype must be a floating dtype; received {dtype}")
         self.register_buffer("masks", torch.as_tensor(resolved, **factory_kwargs))
-        # The batch size of the enclosing model's last call, set by ``record_batch_size``'s hook.
+        # The batch size of the recording model's last call, kept after it: torch.utils.checkpoint recomputes a
+        # block in backward, after the call, and groups its rows as the call did.
         self.samples: int | None = None
         self.register_forward_pre_hook(_off_fused_paths)
 
     def forward(self, x: Tensor) -> Tensor:
         """Apply the masks: (B, ...) -> (B, ...)."""
+        samples = self._training_samples() if self.training else None  # eval: predict's tiled batch lines up already
         index = None
         if self.mode == "random" and self.training:
             rows = x.shape[0]
-            per_sample = mca.rows_per_sample(rows, self.samples)  # random mode draws in training only
+            per_sample = mca.rows_per_sample(rows, samples)  # random mode draws in training only
             index = torch.randint(self.n, (rows // per_sample,), device=x.device, generator=self.generator)
             if per_sample != 1:  # one draw per sample, shared by its rows
                 index = index.repeat_interleave(per_sample)
@@ -104,9 +112,34 @@ class Masksembles(nn.Module):
             self.masks,
             channel_axis=self.channel_axis,
             index=index,
-            samples=self.samples if self.training else None,  # eval: predict's tiled batch lines up already
+            samples=samples,
             ranks=self.ranks,
             layer=type(self).__name__,
+        )
+
+    def _training_samples(self) -> int | None:
+        """The model's batch size for this training call: the recording model's (``record_batch_size``) within its
+        call, and after it in autograd's backward (``torch.utils.checkpoint``'s recomputation of this call);
+        ``samples`` as it is set for a layer no model records for.
+
+        Raises:
+            RuntimeError: a recording model holds the layer and the call is not part of one of its calls
+                (``model.forward_features(x)``, a submodule called directly), or that call had no batch-first tensor:
+                which rows belong to which sample is not known, and a model that folds windows or tokens into the
+                batch would send a sample through two members.
+        """
+        if not self.recorded:
+            return self.samples
+        if self.samples is not None and (self.open_calls or torch._C._current_graph_task_id() != -1):
+            return self.samples
+        raise RuntimeError(
+            f"{type(self).__name__}({self.channels}, n={self.n}) ran in training outside a call of the model that "
+            "records its batch size (record_batch_size, which insert and convert_dropout call), as "
+            "model.forward_features(x) or a submodule called directly does, or in a call with no batch-first tensor: "
+            "its rows cannot be grouped by sample (where the model folds windows or tokens into the batch, a sample "
+            "would go through two members). Call the model itself, or make the call inside "
+            "`with masksembles_torch.recorded_call(model, x):` (x: the call's input, samples on axis 0), or record "
+            "the batch size on the module you call (masksembles_torch.record_batch_size(module))"
         )
 
     def extra_repr(self) -> str:
@@ -180,28 +213,64 @@ def _batch_size(inputs: Any) -> int | None:
     return None
 
 
+def _layers(model: nn.Module) -> list[Masksembles]:
+    return [layer for layer in model.modules() if isinstance(layer, Masksembles)]
+
+
 def _record(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """Forward pre-hook: give the model's Masksembles layers the batch size of its first tensor input (a model inside
-    it that records too sets its own layers again at its call: each layer follows the innermost one)."""
+    """Forward pre-hook: a call of ``model`` begins; give its Masksembles layers the batch size of its first tensor
+    input (a model inside it that records too sets its own layers again at its call: each layer follows the innermost
+    one)."""
     batch = _batch_size((args, kwargs))
-    if batch is None:
-        return
-    for layer in model.modules():
-        if isinstance(layer, Masksembles):
-            layer.samples = batch
+    for layer in _layers(model):
+        layer.recorded, layer.open_calls, layer.samples = True, layer.open_calls + 1, batch
+
+
+def _close(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+    """Forward hook, also run when the call raises: the call of ``model`` is over (its batch size is kept)."""
+    for layer in _layers(model):
+        layer.open_calls = max(layer.open_calls - 1, 0)  # a layer added to the model during the call was never opened
 
 
 def record_batch_size(model: ModuleT) -> ModuleT:
     """Let every Masksembles layer of ``model`` group its rows by the model's samples; returns ``model``.
 
-    Registers a forward pre-hook on ``model``: at each call the batch size B of its first tensor input (axis 0) is
-    given to its Masksembles layers (their ``samples``, kept until the next call), which then, in training, send row
-    ``r`` of a batch of ``B * f`` rows through the member of sample ``r // f`` (``masksembles_core.group_index(rows, n,
-    samples=B)``); a layer whose rows B does not divide uses the plain rule over its rows. ``insert`` and
-    ``convert_dropout`` call it; call it on a model with hand-placed layers. Calling it again does nothing. The hook
-    keeps working under ``deepcopy``, pickling, ``torch.compile(fullgraph=True)`` and ``torch.export`` (B is
-    symbolic there).
+    Registers forward hooks on ``model``: at each call the batch size B of its first tensor input (axis 0) is given to
+    its Masksembles layers (their ``samples``, kept after the call for ``torch.utils.checkpoint``'s recomputation in
+    backward), which then, in training, send row ``r`` of a batch of ``B * f`` rows through the member of sample
+    ``r // f`` (``masksembles_core.group_index(rows, n, samples=B)``); a layer whose rows B does not divide uses the
+    plain rule over its rows. In training the layers refuse a call that is not part of a call of ``model`` (its other
+    entry points, ``model.forward_features(x)``, or a submodule called directly): make such a call inside
+    ``recorded_call(model, x)``. ``insert`` and ``convert_dropout`` call it; call it on a model with hand-placed
+    layers. Calling it again does nothing. The hooks keep working under ``deepcopy``, pickling,
+    ``torch.compile(fullgraph=True)`` and ``torch.export`` (B is symbolic there).
     """
     if _record not in model._forward_pre_hooks.values():
         model.register_forward_pre_hook(_record, with_kwargs=True)
+    if _close not in model._forward_hooks.values():
+        model.register_forward_hook(_close, with_kwargs=True, always_call=True)
+    for layer in _layers(model):
+        layer.recorded = True
     return model
+
+
+@contextlib.contextmanager
+def recorded_call(model: nn.Module, inputs: Any) -> Iterator[None]:
+    """A call of ``model`` through another entry point, recorded as ``model(inputs)`` records it.
+
+    ``with recorded_call(model, x): features = model.forward_features(x)`` (timm) gives ``model``'s Masksembles layers
+    the batch size of ``inputs`` (axis 0 of its first tensor, nested tuples, lists and dicts searched: the samples) for
+    the calls inside, so that in training each sample goes through one member, also where the model folds windows or
+    tokens into the batch. ``model`` is the module whose layers ``record_batch_size`` records for (the one ``insert``
+    or ``convert_dropout`` returned).
+
+    Raises:
+        ValueError: ``inputs`` hold no tensor with a batch axis.
+    """
+    if _batch_size(inputs) is None:
+        raise ValueError(f"recorded_call needs the call's input, a tensor with a batch axis; received {inputs!r}")
+    _record(model, (inputs,), {})
+    try:
+        yield
+    finally:
+        _close(model, (inputs,), {}, None)

@@ -177,11 +177,11 @@ def _in_chunks(packed: fx.GraphModule, example: Tensor, samples: int) -> tuple[n
     """The root and graph of a program that runs ``packed`` on chunks of at most ``samples`` samples (the root holds
     it as ``per_chunk``)."""
     with torch.no_grad():
-        axes = ops.leaf_batch_axes(packed(example[:1]), packed(example[:2]), 1)
+        layout = ops.leaf_batch_layout(packed(example[:1]), packed(example[:2]), 1)
     root = nn.Module()
     root.per_chunk = fx.GraphModule(packed, packed.graph, class_name="PerChunk")
     graph = fx.Graph()
-    result = graph.call_function(ops.in_chunks, (graph.get_attr("per_chunk"), graph.placeholder("x"), samples, axes))
+    result = graph.call_function(ops.in_chunks, (graph.get_attr("per_chunk"), graph.placeholder("x"), samples, layout))
     graph.output(result)
     return root, graph
 

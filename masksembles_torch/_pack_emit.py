@@ -767,7 +767,7 @@ class _Emitter:
             results = {}
             for i, leaf in enumerate(leaves):
                 part = self.graph.call_function(operator.getitem, (value, i))
-                results[leaf] = self._members_first(part, capture.seen[leaf].batch_axis, squeeze)
+                results[leaf] = self._output_leaf(part, capture.seen[leaf].batch_axis, squeeze)
             self.graph.output(fx.node.map_arg(structure, lambda n: results[n] if n in results else self._scalar(n)))
             return
         if final.placement.shared:
@@ -779,6 +779,16 @@ class _Emitter:
             axis = capture.seen[node].batch_axis if final.placement.dense else self.axis[node]
             value = self._members_first(value, axis, squeeze)
         self.graph.output(value)
+
+    def _output_leaf(self, value: fx.Node, axis: int, squeeze: bool) -> fx.Node:
+        """A leaf of the output structure, its batch on ``axis``, in ``predict``'s layout: (m, B, …) for a batch on
+        axis 0; for one on another axis the members' blocks stay on it, (…, m*B, …), as ``predict`` returns a leaf
+        whose axis 0 is not the tiled batch (XLNet's ``mems``, (L, n*B, H)); (…, B, …) for one member."""
+        if axis <= 0 or squeeze:
+            return self._members_first(value, axis, squeeze)
+        if self.returned is None:
+            return value
+        return self.graph.call_function(ops.member_blocks, (value, self.m, axis, self.returned))
 
     def _members_first(self, value: fx.Node, axis: int, squeeze: bool) -> fx.Node:
         if axis < 0:  # no batch axis (a loss over the member-stacked batch): as predict returns it

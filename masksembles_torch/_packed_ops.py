@@ -368,46 +368,78 @@ def leaves(tree: Any) -> list[Any]:
     return found
 
 
+def leaf_batch_layout(small: Any, large: Any, batch: int) -> tuple[tuple[int, int], ...]:
+    """The batch axis of each tensor leaf of a model's output and how many blocks of the batch it holds there, from
+    its outputs on ``batch`` samples (``small``) and on more (``large``): ``(axis, 1)`` for the batch on ``axis``,
+    ``(axis, m)`` for m blocks of it (a packed program's members in ``predict``'s layout), ``(-1, 1)`` for a leaf that
+    does not follow the batch."""
+    layout = []
+    for a, b in zip(leaves(small), leaves(large), strict=True):
+        if not isinstance(a, Tensor):
+            layout.append((-1, 1))
+            continue
+        changed = [i for i, (p, q) in enumerate(zip(a.shape, b.shape, strict=True)) if p != q]
+        if changed and (len(changed) > 1 or a.shape[changed[0]] % batch):
+            raise ValueError(f"pack/extract_member: an output of shape {tuple(a.shape)} has no member-stacked batch")
+        layout.append((changed[0], a.shape[changed[0]] // batch) if changed else (-1, 1))
+    return tuple(layout)
+
+
 def leaf_batch_axes(small: Any, large: Any, batch: int) -> tuple[int, ...]:
     """The batch axis of each tensor leaf of a model's output, from its outputs on ``batch`` member-stacked samples
     (``small``) and on more (``large``); -1 for a leaf that does not follow the batch."""
-    axes = []
-    for a, b in zip(leaves(small), leaves(large), strict=True):
-        if not isinstance(a, Tensor):
-            axes.append(-1)
-            continue
-        changed = [i for i, (p, q) in enumerate(zip(a.shape, b.shape, strict=True)) if p != q]
-        if changed and (len(changed) > 1 or a.shape[changed[0]] != batch):
-            raise ValueError(f"pack/extract_member: an output of shape {tuple(a.shape)} has no member-stacked batch")
-        axes.append(changed[0] if changed else -1)
-    return tuple(axes)
+    layout = leaf_batch_layout(small, large, batch)
+    for leaf, (_, blocks) in zip(leaves(small), layout, strict=True):
+        if blocks != 1:
+            raise ValueError(f"pack/extract_member: an output of shape {tuple(leaf.shape)} has no member-stacked batch")
+    return tuple(axis for axis, _ in layout)
+
+
+def member_blocks(x: Tensor, members: int, axis: int, chosen: Sequence[int]) -> Tensor:
+    """The ``chosen`` members' blocks of ``axis``, in ``chosen``'s order: (…, m*X, …) -> (…, len(chosen)*X, …)."""
+    picked: Tensor = members_first(x, members, axis)[list(chosen)]
+    return picked.movedim(0, axis).flatten(axis, axis + 1)
 
 
 def select_members(tree: Any, members: int, axes: Sequence[int], chosen: Sequence[int], squeeze: bool) -> Any:
-    """Every tensor leaf (…, m*B, …) with its batch on ``axes[i]`` -> (len(chosen), …, B, …), or (…, B, …) for one
-    member when ``squeeze``; leaves without a batch axis are returned as they are."""
+    """Every tensor leaf (…, m*B, …) with its batch on ``axes[i]`` in ``predict``'s layout for the ``chosen`` members:
+    (len(chosen), B, …) for a batch on axis 0, the members' blocks left on the batch axis for one on another axis
+    (…, len(chosen)*B, …), as ``predict`` returns a leaf whose axis 0 is not the tiled batch (XLNet's ``mems``, (L,
+    n*B, H)); (…, B, …) for one member when ``squeeze``. Leaves without a batch axis are returned as they are."""
     positions = iter(axes)
+    every = list(range(members))
 
     def select(leaf: Any) -> Any:
         axis = next(positions)
         if axis < 0:
             return leaf
+        if axis > 0 and not squeeze:
+            return leaf if list(chosen) == every else member_blocks(leaf, members, axis, chosen)
         split = members_first(leaf, members, axis)[list(chosen)]
         return split[0] if squeeze else split
 
     return _map_leaves(select, tree)
 
 
-def in_chunks(program: nn.Module, x: Tensor, samples: int, axes: Sequence[int]) -> Any:
+def in_chunks(program: nn.Module, x: Tensor, samples: int, layout: Sequence[tuple[int, int]]) -> Any:
     """``program(x)`` computed on chunks of equal size (at most ``samples`` samples) of ``x``, each output leaf
-    joined along its batch axis (``axes``): for a program whose outputs for a sample depend on that sample alone. One
-    call when compiled or exported (a loop over the batch would put guards on its size)."""
+    joined along its batch axis (``layout``, ``leaf_batch_layout``: a leaf holding m blocks of the batch on its axis
+    joined block by block): for a program whose outputs for a sample depend on that sample alone. One call when
+    compiled or exported (a loop over the batch would put guards on its size)."""
     if torch.compiler.is_compiling() or x.shape[0] <= samples:
         return program(x)
     results = [program(part) for part in x.tensor_split(-(-x.shape[0] // samples))]
     columns = zip(*(leaves(result) for result in results), strict=True)
-    joined = iter([torch.cat(leaves, axis) for leaves, axis in zip(columns, axes, strict=True)])
+    joined = iter([_joined(parts, axis, blocks) for parts, (axis, blocks) in zip(columns, layout, strict=True)])
     return _map_leaves(lambda _: next(joined), results[0])
+
+
+def _joined(parts: Sequence[Tensor], axis: int, blocks: int) -> Tensor:
+    """Chunks' parts of one output leaf joined on ``axis``, where each holds ``blocks`` blocks of its chunk."""
+    if blocks == 1:
+        return torch.cat(list(parts), axis)
+    split = [part.unflatten(axis, (blocks, -1)) for part in parts]  # type: ignore[no-untyped-call]
+    return torch.cat(split, axis + 1).flatten(axis, axis + 1)
 
 
 def repeat_members(x: Tensor, members: int) -> Tensor:

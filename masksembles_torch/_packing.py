@@ -423,7 +423,8 @@ def pack(model: nn.Module, example_input: Inputs, *, program: str = "auto", veri
     a tensor (``model(x)``), a tuple (``model(*x)``) or a dict of keyword inputs (``model(**x)``, a ``transformers``
     model's ``input_ids``, ``attention_mask``, ...), every tensor in it batch-first. It is run through the captured
     model to record shapes; any batch size works afterwards, and the packed module is called the same way (the same
-    keys and flags), returning the model's output structure with the members first (``out.logits`` (n, B, ...)).
+    keys and flags), returning the model's output structure with the members first (``out.logits`` (n, B, ...)), a
+    tensor whose batch is on another axis as ``predict`` returns it (XLNet's ``mems``, (L, n·B, H)).
 
     Capture: a tensor input goes through torch.fx (``forward`` called with it alone: its other arguments keep their
     defaults, a required one is refused). A model torch.fx cannot trace (``transformers`` models), or a tuple or dict

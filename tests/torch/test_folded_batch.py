@@ -164,6 +164,9 @@ def test_record_batch_size_works_compiled_and_exported() -> None:
         x = torch.randn(batch, 8, 8, 8)
         torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(exported(x), model(x), rtol=1e-5, atol=1e-5)
+    assert {layer.open_calls for layer in model.modules() if isinstance(layer, mt.Masksembles)} == {0}, "calls closed"
+    with pytest.raises(RuntimeError, match="outside a call of the model that records its batch size"):
+        model[0](x)  # a submodule called directly, in training
 
 
 def test_predict_reads_and_checks_n() -> None:

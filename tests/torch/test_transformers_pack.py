@@ -27,7 +27,7 @@ if "transformers" not in requested_backends():
 
 import transformers
 
-from tests.torch.test_transformers import BATCH, LENGTH, MODELS, N, inputs, surgery
+from tests.torch.test_transformers import BATCH, HIDDEN, LENGTH, MODELS, VOCAB, N, inputs, surgery
 
 CASES = [(name, "insert") for name in MODELS] + [("bert", "convert_dropout")]
 
@@ -205,6 +205,25 @@ def test_vit_mae_random_per_call_is_refused_and_packs_with_its_noise_passed_in()
     packed = mt.pack(model, with_noise, program="packed")
     assert packed.program == "packed"
     assert_same_output(packed(**with_noise), mt.predict(model, with_noise))
+
+
+def test_xlnet_mems_come_back_in_predicts_layout() -> None:
+    """XLNet returns its memory sequence-first, ``mems`` (L, B, H) per layer: packed as ``predict`` returns it, (L,
+    n·B, H) with member k's block at k·B (not (n, L, B, H)). Masks on the summary
+    and classifier only, whose inputs are batch-first (the blocks' states are sequence-first, (L, B, H), where a
+    Masksembles layer would group its rows by token, not by sample)."""
+    torch.manual_seed(0)
+    config = transformers.XLNetConfig(vocab_size=VOCAB, d_model=HIDDEN, n_layer=2, n_head=2, d_inner=64, num_labels=3)
+    batch = inputs("bert")
+    model = mt.insert(
+        transformers.XLNetForSequenceClassification(config).eval(), N, 2.0, seed=0, example_input=batch,
+        before=lambda path, module: isinstance(module, nn.Linear) and not path.startswith("transformer."),
+    )  # fmt: skip
+    expected = mt.predict(model, batch)
+    assert [tuple(memory.shape) for memory in expected.mems] == [(LENGTH, N * BATCH, HIDDEN)] * 2
+    packed = mt.pack(model, batch, program="packed")
+    assert packed.program == "packed"
+    assert_same_output(packed(**batch), expected)  # extract_member's block: test_packing_output_layout.py
 
 
 @pytest.mark.verification_fallback
