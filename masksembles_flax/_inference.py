@@ -34,9 +34,12 @@ def predict(model: Callable[[jax.Array], T], x: jax.Array, n: int | None = None)
     Compiled and cached: an ``nnx.Module`` runs as one ``jax.jit`` program per graph structure and input shape (its
     arrays are arguments: a second call, or another model of the same structure, does not trace again), and so does
     a ``functools.partial`` of a function (``functools.partial(module.apply, variables)``, its bound arrays the
-    arguments). Any other function is traced once per call to read ``n`` and runs as it is (call ``predict`` inside
-    your own ``jax.jit`` to compile it). A model that cannot be compiled (a data-dependent shape) runs eagerly, from
-    then on, silently.
+    arguments). The cache is keyed on the graph definition (or the partial's function and non-array bound values):
+    a model changed since (a layer swapped, other shapes, another ``n``) gets its own program, and new values of the
+    same structure run in the cached one. Any other function is traced once per call to read ``n`` and runs as it is,
+    not cached (its closure, the globals it reads and the objects it calls can change while the function object stays
+    the same: a program cached on it would run stale arrays); call ``predict`` inside your own ``jax.jit`` to compile
+    it. A model that cannot be compiled (a data-dependent shape) runs eagerly, from then on, silently.
 
     Args:
         n: the number of members; None reads it from the model's Masksembles layers: an ``nnx.Module``'s own layers,
