@@ -52,7 +52,11 @@ def predict(model: Callable[[jax.Array], T], x: jax.Array, n: int | None = None)
     """
     if isinstance(model, nnx.Module):
         graphdef, state = nnx.split(model)
-        program = _PROGRAMS.get(graphdef) or _PROGRAMS.put(graphdef, _nnx_program(model, graphdef))
+        try:
+            known = _PROGRAMS.get(graphdef)
+        except TypeError:  # a static attribute that cannot be hashed: nothing can be cached for it
+            return _nnx_eager(graphdef, state, x, mca.check_members(_nnx_counts(model), n))  # type: ignore[no-any-return]
+        program = known or _PROGRAMS.put(graphdef, _nnx_program(model, graphdef))
         members = mca.check_members(program.counts(None), n)
         compiled: T = program.run(
             lambda: program.jitted(state, x, members), lambda: _nnx_eager(graphdef, state, x, members)
@@ -128,12 +132,17 @@ def _nnx_program(model: nnx.Module, graphdef: nnx.GraphDef[Any]) -> _Program:
     """The ``_Program`` of the graph definition of ``model``: ``_nnx_eager`` jitted with the graph definition fixed
     (traced once per ``n`` and argument shapes), and the n of the module's Masksembles layers, read once (``n`` is a
     static attribute, part of the graph definition: a model of an equal one has the same)."""
-    counts = tuple(layer.n for _, layer in nnx.iter_graph(model) if isinstance(layer, Masksembles))
+    counts = _nnx_counts(model)
 
     def program(state: Any, x: jax.Array, n: int) -> Any:
         return _nnx_eager(graphdef, state, x, n)
 
     return _Program(jax.jit(program, static_argnums=2), lambda _: counts)
+
+
+def _nnx_counts(model: nnx.Module) -> tuple[int, ...]:
+    """The n of every Masksembles layer of ``model``."""
+    return tuple(layer.n for _, layer in nnx.iter_graph(model) if isinstance(layer, Masksembles))
 
 
 def _nnx_eager(graphdef: nnx.GraphDef[Any], state: Any, x: jax.Array, n: int) -> Any:

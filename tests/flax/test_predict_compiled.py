@@ -134,6 +134,17 @@ def test_nnx_predict_follows_every_change_of_the_model() -> None:
     assert_close(mf.predict(model, x), eager_members(model, x))
 
 
+def test_an_nnx_model_with_an_unhashable_static_attribute_runs_eagerly() -> None:
+    model, x = Counting(seed=0), samples(3)
+    model.table = nnx.static(bytearray(b"unhashable"))  # in the graph definition, which then cannot be hashed
+    expected = eager_members(model, x)
+    Counting.runs = 0
+    np.testing.assert_array_equal(np.asarray(mf.predict(model, x)), expected)  # eager both: the same operations
+    assert Counting.runs == 1
+    with pytest.raises(ValueError, match="n=2 does not match"):
+        mf.predict(model, x, n=2)
+
+
 def test_a_partial_follows_other_variable_shapes_and_an_unhashable_bound_value_runs_as_it_is() -> None:
     net = LinenNet()
     for features in (5, 7):  # the same apply and structure, other kernel shapes: another signature
