@@ -246,10 +246,11 @@ def section(runs: list[list[dict[str, Any]]], rounds: int, threads: int) -> str:
         f"n={N}, S={SCALE}, float32, CPU ({threads} intra-op threads), {len(runs)} runs of the script, each framework "
         f"in its own process, {rounds} interleaved rounds a run after one warm-up round (the two calls swap places "
         f"every round; a call under {ROUND_SECONDS} s timed as the mean of as many in a row as make a round of that "
-        f"length: the column calls), on {machine()} (shared with other jobs). By hand: Keras `model.predict` on the "
-        "tiled batch (one batch), the jitted NNX/linen call on the tiled batch, torch `model(tiled)` under `no_grad`; "
-        "both return the (n, B, ...) members. Times: the median over the runs of each run's median. Ratio: the median "
-        "over the runs of each run's ratio of medians (listed), with the range of every per-round ratio. Target ≤ 1.1.",
+        f"length: the column calls, the most of the runs), on {machine()} (shared with other jobs). By hand: Keras "
+        "`model.predict` on the tiled batch (one batch), the jitted NNX/linen call on the tiled batch, torch "
+        "`model(tiled)` under `no_grad`; both return the (n, B, ...) members. Times: the median over the runs of each "
+        "run's median. Ratio: the median over the runs of each run's ratio of medians (listed), with the range of "
+        "every per-round ratio. Target ≤ 1.1.",
         "",
         "| framework | model | batch | calls | `predict` (ms) | by hand (ms) | ratio | runs' ratios | round range |",
         "|---|---|---:|---:|---:|---:|---:|---|---|",
