@@ -1,6 +1,7 @@
 """``predict`` against the tiled call a user would write by hand, on every framework and Keras backend.
 
-    python benchmarks/bench_predict.py [--rounds 5] [--frameworks keras-jax,flax-nnx,...] [--no-write]
+    python benchmarks/bench_predict.py [--rounds 5] [--runs 3] [--frameworks keras-jax,flax-nnx,...]
+        [--models "README CNN,ResNet-like"] [--batches 1,64,256] [--json runs.json] [--no-write]
 
 For each framework (Keras on TensorFlow, JAX and PyTorch, Flax NNX and linen, PyTorch; each in its own process:
 Keras reads KERAS_BACKEND once), the README's small CNN (the linen one written like the NNX one) and a ResNet-like
@@ -15,7 +16,9 @@ returns the same (n, B, ...) members, timed in turn within every round (``timed_
 - PyTorch: ``model(x.repeat(n, 1, 1, 1)).unflatten(0, (n, B))`` under ``torch.no_grad()``, the model in eval mode.
 
 Each row: the two medians, the ratio of the medians and the range of the per-round ratios; the two results are
-checked equal (float32 rounding tolerance) before timing.
+checked equal (float32 rounding tolerance) before timing. The two calls swap places every round (neither always runs
+first, after the other's allocations), and a call of under ``ROUND_SECONDS`` is timed as the mean of as many calls in
+a row as make one round of that length (the same count for both), so a batch-1 row's round is not one 10 ms call.
 """
 
 from __future__ import annotations
@@ -23,24 +26,26 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from _report import machine, publish
 
-from masksembles_core.packing import timed_rounds
-
 N, SCALE = 4, 2.0
 BATCHES = (1, 64, 256)
+MODELS = ("README CNN", "ResNet-like")
 FRAMEWORKS = ("keras-tensorflow", "keras-jax", "keras-torch", "flax-nnx", "flax-linen", "torch")
 HERE = Path(__file__).resolve().parent
+ROUND_SECONDS = 0.25  # a faster call is repeated within a round until the round lasts about this long
 
 # model name -> (predict(x), the hand-written tiled call(x), the input shape without the batch)
 Cases = dict[str, tuple[Callable[[Any], Any], Callable[[Any], Any], tuple[int, ...]]]
@@ -175,23 +180,44 @@ def torch_cases() -> Cases:
     return cases
 
 
-def measure(framework: str, rounds: int) -> list[dict[str, Any]]:
-    """Every row of one framework, in this process."""
+def alternating_rounds(calls: Mapping[str, Callable[[], object]], rounds: int) -> tuple[dict[str, list[float]], int]:
+    """Seconds per call of each of ``calls`` in each of ``rounds`` rounds, after one warm-up round, and the calls per
+    timing: within a round the calls run in turn, in the other order every other round; each timing is the mean of
+    as many calls in a row as make it last about ``ROUND_SECONDS`` (from the warm-up round's slower call)."""
+
+    def timed(call: Callable[[], object], repeats: int) -> float:
+        start = time.perf_counter()
+        for _ in range(repeats):
+            call()
+        return (time.perf_counter() - start) / repeats
+
+    warm = max(timed(call, 1) for call in calls.values())
+    repeats = max(1, math.ceil(ROUND_SECONDS / warm))
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    names = list(calls)
+    for index in range(rounds):
+        for name in names if index % 2 == 0 else names[::-1]:
+            times[name].append(timed(calls[name], repeats))
+    return times, repeats
+
+
+def measure(framework: str, rounds: int, models: list[str], batches: list[int]) -> list[dict[str, Any]]:
+    """The rows of one framework for ``models`` and ``batches``, in this process."""
     cases = {
         "keras-tensorflow": keras_cases, "keras-jax": keras_cases, "keras-torch": keras_cases,
         "flax-nnx": nnx_cases, "flax-linen": linen_cases, "torch": torch_cases,
     }[framework]()  # fmt: skip
     rows = []
     for name, (predict, by_hand, shape) in cases.items():
-        for batch in BATCHES:
+        for batch in batches if name in models else []:
             x = np.random.default_rng(batch).standard_normal((batch, *shape)).astype(np.float32)
             expected, actual = np.asarray(by_hand(x)), np.asarray(predict(x))
             np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-4 * max(1.0, float(np.abs(expected).max())))
             calls = {"predict": functools.partial(predict, x), "by hand": functools.partial(by_hand, x)}
-            times = timed_rounds(calls, rounds=rounds)
+            times, repeats = alternating_rounds(calls, rounds)
             ratios = [p / h for p, h in zip(times["predict"], times["by hand"], strict=True)]
             rows.append({
-                "framework": framework, "model": name, "batch": batch,
+                "framework": framework, "model": name, "batch": batch, "repeats": repeats,
                 "predict": statistics.median(times["predict"]), "by_hand": statistics.median(times["by hand"]),
                 "low": min(ratios), "high": max(ratios),
             })  # fmt: skip
@@ -207,33 +233,48 @@ def worker_environment(framework: str, threads: int) -> dict[str, str]:
     return env
 
 
-def section(rows: list[dict[str, Any]], rounds: int, threads: int) -> str:
-    """The BENCHMARKS.md section of ``rows`` (``measure``'s)."""
+def section(runs: list[list[dict[str, Any]]], rounds: int, threads: int) -> str:
+    """The BENCHMARKS.md section of ``runs`` (each run: ``measure``'s rows, every framework's): per row, the medians
+    over the runs."""
+    by_row: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
+    for rows in runs:
+        for row in rows:
+            by_row.setdefault((row["framework"], row["model"], row["batch"]), []).append(row)
     lines = [
         "## `predict` ÷ the tiled call by hand",
         "",
-        f"n={N}, S={SCALE}, float32, CPU ({threads} intra-op threads), medians of {rounds} interleaved "
-        f"rounds after one warm-up round, each framework in its own process, on {machine()} (shared with other jobs). "
-        "By hand: Keras `model.predict` on the tiled batch (one batch), the jitted NNX/linen call on the tiled batch, "
-        "torch `model(tiled)` under `no_grad`; both return the (n, B, ...) members. Ratio: of the medians, with the "
-        "range of the per-round ratios. Target ≤ 1.1.",
+        f"n={N}, S={SCALE}, float32, CPU ({threads} intra-op threads), {len(runs)} runs of the script, each framework "
+        f"in its own process, {rounds} interleaved rounds a run after one warm-up round (the two calls swap places "
+        f"every round; a call under {ROUND_SECONDS} s timed as the mean of as many in a row as make a round of that "
+        f"length: the column calls, the most of the runs), on {machine()} (shared with other jobs). By hand: Keras "
+        "`model.predict` on the tiled batch (one batch), the jitted NNX/linen call on the tiled batch, torch "
+        "`model(tiled)` under `no_grad`; both return the (n, B, ...) members. Times: the median over the runs of each "
+        "run's median. Ratio: the median over the runs of each run's ratio of medians (listed), with the range of "
+        "every per-round ratio. Target ≤ 1.1.",
         "",
-        "| framework | model | batch | `predict` (ms) | by hand (ms) | ratio | per-round range |",
-        "|---|---|---:|---:|---:|---:|---|",
-        *(
-            f"| {r['framework']} | {r['model']} | {r['batch']} | {r['predict'] * 1e3:.2f} | {r['by_hand'] * 1e3:.2f} "
-            f"| {r['predict'] / r['by_hand']:.2f} | {r['low']:.2f}–{r['high']:.2f} |"
-            for r in rows
-        ),
+        "| framework | model | batch | calls | `predict` (ms) | by hand (ms) | ratio | runs' ratios | round range |",
+        "|---|---|---:|---:|---:|---:|---:|---|---|",
     ]
+    for (framework, model, batch), rows in by_row.items():
+        ratios = [row["predict"] / row["by_hand"] for row in rows]
+        predict, by_hand = (statistics.median(row[key] for row in rows) * 1e3 for key in ("predict", "by_hand"))
+        lines.append(
+            f"| {framework} | {model} | {batch} | {max(row['repeats'] for row in rows)} | {predict:.2f} "
+            f"| {by_hand:.2f} | {statistics.median(ratios):.2f} | {', '.join(f'{r:.2f}' for r in ratios)} "
+            f"| {min(row['low'] for row in rows):.2f}–{max(row['high'] for row in rows):.2f} |"
+        )
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (at least 3)")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds a run (at least 3)")
+    parser.add_argument("--runs", type=int, default=3, help="runs of every framework's process (at least 3)")
     parser.add_argument("--threads", type=int, default=2, help="intra-op threads")
     parser.add_argument("--frameworks", type=lambda text: text.split(","), default=list(FRAMEWORKS))
+    parser.add_argument("--models", type=lambda text: text.split(","), default=list(MODELS))
+    parser.add_argument("--batches", type=lambda text: [int(b) for b in text.split(",")], default=list(BATCHES))
+    parser.add_argument("--json", help="also write every run's rows to this JSON file")
     parser.add_argument("--no-write", action="store_true", help="print only, leave BENCHMARKS.md alone")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # one framework, rows to the --out JSON file
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -243,17 +284,23 @@ def main() -> None:
             import torch
 
             torch.set_num_threads(args.threads)
-        Path(args.out).write_text(json.dumps(measure(args.worker, args.rounds)))
+        rows = measure(args.worker, args.rounds, args.models, args.batches)
+        Path(args.out).write_text(json.dumps(rows))
         return
-    rows: list[dict[str, Any]] = []
+    runs: list[list[dict[str, Any]]] = []
     with tempfile.TemporaryDirectory() as folder:
-        for framework in args.frameworks:
-            out = Path(folder) / f"{framework}.json"
-            command = [sys.executable, __file__, "--worker", framework, "--out", str(out), "--rounds", str(args.rounds),
-                       "--threads", str(args.threads)]  # fmt: skip
-            subprocess.run(command, check=True, env=worker_environment(framework, args.threads))
-            rows += json.loads(out.read_text())
-    publish("predict-speed", section(rows, args.rounds, args.threads), write=not args.no_write)
+        for run in range(args.runs):
+            runs.append([])
+            for framework in args.frameworks:
+                out = Path(folder) / f"{framework}-{run}.json"
+                choice = ["--models", ",".join(args.models), "--batches", ",".join(map(str, args.batches))]
+                command = [sys.executable, __file__, "--worker", framework, "--out", str(out),
+                           "--rounds", str(args.rounds), "--threads", str(args.threads), *choice]  # fmt: skip
+                subprocess.run(command, check=True, env=worker_environment(framework, args.threads))
+                runs[-1] += json.loads(out.read_text())
+    if args.json:
+        Path(args.json).write_text(json.dumps(runs, indent=1))
+    publish("predict-speed", section(runs, args.rounds, args.threads), write=not args.no_write)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ from ._ops import predict as predict_members
 T = TypeVar("T")
 
 _DYNAMIC = object()  # the place of an array among a functools.partial's bound arguments
-_EAGER: set[Hashable] = set()  # the models (graph definitions, partial keys) whose compiled call failed
 
 
 def predict(model: Callable[[jax.Array], T], x: jax.Array, n: int | None = None) -> T:
@@ -35,9 +34,12 @@ def predict(model: Callable[[jax.Array], T], x: jax.Array, n: int | None = None)
     Compiled and cached: an ``nnx.Module`` runs as one ``jax.jit`` program per graph structure and input shape (its
     arrays are arguments: a second call, or another model of the same structure, does not trace again), and so does
     a ``functools.partial`` of a function (``functools.partial(module.apply, variables)``, its bound arrays the
-    arguments). Any other function is traced once per call to read ``n`` and runs as it is (call ``predict`` inside
-    your own ``jax.jit`` to compile it). A model that cannot be compiled (a data-dependent shape) runs eagerly, from
-    then on, silently.
+    arguments). The cache is keyed on the graph definition (or the partial's function and non-array bound values):
+    a model changed since (a layer swapped, other shapes, another ``n``) gets its own program, and new values of the
+    same structure run in the cached one. Any other function is traced once per call to read ``n`` and runs as it is,
+    not cached (its closure, the globals it reads and the objects it calls can change while the function object stays
+    the same: a program cached on it would run stale arrays); call ``predict`` inside your own ``jax.jit`` to compile
+    it. A model that cannot be compiled (a data-dependent shape) runs eagerly, from then on, silently.
 
     Args:
         n: the number of members; None reads it from the model's Masksembles layers: an ``nnx.Module``'s own layers,
@@ -49,36 +51,98 @@ def predict(model: Callable[[jax.Array], T], x: jax.Array, n: int | None = None)
             ``n`` is None and no Masksembles layer is found.
     """
     if isinstance(model, nnx.Module):
-        members = mca.check_members(
-            [layer.n for _, layer in nnx.iter_graph(model) if isinstance(layer, Masksembles)], n
-        )
         graphdef, state = nnx.split(model)
-        compiled: T = _cached(graphdef, lambda: _nnx_compiled(graphdef, state, x, members),
-                       lambda: _nnx_eager(graphdef, state, x, members))  # fmt: skip
+        try:
+            known = _PROGRAMS.get(graphdef)
+        except TypeError:  # a static attribute that cannot be hashed: nothing can be cached for it
+            return _nnx_eager(graphdef, state, x, mca.check_members(_nnx_counts(model), n))  # type: ignore[no-any-return]
+        program = known or _PROGRAMS.put(graphdef, _nnx_program(model, graphdef))
+        members = mca.check_members(program.counts(None), n)
+        compiled: T = program.run(
+            lambda: program.jitted(state, x, members), lambda: _nnx_eager(graphdef, state, x, members)
+        )
         return compiled
     bound = _bound_arrays(model)
     if bound is None:
-        result: T = predict_members(
-            model, x, mca.check_members(sorted(masking_counts(jax.make_jaxpr(model)(x).jaxpr)), n)
-        )
-        return result
+        return _traced_members(model, x, n)
     key, arrays = bound
-    members = mca.check_members(_partial_counts(key, tuple((a.shape, a.dtype) for a in arrays), x.shape, x.dtype), n)
-    result = _cached(key, lambda: _partial_compiled(key, arrays, x, members),
-                     lambda: predict_members(model, x, members))  # fmt: skip
+    try:
+        known = _PROGRAMS.get(key)
+    except TypeError:  # a bound value that cannot be hashed: nothing can be cached for it
+        return _traced_members(model, x, n)
+    program = known or _PROGRAMS.put(key, _partial_program(key))
+    members = mca.check_members(program.counts((tuple((a.shape, a.dtype) for a in arrays), x.shape, x.dtype)), n)
+    result: T = program.run(lambda: program.jitted(arrays, x, members), lambda: predict_members(model, x, members))
     return result
 
 
-def _cached(key: Hashable, compiled: Callable[[], T], eager: Callable[[], T]) -> T:
-    """``compiled()``, or ``eager()`` where the model of ``key`` does not compile (remembered) or ``key`` cannot be
-    hashed (a static attribute that is not hashable: nothing can be cached for it)."""
-    try:
-        known_eager = key in _EAGER
-    except TypeError:
-        return eager()
-    if known_eager:
-        return eager()
-    return mca.compiled_or_eager(compiled, eager, lambda: _EAGER.add(key))
+def _traced_members(model: Callable[[jax.Array], T], x: jax.Array, n: int | None) -> T:
+    """``predict_members`` run as it is, ``n`` checked against the layers one abstract trace of ``model(x)`` finds."""
+    return predict_members(model, x, mca.check_members(sorted(masking_counts(jax.make_jaxpr(model)(x).jaxpr)), n))
+
+
+class _Program:
+    """One model structure's predict (an NNX graph definition, or a partial's function and static bound values): its
+    jitted program (``jitted(arrays, x, n)``), the n of its Masksembles layers per argument signature (read once by
+    ``count_layers``), and whether it runs eagerly (its compiled call failed once)."""
+
+    def __init__(self, jitted: Callable[..., Any], count_layers: Callable[[Hashable], tuple[int, ...]]) -> None:
+        self.jitted, self.count_layers, self.eager = jitted, count_layers, False
+        self.counted: dict[Hashable, tuple[int, ...]] = {}
+
+    def counts(self, signature: Hashable) -> tuple[int, ...]:
+        """The n of every Masksembles layer the program runs on arguments of ``signature``."""
+        counts = self.counted.get(signature)
+        if counts is None:
+            counts = self.counted[signature] = self.count_layers(signature)
+        return counts
+
+    def run(self, compiled: Callable[[], T], eager: Callable[[], T]) -> T:
+        """``compiled()``, or ``eager()`` where the program does not compile (remembered)."""
+        if self.eager:
+            return eager()
+        return mca.compiled_or_eager(compiled, eager, self._run_eagerly)
+
+    def _run_eagerly(self) -> None:
+        self.eager = True
+
+
+class _Programs:
+    """The ``_Program`` of each model structure, the ``limit`` last made kept: one lookup a call (the key's hash and
+    equality)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.made: dict[Hashable, _Program] = {}
+
+    def get(self, key: Hashable) -> _Program | None:
+        return self.made.get(key)
+
+    def put(self, key: Hashable, program: _Program) -> _Program:
+        if len(self.made) >= self.limit:
+            del self.made[next(iter(self.made))]
+        self.made[key] = program
+        return program
+
+
+_PROGRAMS = _Programs(limit=256)
+
+
+def _nnx_program(model: nnx.Module, graphdef: nnx.GraphDef[Any]) -> _Program:
+    """The ``_Program`` of the graph definition of ``model``: ``_nnx_eager`` jitted with the graph definition fixed
+    (traced once per ``n`` and argument shapes), and the n of the module's Masksembles layers, read once (``n`` is a
+    static attribute, part of the graph definition: a model of an equal one has the same)."""
+    counts = _nnx_counts(model)
+
+    def program(state: Any, x: jax.Array, n: int) -> Any:
+        return _nnx_eager(graphdef, state, x, n)
+
+    return _Program(jax.jit(program, static_argnums=2), lambda _: counts)
+
+
+def _nnx_counts(model: nnx.Module) -> tuple[int, ...]:
+    """The n of every Masksembles layer of ``model``."""
+    return tuple(layer.n for _, layer in nnx.iter_graph(model) if isinstance(layer, Masksembles))
 
 
 def _nnx_eager(graphdef: nnx.GraphDef[Any], state: Any, x: jax.Array, n: int) -> Any:
@@ -89,26 +153,15 @@ def _nnx_eager(graphdef: nnx.GraphDef[Any], state: Any, x: jax.Array, n: int) ->
     return predict_members(model, x, n)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "n"))
-def _nnx_compiled(graphdef: nnx.GraphDef[Any], state: Any, x: jax.Array, n: int) -> Any:
-    """``_nnx_eager`` as one program, traced once per graph definition, ``n`` and argument shapes."""
-    return _nnx_eager(graphdef, state, x, n)
-
-
 def _bound_arrays(model: Callable[..., Any]) -> tuple[Hashable, list[Any]] | None:
-    """A ``functools.partial`` as (a hashable key: its function, the structure and non-array values of its bound
-    arguments; the arrays among them), or None for any other callable or for unhashable bound values."""
+    """A ``functools.partial`` as (a key: its function, the structure and non-array values of its bound arguments,
+    hashable unless a value is not; the arrays among them), or None for any other callable."""
     if not isinstance(model, functools.partial):
         return None
     leaves, treedef = jax.tree.flatten((model.args, model.keywords))
     arrays = [leaf for leaf in leaves if isinstance(leaf, jax.Array | np.ndarray)]
     static = tuple(_DYNAMIC if isinstance(leaf, jax.Array | np.ndarray) else leaf for leaf in leaves)
-    key = (model.func, treedef, static)
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key, arrays
+    return (model.func, treedef, static), arrays
 
 
 def _rebuilt(key: Any, arrays: list[Any]) -> Callable[[jax.Array], Any]:
@@ -119,18 +172,21 @@ def _rebuilt(key: Any, arrays: list[Any]) -> Callable[[jax.Array], Any]:
     return functools.partial(func, *args, **keywords)
 
 
-@functools.lru_cache(maxsize=256)
-def _partial_counts(key: Any, shapes: tuple[tuple[Any, Any], ...], x_shape: Any, x_dtype: Any) -> tuple[int, ...]:
-    """The n of every Masksembles layer the partial of ``key`` calls, from one abstract trace per argument shapes."""
-    arrays = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]  # type: ignore[no-untyped-call]
-    traced = jax.make_jaxpr(lambda values, batch: _rebuilt(key, values)(batch))(
-        arrays,
-        jax.ShapeDtypeStruct(x_shape, x_dtype),  # type: ignore[no-untyped-call]
-    )
-    return tuple(sorted(masking_counts(traced.jaxpr)))
+def _partial_program(key: Any) -> _Program:
+    """The ``_Program`` of the partial of ``key``: ``predict_members`` of it jitted (traced once per ``n`` and
+    argument shapes), and the n of the Masksembles layers it calls, from one abstract trace per argument signature
+    (the bound arrays' shapes and dtypes, the input's shape and dtype)."""
 
+    def count_layers(signature: Any) -> tuple[int, ...]:
+        shapes, x_shape, x_dtype = signature
+        arrays = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]  # type: ignore[no-untyped-call]
+        traced = jax.make_jaxpr(lambda values, batch: _rebuilt(key, values)(batch))(
+            arrays,
+            jax.ShapeDtypeStruct(x_shape, x_dtype),  # type: ignore[no-untyped-call]
+        )
+        return tuple(sorted(masking_counts(traced.jaxpr)))
 
-@functools.partial(jax.jit, static_argnames=("key", "n"))
-def _partial_compiled(key: Any, arrays: list[Any], x: jax.Array, n: int) -> Any:
-    """``predict_members`` of the partial of ``key`` as one program, traced once per key, ``n`` and shapes."""
-    return predict_members(_rebuilt(key, arrays), x, n)
+    def program(arrays: list[Any], x: jax.Array, n: int) -> Any:
+        return predict_members(_rebuilt(key, arrays), x, n)
+
+    return _Program(jax.jit(program, static_argnums=2), count_layers)

@@ -4,14 +4,17 @@ structure and shape; eagerly where it cannot be traced; results equal the eager 
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 import masksembles_flax as mf
+from masksembles_flax import _inference
 from masksembles_flax import linen as ml
 from masksembles_flax import nnx as mn
 
@@ -45,12 +48,12 @@ def samples(batch: int) -> jax.Array:
     return jnp.asarray(np.random.default_rng(batch).normal(size=(batch, 5)).astype(np.float32))
 
 
-def eager_members(model: nnx.Module, x: jax.Array) -> np.ndarray:
+def eager_members(model: nnx.Module, x: jax.Array, n: int = N) -> np.ndarray:
     """The members computed operation by operation, the model in eval mode (a copy: the model keeps its mode)."""
     evaluated = nnx.merge(*nnx.split(model))
     evaluated.eval()
     with jax.disable_jit():
-        return np.asarray(mf.untile(evaluated(mf.tile(x, N)), N))
+        return np.asarray(mf.untile(evaluated(mf.tile(x, n)), n))
 
 
 def assert_close(actual: jax.Array, expected: np.ndarray) -> None:
@@ -106,3 +109,69 @@ def test_a_partial_of_a_linen_apply_traces_once_and_equals_the_eager_members() -
     assert_close(mf.predict(functools.partial(net.apply, doubled), x), expected[1])  # other arrays, the same key
     assert LinenNet.runs == traced, "a new partial of the same apply and variable structure traced again"
     assert_close(mf.predict(lambda b: net.apply(variables, b), x), expected[0])  # any function: as it is
+
+
+def test_nnx_predict_follows_every_change_of_the_model() -> None:
+    """The cache is keyed on the graph definition: new values of the same structure run the cached program (no
+    stale arrays), and a mutated structure (a layer swapped, other shapes, another n) gets its own program and n."""
+    model, x = Counting(seed=0), samples(4)
+    mf.predict(model, x)
+    model.head.kernel.set_value(model.head.kernel.get_value() * 2)  # new values, the same structure
+    expected = eager_members(model, x)
+    Counting.runs = 0
+    assert_close(mf.predict(model, x), expected)
+    assert Counting.runs == 0, "new values of the same shapes traced again"
+    model.head = nnx.Linear(12, 3, rngs=nnx.Rngs(5))  # other shapes
+    assert_close(mf.predict(model, x), eager_members(model, x))
+    assert np.asarray(mf.predict(model, x)).shape == (N, 4, 3)
+    model.masks = mn.Masksembles(12, 2, 2.0, seed=1)  # another n: read again, checked again
+    expected = eager_members(model, x, n=2)
+    assert_close(mf.predict(model, x), expected)
+    assert np.asarray(mf.predict(model, x)).shape == (2, 4, 3)
+    with pytest.raises(ValueError, match="n=3 does not match"):
+        mf.predict(model, x, n=3)
+    model.masks = mn.Masksembles(12, N, 2.0, seed=0)  # back to a structure seen before: its cached program and n
+    assert_close(mf.predict(model, x), eager_members(model, x))
+
+
+def test_an_nnx_model_with_an_unhashable_static_attribute_runs_eagerly() -> None:
+    model, x = Counting(seed=0), samples(3)
+    model.table = nnx.static(bytearray(b"unhashable"))  # in the graph definition, which then cannot be hashed
+    expected = eager_members(model, x)
+    Counting.runs = 0
+    np.testing.assert_array_equal(np.asarray(mf.predict(model, x)), expected)  # eager both: the same operations
+    assert Counting.runs == 1
+    with pytest.raises(ValueError, match="n=2 does not match"):
+        mf.predict(model, x, n=2)
+
+
+def test_a_partial_follows_other_variable_shapes_and_an_unhashable_bound_value_runs_as_it_is() -> None:
+    net = LinenNet()
+    for features in (5, 7):  # the same apply and structure, other kernel shapes: another signature
+        x = jnp.asarray(np.random.default_rng(features).normal(size=(3, features)).astype(np.float32))
+        variables = net.init(jax.random.key(features), x)
+        with jax.disable_jit():
+            expected = np.asarray(mf.untile(net.apply(variables, mf.tile(x, N)), N))
+        assert_close(mf.predict(functools.partial(net.apply, variables), x), expected)
+
+    def apply_with(variables: Any, options: bytearray, batch: jax.Array) -> jax.Array:
+        return net.apply(variables, batch)
+
+    x = samples(3)
+    variables = net.init(jax.random.key(0), x)
+    model = functools.partial(apply_with, variables, bytearray(b"unhashable"))
+    with jax.disable_jit():
+        expected = np.asarray(mf.untile(net.apply(variables, mf.tile(x, N)), N))
+    assert_close(mf.predict(model, x), expected)
+    LinenNet.runs = 0
+    assert_close(mf.predict(model, x), expected)
+    assert LinenNet.runs >= 1, "an unhashable bound value: run as it is (eagerly) on every call"
+
+
+def test_the_program_cache_keeps_the_last_made() -> None:
+    programs = _inference._Programs(limit=2)
+    made = [_inference._Program(lambda: None, lambda _: ()) for _ in range(3)]
+    for key, program in enumerate(made):
+        assert programs.put(key, program) is program
+    assert programs.get(0) is None
+    assert programs.get(1) is made[1] and programs.get(2) is made[2]
