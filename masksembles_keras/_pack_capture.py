@@ -260,9 +260,9 @@ class _Graph:
         graph), or the calls it makes (a nested model, a separable convolution, ``insert``'s ``Masked`` wrapper, a
         ``MultiHeadAttention`` that folds)."""
         note = ""
-        if isinstance(operation, keras.layers.MultiHeadAttention) and outputs == 1:
+        if isinstance(operation, keras.layers.MultiHeadAttention):
             note = fold_reason(operation, *(given or (args, kwargs)))
-            if not note:
+            if not note and outputs == 1:
                 return self._attention(operation, args, kwargs, prefix)
             note = f"runs whole: {note}"
         unmasked = all(leaf is None for leaf in keras.tree.flatten(kwargs.get("mask")))
