@@ -261,10 +261,10 @@ class _Graph:
         ``MultiHeadAttention`` that folds)."""
         note = ""
         if isinstance(operation, keras.layers.MultiHeadAttention):
-            note = fold_reason(operation, *(given or (args, kwargs)))
-            if not note and outputs == 1:
+            reason = fold_reason(operation, *(given or (args, kwargs)))
+            if not reason and outputs == 1:
                 return self._attention(operation, args, kwargs, prefix)
-            note = f"runs whole: {note}"
+            note = f"runs whole: {reason or 'several outputs'}"
         unmasked = all(leaf is None for leaf in keras.tree.flatten(kwargs.get("mask")))
         if _is_graph_model(operation) and len(args) == 1 and set(kwargs) <= {"training", "mask"} and unmasked:
             # its inputs in the order of its ``inputs`` (``keras.tree``'s: a dict's by sorted key), whatever the

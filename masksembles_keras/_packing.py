@@ -106,7 +106,8 @@ class PackedMasksembles(keras.Model):  # type: ignore[misc]  # keras is untyped:
 
     @property
     def macs(self) -> dict[str, int]:
-        """Multiply-adds per sample of the Dense and convolution layers: ``dense`` (m dense models), ``packed`` (as
+        """Multiply-adds per sample of the Dense and convolution layers and of attention (``MultiHeadAttention``'s
+        projections, scores and weighted sums): ``dense`` (m dense models), ``packed`` (as
         built) and ``fallback`` (the part of ``packed`` that runs at full width); ``moves``: those of the one-hot
         products that move channels between layers (TensorFlow, not in ``packed``); empty when the whole model runs
         tiled."""
