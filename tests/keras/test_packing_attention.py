@@ -18,6 +18,7 @@ import pytest
 from keras import layers, ops
 
 import masksembles_keras as mk
+from masksembles_keras._pack_attention import fold_reason
 from masksembles_keras._rewire import Masked
 from tests.keras.common import JIT_COMPILE
 from tests.rounding import assert_rounding_close
@@ -230,7 +231,8 @@ def over_two_axes() -> keras.Model:
 
 
 def keras_masked() -> keras.Model:
-    """Embeddings with ``mask_zero``: the attention reads the Keras mask its inputs carry."""
+    """Embeddings with ``mask_zero``: the attention reads the Keras mask its inputs carry (``pack`` itself does not
+    carry Keras masks through its channel moves: the rule is checked on the graph)."""
     keras.utils.set_random_seed(5)
     inputs = keras.Input((TOKENS,), dtype="int32")
     x = layers.Embedding(9, HIDDEN, mask_zero=True, name="embed")(inputs)
@@ -258,7 +260,6 @@ def subclassed() -> keras.Model:
 WHOLE = {
     "scores_returned": (scores_returned, "it returns its attention scores"),
     "over_two_axes": (over_two_axes, "attention over axes (1, 2)"),
-    "keras_masked": (keras_masked, "its inputs carry Keras masks"),
     "gated": (gated, "its output is gated"),
     "subclassed": (subclassed, "a subclass that computes its own attention"),
 }
@@ -283,6 +284,12 @@ def test_attention_that_does_not_fold_runs_whole_with_its_reason(name: str) -> N
     assert packed.macs["fallback"] > 0  # the attention, counted
     x = tokens_example(model, 3, 1)
     assert_rounding_close(members_first(packed, x), mk.predict(model, x, N))
+
+
+def test_attention_reading_keras_masks_does_not_fold() -> None:
+    layer = keras_masked().get_layer("attention")
+    (node,) = layer._inbound_nodes
+    assert fold_reason(layer, node.arguments.args, node.arguments.kwargs) == "its inputs carry Keras masks"
 
 
 def test_the_fallback_share_drops_where_the_attention_folds() -> None:
