@@ -169,7 +169,8 @@ class AttentionHeads(keras.layers.Layer):  # type: ignore[misc]  # keras is unty
             flash_attention=flash_attention, dtype=self.dtype_policy,
         )  # fmt: skip
         self.attention._build_attention(4)  # its softmax, dropout and einsum equations for (B, L, heads, size)
-        self.built = True
+        self.attention.built = self.built = True  # no weights: the projections are not this layer's (an unbuilt
+        # layer makes JAX's predict build the model symbolically first, tracing it twice)
 
     def call(
         self, query: Any, key: Any, value: Any, attention_mask: Any = None, value_mask: Any = None,
