@@ -8,12 +8,12 @@ each Dense after the first; a ResNet-like CNN on 32×32×3 (conv-BN-relu stem at
 (expand 1×1, depthwise 3×3, grouped 1×1 projection with 2 groups, residual; masks after the stem and after the
 expansion); a Transformer of two pre-norm blocks on 64 tokens of 48 features (Dense to 96, LayerNormalization,
 MultiHeadAttention with 3 heads of 32, GELU MLP of 384 with masks before and after its first Dense, residual sums,
-then LayerNormalization, average pooling, masks, Dense). The attention runs as the model runs it (a fallback: once
-for every member in the first block, which reads no mask, on the member-stacked batch in the second) and its
-multiply-adds are not in the MAC ratio. For batch sizes 1, 32, 256:
+then LayerNormalization, average pooling, masks, Dense). The attention is folded into the heads (once for every
+member in the first block, which reads no mask; the members' heads side by side in the second) and its multiply-adds
+(projections, scores, weighted sums) are in the MAC ratio. For batch sizes 1, 32, 256:
 ``pack(model, x, program="packed").predict_on_batch(x)`` ÷ one ``predict_on_batch`` of the same network without
 Masksembles (medians of interleaved rounds,
-``_report.interleaved_medians``), next to the MAC ratio of their Dense and convolution layers and the one-hot
+``_report.interleaved_medians``), next to the MAC ratio of their Dense, convolution and attention layers and the one-hot
 products that move channels (``packed.macs["packed"] + packed.macs["moves"]`` ÷ one model's): the floor of the time
 ratio where both run at the same speed per MAC.
 Also the seconds ``pack`` takes (``program="packed"`` and ``"auto"``) on a batch of 32.
@@ -138,9 +138,9 @@ def main() -> None:
         "",
         f"Keras {keras.__version__}, float32, N={N}, S={SCALE} at fixed capacity (M·S = C); `predict_on_batch` "
         f"(compiled as `model.predict` compiles it), medians of {args.rounds} interleaved rounds on {machine()}. "
-        "Packed ÷ one forward of the same network without Masksembles; MACs: the packed model's Dense and "
-        "convolution multiply-adds and its one-hot channel moves' ÷ one model's, the floor of the time ratio at "
-        "equal speed per MAC. Target: "
+        "Packed ÷ one forward of the same network without Masksembles; MACs: the packed model's Dense, "
+        "convolution and attention multiply-adds and its one-hot channel moves' ÷ one model's, the floor of the "
+        "time ratio at equal speed per MAC. Target: "
         "time ÷ MACs ≤ 1.3 where nothing falls back.",
         "",
         "| model | batch | single (ms) | packed ÷ single | MACs | time ÷ MACs |",

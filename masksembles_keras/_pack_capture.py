@@ -27,6 +27,7 @@ from masksembles_core.captured import CapturedOp, Probed, array_repeatable, whol
 
 from ._inference import _no_autograd
 from ._layers import Masksembles
+from ._pack_attention import MASKS, AttentionHeads, AttentionParts, call_arguments, fold_reason
 from ._rewire import Masked
 from ._surgery import _check_model, _is_graph_model
 
@@ -131,6 +132,7 @@ class Call:
     kwargs: dict[str, Any]
     outputs: tuple[str, ...]
     path: str
+    note: str = ""  # why it runs at full width, where the call alone does not say (a MultiHeadAttention not folded)
 
     @property
     def inputs(self) -> list[str]:
@@ -162,7 +164,7 @@ class Call:
         return list(keras.tree.flatten(op(*args, **kwargs)))  # a structure's leaves in the order of its node's outputs
 
     def describe(self) -> str:
-        return f"{self.path} ({self.kind})"
+        return f"{self.path} ({self.kind})" + (f": {self.note}" if self.note else "")
 
 
 def check_model(model: object) -> None:
@@ -227,6 +229,7 @@ class _Graph:
         self.calls: list[Call] = []
         self.count = 0
         self.parts: dict[int, tuple[Any, Any]] = {}  # a separable convolution's two layers, by the layer's id
+        self.attention: dict[tuple[int, bool], AttentionParts] = {}  # by the layer's id and use_causal_mask
         self.outputs = self._walk(model, input_keys(model), "")
 
     def _walk(self, model: Any, inputs: list[str], prefix: str) -> list[str]:
@@ -244,11 +247,24 @@ class _Graph:
                     (node.arguments.args, node.arguments.kwargs),
                     lambda leaf: _Ref(keys[id(leaf)]) if isinstance(leaf, keras.KerasTensor) else None,
                 )
-                outputs = self._call(node.operation, args, kwargs, len(node.outputs), prefix)
+                given = (node.arguments.args, node.arguments.kwargs)
+                outputs = self._call(node.operation, args, kwargs, len(node.outputs), prefix, given)
                 keys.update((id(tensor), key) for tensor, key in zip(node.outputs, outputs, strict=True))
         return [keys[id(tensor)] for tensor in model.outputs]
 
-    def _call(self, operation: Any, args: Any, kwargs: dict[str, Any], outputs: int, prefix: str) -> list[str]:
+    def _call(
+        self, operation: Any, args: Any, kwargs: dict[str, Any], outputs: int, prefix: str, given: Any = None,
+        name: str | None = None,
+    ) -> list[str]:  # fmt: skip
+        """The call's output keys, after recording it (``given``: its arguments as Keras tensors, in a functional
+        graph), or the calls it makes (a nested model, a separable convolution, ``insert``'s ``Masked`` wrapper, a
+        ``MultiHeadAttention`` that folds)."""
+        note = ""
+        if isinstance(operation, keras.layers.MultiHeadAttention):
+            reason = fold_reason(operation, *(given or (args, kwargs)))
+            if not reason and outputs == 1:
+                return self._attention(operation, args, kwargs, prefix)
+            note = f"runs whole: {reason or 'several outputs'}"
         unmasked = all(leaf is None for leaf in keras.tree.flatten(kwargs.get("mask")))
         if _is_graph_model(operation) and len(args) == 1 and set(kwargs) <= {"training", "mask"} and unmasked:
             # its inputs in the order of its ``inputs`` (``keras.tree``'s: a dict's by sorted key), whatever the
@@ -275,8 +291,30 @@ class _Graph:
             kwargs = {key: value for key, value in kwargs.items() if key != "training"}
         keys = [f"v{self.count + i}" for i in range(outputs)]
         self.count += outputs
-        self.calls.append(Call(operation, tuple(args), dict(kwargs), tuple(keys), f"{prefix}{operation.name}"))
+        path = f"{prefix}{name or operation.name}"
+        self.calls.append(Call(operation, tuple(args), dict(kwargs), tuple(keys), path, note))
         return keys
+
+    def _attention(self, layer: Any, args: Any, kwargs: dict[str, Any], prefix: str) -> list[str]:
+        """A ``MultiHeadAttention`` as the calls it makes (``_pack_attention``): each projection after its own masks,
+        the heads reading the projections and the call's masks, the output projection."""
+        given = call_arguments(args, kwargs)
+        causal = bool(given["use_causal_mask"])
+        if (id(layer), causal) not in self.attention:
+            self.attention[(id(layer), causal)] = AttentionParts.of(layer, causal)
+        parts = self.attention[(id(layer), causal)]
+        inner = f"{prefix}{layer.name}/"
+        reads = {"query": given["query"], "key": given["value"] if given["key"] is None else given["key"]}
+        reads["value"] = given["value"]
+        projected = []
+        for name, (masks, dense) in parts.projections.items():
+            value = reads[name]
+            if masks is not None:
+                value = _Ref(self._call(masks, (value,), {}, 1, inner)[0])
+            projected.append(_Ref(self._call(dense, (value,), {}, 1, inner, name=name)[0]))
+        extra = {name: given[name] for name in MASKS if given[name] is not None}
+        (heads,) = self._call(parts.heads, tuple(projected), extra, 1, inner, name="heads")
+        return self._call(parts.output, (_Ref(heads),), {}, 1, inner, name="output")
 
 
 def separable(operation: Any) -> bool:
@@ -426,6 +464,7 @@ class Capture:
             if key not in absent
         }
         self.dependent: dict[str, bool] = {}
+        self.folding = True  # AttentionHeads calls fold into the heads (not in the dense program)
         classified = {key: self._classify(call, key, position) for key, (call, position) in self.by_key.items()}
         self.answers = self._answers(classified)
         self.ops: dict[str, _Op] = {}
@@ -461,7 +500,9 @@ class Capture:
         return values
 
     def reset(self, dense: bool) -> None:
-        """Classify every value again (the axis solver turns some into fallbacks); ``dense``: all of them fallbacks."""
+        """Classify every value again (the axis solver turns some into fallbacks); ``dense``: all of them fallbacks,
+        none folded."""
+        self.folding = not dense
         self.ops = {key: self.fallback(key) for key in self.inputs[1:]}
         for key, (call, position) in self.by_key.items():
             op = None if dense else self._classify(call, key, position)
@@ -536,8 +577,15 @@ class Capture:
             call = Call(None, (), {}, (key,), self.model.inputs[self.inputs.index(key)].name)
             return _Op(key, "fallback", [], rule="none", call=call, role="input")
         call, position = self.by_key[key]
+        folded = self.folding and isinstance(call.operation, AttentionHeads) and not call.note
         return _Op(key, "fallback", call.inputs, rule="none", call=call, output=position, role="fallback",
-                   batch_dependent=self._reads_the_batch(call, key))  # fmt: skip
+                   batch_dependent=self._reads_the_batch(call, key), folded=folded,
+                   broadcast=tuple(range(3, len(call.inputs))) if folded else ())  # fmt: skip
+
+    def unfold(self, key: str) -> None:
+        """Run the ``AttentionHeads`` call of ``key`` as a plain fallback (a mask it reads is computed per member:
+        ``masksembles_core.packing.FoldConflict``)."""
+        self.by_key[key][0].note = "not folded into the heads: a mask it reads is computed per member"
 
     def axis_map(self, op: _Op, source_axis: int) -> int | None:
         result = self.answers[_Question(op.key, "index", axis=source_axis)]

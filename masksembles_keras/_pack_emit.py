@@ -26,6 +26,7 @@ import numpy as np
 from masksembles_core.packing import OUTPUT, Move, Program, Step, block_indices, channel_indices
 
 from ._layers import Masksembles
+from ._pack_attention import AttentionHeads, attention_macs, call_arguments, heads_macs
 from ._pack_capture import (
     INPUT,
     Call,
@@ -72,10 +73,19 @@ def _laid_out(vector: np.ndarray, layouts: Sequence[np.ndarray]) -> np.ndarray:
 
 
 def _macs(call: Call, capture: Capture, key: str) -> int:
-    """Multiply-adds per sample of a model's Dense, EinsumDense or convolution layer (separable ones too) at full
-    width (0 for anything else)."""
+    """Multiply-adds per sample of a model's Dense, EinsumDense or convolution layer (separable ones too), attention
+    (``MultiHeadAttention`` run whole, or the heads of one read as its calls) at full width (0 for anything else)."""
     layer = call.operation
     out = capture.seen[key].shape
+    if isinstance(layer, AttentionHeads):
+        return heads_macs(*(capture.seen[t].shape for t in call.inputs[:3]))
+    if isinstance(layer, keras.layers.MultiHeadAttention):  # one that runs whole, on tensors of the graph
+        given = call_arguments(call.args, call.kwargs)
+        given["key"] = given["value"] if given["key"] is None else given["key"]
+        reads = [given[name] for name in ("query", "value", "key")]
+        if not all(isinstance(read, _Ref) for read in reads):
+            return 0
+        return attention_macs(layer, *(capture.seen[read.key].shape for read in reads))
     if separable(layer):  # per output position: the depthwise part's (*window, C_in, multiplier), then the 1x1's
         depthwise = tuple(int(size) for size in layer.depthwise_kernel.shape)
         positions = math.prod(out[1:]) // int(layer.filters)
@@ -213,6 +223,9 @@ class Emitter:
         op = self.capture.ops[step.name]
         full = _macs(op.call, self.capture, step.name)
         self.macs["dense"] += full * self.m
+        if step.name in self.program.folded:
+            self.macs["packed"] += full * self.m
+            return self._folded(op, edges)
         if step.placement.dense:
             frame = 1 if step.placement.shared else self.m
             self.macs["packed"] += full * frame
@@ -246,6 +259,14 @@ class Emitter:
         if role == "per_channel":
             return self._per_channel(step, op, edges[0])
         return self._call(op, edges)
+
+    def _folded(self, op: _Op, edges: list[Any]) -> Any:
+        """A folded ``AttentionHeads`` call on the members' heads side by side: one with m times the heads, on the
+        projections' member blocks, its masks read as they are (broadcast over the heads)."""
+        config = op.call.operation.get_config()
+        del config["name"]
+        wide = AttentionHeads.from_config({**config, "heads": config["heads"] * self.m})
+        return op.call.run(dict(zip(op.tensors, edges, strict=True)), wide)[0]
 
     def _per_channel(self, step: Step, op: _Op, x: Any) -> Any:
         """An elementwise operation with a per-channel constant (``x * gamma``) on the compacted tensor, its constant

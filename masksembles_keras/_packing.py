@@ -34,6 +34,7 @@ from masksembles_core.adapter import check_program
 from masksembles_core.packing import (
     VERIFICATION,
     VERIFY_SAMPLES,
+    FoldConflict,
     chosen_members,
     output_mismatch,
     plan_program,
@@ -106,7 +107,8 @@ class PackedMasksembles(keras.Model):  # type: ignore[misc]  # keras is untyped:
 
     @property
     def macs(self) -> dict[str, int]:
-        """Multiply-adds per sample of the Dense and convolution layers: ``dense`` (m dense models), ``packed`` (as
+        """Multiply-adds per sample of the Dense and convolution layers and of attention (``MultiHeadAttention``'s
+        projections, scores and weighted sums): ``dense`` (m dense models), ``packed`` (as
         built) and ``fallback`` (the part of ``packed`` that runs at full width); ``moves``: those of the one-hot
         products that move channels between layers (TensorFlow, not in ``packed``); empty when the whole model runs
         tiled."""
@@ -151,12 +153,17 @@ def _report(members: Sequence[int], program: str, fallbacks: Sequence[str], macs
 
 def _build(capture: Capture, chosen: Sequence[int], squeeze: bool, *, dense: bool = False) -> PackedMasksembles:
     """One program from the capture: compacted where it can, or (``dense``) every call at full width."""
-    capture.reset(dense)
-    axis = captured.solve_axes(capture)
-    nodes, output = captured.graph_nodes(capture, axis)
-    pick = chosen[0] if squeeze and _reads_the_batch(capture) else -1
-    members = list(range(capture.n)) if pick >= 0 else list(chosen)
-    program = plan_program(nodes, output, members)
+    while True:
+        capture.reset(dense)
+        axis = captured.solve_axes(capture)
+        nodes, output = captured.graph_nodes(capture, axis)
+        pick = chosen[0] if squeeze and _reads_the_batch(capture) else -1
+        members = list(range(capture.n)) if pick >= 0 else list(chosen)
+        try:
+            program = plan_program(nodes, output, members)
+            break
+        except FoldConflict as conflict:  # attention whose mask is computed per member: a plain fallback
+            capture.unfold(conflict.node)
     emitter = Emitter(capture, axis, program, squeeze, pick)
     report = _report(chosen, "dense" if dense else "packed", emitter.fallbacks, emitter.macs)
     if keras.backend.backend() in CHUNKED and len(capture.inputs) == 1 and _keeps_samples_apart(capture):

@@ -21,8 +21,8 @@ LENGTHS = (5, 2, 9)  # the example's first
 
 def text_model() -> keras.Model:
     """A text-like model on (B, L, 6) for any L: Dense embedding, a convolution over the sequence, a LayerNormalization
-    over the channels, multi-head self-attention (a fallback), a reshape that infers the length, masks before each
-    Dense, pooling over the sequence."""
+    over the channels, multi-head self-attention (folded into the heads), a reshape that infers the length, masks
+    before each Dense, pooling over the sequence."""
     inputs = keras.Input((None, 6))
     x = masks("m1", 0)(layers.Dense(16, activation="relu", name="embed")(inputs))
     x = layers.Conv1D(16, 3, padding="same", activation="relu", name="conv")(x)
@@ -44,7 +44,7 @@ def test_packed_programs_declare_the_models_free_sizes_and_equal_predict_at_ever
     built = {program: mk.pack(model, x, program=program) for program in ("packed", "dense", "auto")}
     member = mk.extract_member(model, 1, x)
     assert built["packed"].program == "packed"
-    assert built["packed"].fallbacks == ("attention (MultiHeadAttention)",)
+    assert built["packed"].fallbacks == ()
     for packed in (*built.values(), member):
         assert tuple(packed.inputs[0].shape) == (None, None, 6)
     for length in LENGTHS:
