@@ -193,7 +193,8 @@ def test_the_attention_mask_is_applied() -> None:
     assert_rounding_close(members_first(packed, unpadded), mk.predict(model, unpadded, N))
 
 
-@pytest.mark.parametrize("name", ["bert_like", "decoder"])
+# the decoder's save, load and compile is the BERT-like's with a causal mask: a near-duplicate, slow
+@pytest.mark.parametrize("name", ["bert_like", pytest.param("decoder", marks=pytest.mark.slow)])
 def test_saved_and_compiled_packed_attention_equals_predict(name: str, tmp_path: Path) -> None:
     model, packed = inserted(name), packed_replica(name)
     packed.save(tmp_path / "packed.keras")
