@@ -237,13 +237,13 @@ class MemberLinear(nn.Module):
         if self.split_heads:
             return self.heads_split(torch.stack(list(outputs), -2))
         if self.output_split > 1:
-            y = torch.stack(list(outputs), -2).unflatten(-1, (self.output_split, -1))  # (*lead, m, s, O/s)
-            return y.transpose(-3, -2).flatten(-3)
+            y: Tensor = torch.stack(list(outputs), -2).unflatten(-1, (self.output_split, -1))  # type: ignore[no-untyped-call]
+            return y.transpose(-3, -2).flatten(-3)  # (*lead, m, s, O/s) -> (*lead, s*m*O/s)
         return torch.cat(list(outputs), -1)
 
     def heads_split(self, y: Tensor) -> Tensor:
         """(*lead, m, O), O in (H, s, D) order -> (*lead, s, m*H, D) (``split_heads`` H, ``output_split`` s)."""
-        heads = y.unflatten(-1, (self.split_heads, self.output_split, -1))  # (*lead, m, H, s, D)
+        heads: Tensor = y.unflatten(-1, (self.split_heads, self.output_split, -1))  # type: ignore[no-untyped-call]
         return heads.flatten(-4, -3).transpose(-3, -2)
 
     def laid_out(self, y: Tensor, lead: torch.Size) -> Tensor:
@@ -326,8 +326,9 @@ class MemberMLP(nn.Module):
     """Two members' Linear layers joined by elementwise activations: (..., m*I) -> (..., m*O), in and out in the
     layouts the two layers were given. On CPU they run on tiles of about ``tile_rows`` rows: each tile's hidden
     activations are made, activated in place and read while they are in cache, and the hidden layer is never held
-    whole. One tile elsewhere and when compiled or exported (the compiler fuses the activations itself, and tile
-    bounds would put guards on the batch size). The hidden layer gets ``padding`` zero units that make its width a
+    whole. One tile elsewhere and when compiled (the compiler fuses the activations itself, and tile bounds would
+    put guards on the batch size); exported, each member's two layers and activations apart, as
+    ``MemberLinear.exported``, into a fresh result. The hidden layer gets ``padding`` zero units that make its width a
     multiple of ``hidden_multiple``, where the activations keep 0 finite: the first layer writes 0 there (no weight,
     no bias), the second reads them with zero weights. MKL's matmul on CPU runs several times slower per unit on a
     width such as 205 or 273 than on 208 or 280.
