@@ -216,9 +216,9 @@ class MemberLinear(nn.Module):
     def exported(self, x: Tensor) -> Tensor:
         """``forward`` as exported (``torch.export``, ONNX): one 2-D matmul per member on its block of the input, the
         results joined in the output's layout, every result a fresh tensor. onnxruntime prepacks a constant 2-D
-        weight once, at load, and no stack of them (CPU, one thread: (32, 1024) @ 4 x (1024, 1024) weights 10 ms
-        per member, 18 ms batched; 2080 rows of 96 -> 384, 26 and 24 ms). A write into a block of a buffer would be
-        a scatter over the whole buffer (ScatterElements)."""
+        weight once, at load, and no stack of them (CPU, one thread, all 4 members: 32 rows, 1024 -> 1024, 10 ms as
+        2-D matmuls, 18 ms batched; 2080 rows, 96 -> 384, 26 and 24 ms). A write into a block of a buffer would be a
+        scatter over the whole buffer (ScatterElements)."""
         return self.joined([self.member_output(k, block) for k, block in enumerate(self.member_blocks(x))])
 
     def member_blocks(self, x: Tensor) -> list[Tensor]:
