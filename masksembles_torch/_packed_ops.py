@@ -20,9 +20,16 @@ from torch import Tensor, fx, nn
 
 def gather_channels(x: Tensor, axis: int, index: Tensor) -> Tensor:
     """``x.index_select(axis, index)``; a ``torch.gather`` over rows when ``axis`` is the innermost axis in memory
-    (the last axis of a contiguous tensor, axis 1 of a channels-last one), 2-4x faster there on CPU."""
+    (the last axis of a contiguous tensor, axis 1 of a channels-last one), 2-4x faster there on CPU.
+
+    Exported (``torch.export``, ONNX, where the layout in memory is the runtime's), by the axis's place: the row
+    gather on the last axis, ``index_select`` elsewhere. In onnxruntime (CPU, one thread) a ``Gather`` copies one
+    block of the axes after ``axis`` per index, one element on the last axis: (32, 65, 384) -> 204 channels took
+    14 ms as ``Gather``, 0.6 ms as the row gather (``GatherElements``); (32, 64, 32, 32) -> 136 channels on axis 1
+    14 ms as ``Gather``, 46 ms as the row gather with the axis moved last and back (``Transpose``)."""
+    exporting = torch.compiler.is_exporting()
     rows = x.movedim(axis, -1)
-    if x.dim() > 1 and rows.is_contiguous():
+    if x.dim() > 1 and (axis == x.dim() - 1 if exporting else rows.is_contiguous()):
         flat = rows.reshape(-1, rows.shape[-1])
         picked = torch.gather(flat, 1, index.expand(flat.shape[0], -1))
         return picked.view(*rows.shape[:-1], -1).movedim(-1, axis)
@@ -184,24 +191,19 @@ class MemberLinear(nn.Module):
         self.split_heads = split_heads
 
     def forward(self, x: Tensor) -> Tensor:
+        if torch.compiler.is_exporting():
+            return self.exported(x)
         stacked, lead = self.blocks(x)
-        # Exported, every result is a fresh tensor: a write into a block of a buffer becomes a scatter over the whole
-        # buffer in ONNX (onnxruntime's ScatterElements: most of a packed ViT's time there).
-        exporting = torch.compiler.is_exporting()
         if self.split_heads:
             members, _, outputs = self.weight.shape
-            if exporting:
-                y = self.batched(stacked).transpose(0, 1)
-            else:
-                y = stacked.new_empty(stacked.shape[1], members, outputs)
-                self.batched(stacked, out=y.transpose(0, 1))  # one matmul per member, each writing its block
-            size = outputs // (self.split_heads * self.output_split)
-            return y.reshape(*lead, members * self.split_heads, self.output_split, size).transpose(-3, -2)
+            y = stacked.new_empty(stacked.shape[1], members, outputs)
+            self.batched(stacked, out=y.transpose(0, 1))  # one matmul per member, each writing its block
+            return self.heads_split(y.view(*lead, members, outputs))
         if self.output_split > 1:
             members, _, outputs = self.weight.shape
             y = self.batched(stacked).view(members, -1, self.output_split, outputs // self.output_split)
             return y.permute(1, 2, 0, 3).reshape(*lead, members * outputs)
-        if self.per_member and not exporting:  # exported: the one batched matmul below
+        if self.per_member:
             y, outs = self.result(stacked, lead)
             for k, (block, out) in enumerate(zip(stacked.unbind(0), outs.unbind(0), strict=True)):
                 if self.bias is None:
@@ -209,7 +211,43 @@ class MemberLinear(nn.Module):
                 else:
                     _written(torch.addmm, self.bias[k, 0], block, self.weight[k], out=out)
             return y
-        y = self.batched(stacked)
+        return self.laid_out(self.batched(stacked), lead)
+
+    def exported(self, x: Tensor) -> Tensor:
+        """``forward`` as exported (``torch.export``, ONNX): one 2-D matmul per member on its block of the input, the
+        results joined in the output's layout, every result a fresh tensor. onnxruntime prepacks a constant 2-D
+        weight once, at load, and no stack of them (CPU, one thread, all 4 members: 32 rows, 1024 -> 1024, 10 ms as
+        2-D matmuls, 18 ms batched; 2080 rows, 96 -> 384, 26 and 24 ms). A write into a block of a buffer would be a
+        scatter over the whole buffer (ScatterElements)."""
+        return self.joined([self.member_output(k, block) for k, block in enumerate(self.member_blocks(x))])
+
+    def member_blocks(self, x: Tensor) -> list[Tensor]:
+        """The input's member blocks, each (*lead, I)."""
+        return list(x.unbind(0) if self.member_major_in else x.chunk(self.weight.shape[0], -1))
+
+    def member_output(self, member: int, block: Tensor) -> Tensor:
+        """Member ``member``'s Linear on its block: (*lead, I) -> (*lead, O)."""
+        y = torch.matmul(block, self.weight[member])
+        return y if self.bias is None else y + self.bias[member, 0]
+
+    def joined(self, outputs: Sequence[Tensor]) -> Tensor:
+        """The members' outputs, each (*lead, O), in the layout ``forward`` gives."""
+        if self.member_major_out:
+            return torch.stack(list(outputs))
+        if self.split_heads:
+            return self.heads_split(torch.stack(list(outputs), -2))
+        if self.output_split > 1:
+            y: Tensor = torch.stack(list(outputs), -2).unflatten(-1, (self.output_split, -1))  # type: ignore[no-untyped-call]
+            return y.transpose(-3, -2).flatten(-3)  # (*lead, m, s, O/s) -> (*lead, s*m*O/s)
+        return torch.cat(list(outputs), -1)
+
+    def heads_split(self, y: Tensor) -> Tensor:
+        """(*lead, m, O), O in (H, s, D) order -> (*lead, s, m*H, D) (``split_heads`` H, ``output_split`` s)."""
+        heads: Tensor = y.unflatten(-1, (self.split_heads, self.output_split, -1))  # type: ignore[no-untyped-call]
+        return heads.flatten(-4, -3).transpose(-3, -2)
+
+    def laid_out(self, y: Tensor, lead: torch.Size) -> Tensor:
+        """(m, rows, O) -> the output's layout: (m, *lead, O) when ``member_major_out``, else (*lead, m*O)."""
         members, _, outputs = self.weight.shape
         if self.member_major_out:
             return y.view(members, *lead, outputs)
@@ -288,8 +326,9 @@ class MemberMLP(nn.Module):
     """Two members' Linear layers joined by elementwise activations: (..., m*I) -> (..., m*O), in and out in the
     layouts the two layers were given. On CPU they run on tiles of about ``tile_rows`` rows: each tile's hidden
     activations are made, activated in place and read while they are in cache, and the hidden layer is never held
-    whole. One tile elsewhere and when compiled or exported (the compiler fuses the activations itself, and tile
-    bounds would put guards on the batch size). The hidden layer gets ``padding`` zero units that make its width a
+    whole. One tile elsewhere and when compiled (the compiler fuses the activations itself, and tile bounds would
+    put guards on the batch size); exported, each member's two layers and activations apart, as
+    ``MemberLinear.exported``, into a fresh result. The hidden layer gets ``padding`` zero units that make its width a
     multiple of ``hidden_multiple``, where the activations keep 0 finite: the first layer writes 0 there (no weight,
     no bias), the second reads them with zero weights. MKL's matmul on CPU runs several times slower per unit on a
     width such as 205 or 273 than on 208 or 280.
@@ -318,6 +357,10 @@ class MemberMLP(nn.Module):
         return extra
 
     def forward(self, x: Tensor) -> Tensor:
+        if torch.compiler.is_exporting():  # each member's two layers apart, as MemberLinear.exported
+            blocks = self.first.member_blocks(x)
+            hidden = [self.activation(self.first.member_output(k, block)) for k, block in enumerate(blocks)]
+            return self.second.joined([self.second.member_output(k, h) for k, h in enumerate(hidden)])
         stacked, lead = self.first.blocks(x)
         y, outs = self.second.result(stacked, lead)
         rows = stacked.shape[1]
