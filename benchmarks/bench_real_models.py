@@ -1,0 +1,340 @@
+"""``pack`` on real architectures at their published sizes (Hugging Face ``transformers``, random init, no download).
+
+    python benchmarks/bench_real_models.py --out run1.json [--rounds 5] [--batches 1,32] [--models ResNet-50,...]
+    python benchmarks/bench_real_models.py --combine run1.json run2.json run3.json [--no-write]
+    python benchmarks/bench_real_models.py --smoke --out smoke.json   # one tiny config, seconds
+
+Issue #39's "real models" table. Each model is built from its config (``transformers`` initialises the weights at
+random; nothing is downloaded) at its published size, float32, eval mode, and gets its masks the way a user would:
+``convert_dropout`` where the published config has hidden-state dropout (BERT-base, GPT-2), ``insert``'s defaults
+elsewhere; N=4, S=2. Images are 224×224 (MobileViT-v2: 256×256, its published size), text is 128 token ids with an
+``attention_mask`` (each sample right-padded with id 0 after a random length of 64-128), classified by the
+``...ForSequenceClassification`` head (2 labels; GPT-2 and Falcon: the last real token, ``use_cache=False``).
+
+For every model and batch size: ``pack(model, x, program="packed")`` and ``pack(model, x)`` (``program="auto"``), each
+build timed; both programs' outputs are checked against ``predict`` on the whole example batch with ``pack``'s own
+rule (``masksembles_core.packing.output_mismatch``: ``sqrt(eps)`` times the largest ``|value|``), and the run stops
+on a difference. Then, timed in turn within each round (median of ``--rounds`` rounds after one warm-up round): one
+forward of the same network without masks (same weights), tiled ``predict``, the packed program, and the auto one
+where it is not the packed program itself (``program == "packed"`` with the same chunking; it then is that program,
+so its time is the packed one's). Each run writes its rows to ``--out`` (JSON); ``--combine`` turns one or more runs
+into the BENCHMARKS.md section: medians over the runs, the runs' range in brackets. Not part of ``nox -s bench`` (a
+run takes about an hour on two cores)."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import transformers as T
+from _report import machine, publish
+from torch import Tensor, nn
+from torch.utils.flop_counter import FlopCounterMode
+
+import masksembles_torch as mt
+from masksembles_core.packing import output_mismatch, timed_rounds
+
+N, SCALE = 4, 2.0
+LENGTH = 128  # text: tokens per sample
+SECTION = "real-models-torch"
+AUTO_TOLERANCE = 1.10  # auto "picks the faster" where its program is within the 10 % its rule allows
+
+
+@dataclass(frozen=True)
+class RealModel:
+    """A ``transformers`` model built from a config: how it gets its masks and what it is called with."""
+
+    build: Callable[[], nn.Module]
+    masks: str  # "insert" or "convert_dropout"
+    image_size: int | None = None  # None: text of LENGTH tokens
+    causal: bool = False  # a decoder: called with use_cache=False
+
+
+def vit_small() -> nn.Module:
+    """ViT-S/16: hidden 384, 12 layers, 6 heads, MLP 1536, 224×224, 16×16 patches."""
+    config = T.ViTConfig(hidden_size=384, num_hidden_layers=12, num_attention_heads=6, intermediate_size=1536)
+    return T.ViTForImageClassification(config)
+
+
+def efficientnet_b0() -> nn.Module:
+    """EfficientNet-B0 (google/efficientnet-b0's config): width and depth 1.0, 224×224, head 1280, dropout 0.2."""
+    config = T.EfficientNetConfig(
+        width_coefficient=1.0, depth_coefficient=1.0, image_size=224, hidden_dim=1280, dropout_rate=0.2
+    )
+    return T.EfficientNetForImageClassification(config)
+
+
+def falcon_small() -> nn.Module:
+    """Falcon-7B's layout (multi-query attention: 12 query heads of 64, one key/value head; attention and MLP in
+    parallel; rotary positions; vocabulary 65,024) at GPT-2 small's size: hidden 768, 12 layers, MLP 3072."""
+    config = T.FalconConfig(
+        hidden_size=768, num_hidden_layers=12, num_attention_heads=12, ffn_hidden_size=3072, multi_query=True,
+        parallel_attn=True, new_decoder_architecture=False, alibi=False, pad_token_id=0, num_labels=2,
+    )  # fmt: skip
+    return T.FalconForSequenceClassification(config)
+
+
+def bert_tiny() -> nn.Module:
+    """``--smoke`` only: BERT at hidden 32, 2 layers, 2 heads."""
+    config = T.BertConfig(
+        vocab_size=1000, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=LENGTH, num_labels=2,
+    )  # fmt: skip
+    return T.BertForSequenceClassification(config)
+
+
+MODELS: dict[str, RealModel] = {
+    "ConvNeXt-V2-T": RealModel(lambda: T.ConvNextV2ForImageClassification(T.ConvNextV2Config()), "insert", 224),
+    "PoolFormer-S12": RealModel(lambda: T.PoolFormerForImageClassification(T.PoolFormerConfig()), "insert", 224),
+    "ResNet-50": RealModel(lambda: T.ResNetForImageClassification(T.ResNetConfig()), "insert", 224),
+    "ViT-S/16": RealModel(vit_small, "insert", 224),
+    "MobileViT-v2-1.0": RealModel(
+        lambda: T.MobileViTV2ForImageClassification(T.MobileViTV2Config(width_multiplier=1.0)), "insert", 256
+    ),
+    "EfficientNet-B0": RealModel(efficientnet_b0, "insert", 224),
+    "Swin-T": RealModel(lambda: T.SwinForImageClassification(T.SwinConfig()), "insert", 224),
+    "GPT-2": RealModel(
+        lambda: T.GPT2ForSequenceClassification(T.GPT2Config(pad_token_id=0, num_labels=2)),
+        "convert_dropout",
+        causal=True,
+    ),
+    "BERT-base": RealModel(lambda: T.BertForSequenceClassification(T.BertConfig(num_labels=2)), "convert_dropout"),
+    "Falcon-MQA-768": RealModel(falcon_small, "insert", causal=True),
+}
+SMOKE = {"BERT-tiny (smoke)": RealModel(bert_tiny, "convert_dropout")}
+
+
+def example(spec: RealModel, model: nn.Module, batch: int) -> dict[str, Any]:
+    """What ``model`` is called with for ``batch`` samples (seeded by the batch size)."""
+    generator = torch.Generator().manual_seed(batch)
+    if spec.image_size is not None:
+        return {"pixel_values": torch.randn(batch, 3, spec.image_size, spec.image_size, generator=generator)}
+    vocabulary = model.config.vocab_size
+    lengths = torch.randint(LENGTH // 2, LENGTH + 1, (batch, 1), generator=generator)
+    mask = (torch.arange(LENGTH) < lengths).long()
+    ids = torch.randint(1, vocabulary, (batch, LENGTH), generator=generator) * mask  # padding: id 0
+    return {"input_ids": ids, "attention_mask": mask, **({"use_cache": False} if spec.causal else {})}
+
+
+def masked_copy(single: nn.Module, spec: RealModel, x: dict[str, Any]) -> nn.Module:
+    """The model with Masksembles layers placed as a user would, the same weights as ``single``."""
+    model = copy.deepcopy(single)
+    if spec.masks == "insert":
+        return mt.insert(model, N, SCALE, seed=0, example_input=x).eval()
+    return mt.convert_dropout(model, x, N, SCALE, seed=0).eval()
+
+
+def leaves(output: Any) -> dict[str, np.ndarray]:
+    """The tensors of a ``ModelOutput`` by key, as float64 arrays."""
+    return {key: value.detach().to(torch.float64).numpy() for key, value in output.items() if isinstance(value, Tensor)}
+
+
+def checked(program: nn.Module, members: Any, x: dict[str, Any], what: str) -> float:
+    """``program``'s output on ``x`` against ``predict``'s (``pack``'s rule; raises on a difference): the largest
+    ``|difference|`` ÷ the largest ``|predict|``."""
+    with torch.no_grad():
+        got = leaves(program(**x))
+    want = leaves(members)
+    if list(got) != list(want):
+        raise AssertionError(f"{what} returns {list(got)} where predict returns {list(want)}")
+    why = output_mismatch(list(want.values()), list(got.values()), [torch.finfo(torch.float32).eps] * len(want))
+    if why is not None:
+        raise AssertionError(f"{what} differs from predict: {why}")
+    return max(float(np.abs(got[key] - want[key]).max() / max(np.abs(want[key]).max(), 1e-30)) for key in want)
+
+
+def counted_macs(model: nn.Module, x: dict[str, Any]) -> float:
+    """Multiply-adds per sample of one forward of ``model`` (``FlopCounterMode``'s flops / 2)."""
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model(**x)
+    batch = next(value for value in x.values() if isinstance(value, Tensor)).shape[0]
+    return counter.get_total_flops() / 2 / batch
+
+
+def timed(build: Callable[[], Any]) -> tuple[Any, float]:
+    start = time.perf_counter()
+    result = build()
+    return result, time.perf_counter() - start
+
+
+def measure(name: str, spec: RealModel, batch: int, rounds: int) -> dict[str, Any]:
+    """One row: builds, checks and interleaved medians of model ``name`` at ``batch``."""
+    torch.manual_seed(0)
+    single = spec.build().eval()
+    x = example(spec, single, batch)
+    masked = masked_copy(single, spec, x)
+    load = os.getloadavg()[0]
+    packed, packed_build = timed(lambda: mt.pack(masked, x, program="packed"))
+    auto, auto_build = timed(lambda: mt.pack(masked, x))
+    members = mt.predict(masked, x)
+    error = checked(packed, members, x, f"{name} at batch {batch}: the packed program")
+    chunk = packed.meta["masksembles"].get("chunk")
+    auto_is_packed = auto.program == "packed" and auto.meta["masksembles"].get("chunk") == chunk
+    auto_error = error if auto_is_packed else checked(auto, members, x, f"{name} at batch {batch}: pack()'s program")
+
+    def call(module: nn.Module) -> Callable[[], None]:
+        def run() -> None:
+            with torch.no_grad():
+                module(**x)
+
+        return run
+
+    contenders = {"single": call(single), "predict": lambda: mt.predict(masked, x), "packed": call(packed)}
+    if not auto_is_packed:
+        contenders["auto"] = call(auto)
+    times = timed_rounds(contenders, rounds=rounds, warmup=1)
+    medians = {key: statistics.median(values) for key, values in times.items()}
+    if auto_is_packed:
+        medians["auto"] = medians["packed"]
+    one = example(spec, single, 1)
+    return {
+        "model": name,
+        "masks": spec.masks,
+        "batch": batch,
+        "rounds": rounds,
+        "seconds": medians,
+        "build_seconds": {"packed": packed_build, "auto": auto_build},
+        "auto": {
+            "program": auto.program,
+            "same_as_packed": auto_is_packed,
+            "choice": auto.choice,
+            "seconds": auto.seconds,
+        },
+        "macs": dict(packed.macs),
+        "counted_single_macs": counted_macs(single, one),
+        "fallbacks": list(packed.fallbacks),
+        "chunk": chunk,
+        "error": error,
+        "auto_error": auto_error,
+        "layers": sum(1 for module in masked.modules() if isinstance(module, mt.Masksembles)),
+        "load_average": [load, os.getloadavg()[0]],
+    }
+
+
+def run(args: argparse.Namespace) -> None:
+    torch.set_num_threads(args.threads)
+    models = SMOKE if args.smoke else MODELS
+    names = list(models) if args.smoke or args.models is None else args.models
+    batches = (1, 2) if args.smoke else args.batches
+    out = Path(args.out)
+    report: dict[str, Any] = {"torch": torch.__version__, "transformers": T.__version__, "machine": machine(),
+                              "threads": args.threads, "rows": []}  # fmt: skip
+    for name in names:
+        for batch in batches:
+            row = measure(name, models[name], batch, 1 if args.smoke else args.rounds)
+            report["rows"].append(row)
+            out.write_text(json.dumps(report, indent=1))  # after every row: a run cut short keeps what it measured
+            print(line(ratios([row])), flush=True)
+
+
+def ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """One table row's figures from the runs of one model at one batch size (each a list over the runs)."""
+    first = rows[0]
+    macs = first["macs"]
+    fastest = [min(row["seconds"]["packed"], row["seconds"]["predict"]) for row in rows]
+    return {
+        "model": f"{first['model']} ({first['masks']})",
+        "batch": first["batch"],
+        "runs": len(rows),
+        "single_ms": [row["seconds"]["single"] * 1e3 for row in rows],
+        "packed/predict": [row["seconds"]["packed"] / row["seconds"]["predict"] for row in rows],
+        "packed/single": [row["seconds"]["packed"] / row["seconds"]["single"] for row in rows],
+        "mac_ratio": macs["packed"] / (macs["dense"] / N),
+        "fallback": macs["fallback"] / macs["packed"] if macs["packed"] else 1.0,
+        "mac_check": macs["dense"] / N / first["counted_single_macs"],
+        "fallbacks": len(first["fallbacks"]),
+        "auto_programs": sorted({row["auto"]["program"] for row in rows}),
+        "auto/fastest": [row["seconds"]["auto"] / best for row, best in zip(rows, fastest, strict=True)],
+        "build_packed": [row["build_seconds"]["packed"] for row in rows],
+        "build_auto": [row["build_seconds"]["auto"] for row in rows],
+        "error": max(max(row["error"], row["auto_error"]) for row in rows),
+    }
+
+
+def spread(values: list[float], digits: int = 2, unit: str = "") -> str:
+    """The median, and the range over the runs in brackets where there are several."""
+    middle = f"{statistics.median(values):.{digits}f}{unit}"
+    return middle if len(values) == 1 else f"{middle} [{min(values):.{digits}f}–{max(values):.{digits}f}]"
+
+
+def line(figures: dict[str, Any]) -> str:
+    picked = sum(value <= AUTO_TOLERANCE for value in figures["auto/fastest"])
+    return (
+        f"| {figures['model']} | {figures['batch']} | {figures['runs']} | {spread(figures['single_ms'], 1)} "
+        f"| {spread(figures['packed/predict'], unit='×')} | {spread(figures['packed/single'], unit='×')} "
+        f"| {figures['mac_ratio']:.2f}× | {figures['fallback']:.0%} ({figures['fallbacks']}) "
+        f"| {figures['mac_check']:.2f} | {'/'.join(figures['auto_programs'])} "
+        f"| {spread(figures['auto/fastest'], unit='×')}: {picked} of {figures['runs']} "
+        f"| {spread(figures['build_packed'], 0)} / {spread(figures['build_auto'], 0)} | {figures['error']:.1e} |"
+    )
+
+
+def combine(paths: list[str], write: bool) -> None:
+    """The BENCHMARKS.md section from the runs in ``paths``: per model and batch, medians over the runs."""
+    reports = [json.loads(Path(path).read_text()) for path in paths]
+    grouped: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for report in reports:
+        for row in report["rows"]:
+            grouped.setdefault((row["model"], row["batch"]), []).append(row)
+    rounds = sorted({row["rounds"] for rows in grouped.values() for row in rows})
+    loads = [value for rows in grouped.values() for row in rows for value in row["load_average"]]
+    header = [
+        "## Real models (torch)",
+        "",
+        f"`transformers` {reports[0]['transformers']} architectures at their published sizes, random init, float32, "
+        f"eval mode, N={N}, S={SCALE}, torch {reports[0]['torch']}, {reports[0]['threads']} threads on "
+        f"{reports[0]['machine']}, shared with other engineers' jobs while it ran (1-minute load average "
+        f"{min(loads):.1f}–{max(loads):.1f} at the rows' starts and ends). Each "
+        f"figure is the median over `runs` separate runs of `benchmarks/bench_real_models.py` (each itself a median "
+        f"of {'/'.join(map(str, rounds))} interleaved rounds after one warm-up), the runs' range in brackets. "
+        "`single`: one forward of the same network without masks; `predict`: tiled `predict`; `packed`: "
+        '`pack(program="packed")`; MAC ratio: `packed.macs` packed ÷ dense/N, fallback: the share of its MACs that '
+        "run at full width (and the count of fallback nodes); `macs` check: `packed.macs` dense/N ÷ "
+        "`FlopCounterMode`'s count of one forward of the single model (1.00: nothing left out); auto: the program "
+        "`pack()` returned, its time ÷ the faster of packed and tiled `predict`, and in how many runs that was within "
+        f'{AUTO_TOLERANCE - 1:.0%} (its own rule\'s margin); build: seconds for `pack(program="packed")` / `pack()`; '
+        "error: the largest |packed − predict| ÷ the largest |predict| over the whole example batch, checked before "
+        "timing against pack's own bound (√eps × largest |value|, 3.5e-4 in float32). Targets (issue #39): the "
+        "packed program never slower than tiled predict, and auto picks the faster.",
+        "",
+        "| model (masks) | batch | runs | single (ms) | packed ÷ tiled predict | packed ÷ single | MAC ratio "
+        "| fallback (nodes) | `macs` check | auto | auto ÷ faster: picked it | build packed / auto (s) | error |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
+    ]
+    body = [line(ratios(rows)) for rows in grouped.values()]
+    publish(SECTION, "\n".join(header + body), write=write)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="the run's JSON (rewritten after every row)")
+    parser.add_argument("--combine", nargs="+", metavar="RUN", help="runs' JSON files: write the table")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
+    parser.add_argument("--threads", type=int, default=2, help="intra-op threads")
+    parser.add_argument("--batches", type=lambda text: [int(v) for v in text.split(",")], default=[1, 32])
+    parser.add_argument(
+        "--models", type=lambda text: [v.strip() for v in text.split(",")], help=f"from: {', '.join(MODELS)}"
+    )
+    parser.add_argument("--smoke", action="store_true", help="one tiny config at batch 1 and 2, one round")
+    parser.add_argument("--no-write", action="store_true", help="--combine: print only, leave BENCHMARKS.md alone")
+    args = parser.parse_args()
+    if args.combine:
+        combine(args.combine, write=not args.no_write)
+    elif args.out:
+        run(args)
+    else:
+        parser.error("give --out (measure) or --combine (write the table)")
+
+
+if __name__ == "__main__":
+    main()
