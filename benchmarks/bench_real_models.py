@@ -28,7 +28,9 @@ import copy
 import json
 import os
 import statistics
+import sys
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -221,7 +223,9 @@ def measure(name: str, spec: RealModel, batch: int, rounds: int) -> dict[str, An
     }
 
 
-def run(args: argparse.Namespace) -> None:
+def run(args: argparse.Namespace) -> int:
+    """Measure the rows, writing the JSON after each; returns how many failed (a crash or a difference from
+    ``predict``: recorded with its traceback, and the run goes on to the next row)."""
     torch.set_num_threads(args.threads)
     models = SMOKE if args.smoke else MODELS
     names = list(models) if args.smoke or args.models is None else args.models
@@ -229,12 +233,20 @@ def run(args: argparse.Namespace) -> None:
     out = Path(args.out)
     report: dict[str, Any] = {"torch": torch.__version__, "transformers": T.__version__, "machine": machine(),
                               "threads": args.threads, "rows": []}  # fmt: skip
+    failures = 0
     for name in names:
         for batch in batches:
-            row = measure(name, models[name], batch, 1 if args.smoke else args.rounds)
+            try:
+                row = measure(name, models[name], batch, 1 if args.smoke else args.rounds)
+            except Exception as error:  # a crash or a difference is the finding to report
+                failures += 1
+                row = {"model": name, "masks": models[name].masks, "batch": batch, "failure": repr(error)[:2000],
+                       "traceback": traceback.format_exc()[-6000:]}  # fmt: skip
+                print(row["traceback"], file=sys.stderr, flush=True)
             report["rows"].append(row)
             out.write_text(json.dumps(report, indent=1))  # after every row: a run cut short keeps what it measured
-            print(line(ratios([row])), flush=True)
+            print(line([row]), flush=True)
+    return failures
 
 
 def ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -267,7 +279,16 @@ def spread(values: list[float], digits: int = 2, unit: str = "") -> str:
     return middle if len(values) == 1 else f"{middle} [{min(values):.{digits}f}–{max(values):.{digits}f}]"
 
 
-def line(figures: dict[str, Any]) -> str:
+def line(rows: list[dict[str, Any]]) -> str:
+    """The table row of one model at one batch size from its runs (a failure, if any run failed)."""
+    failed = [row for row in rows if "failure" in row]
+    if failed:
+        first = failed[0]
+        return (
+            f"| {first['model']} ({first['masks']}) | {first['batch']} | {len(rows)} "
+            f"| failed in {len(failed)} of {len(rows)} runs: `{first['failure'][:300]}` |"
+        )
+    figures = ratios(rows)
     picked = sum(value <= AUTO_TOLERANCE for value in figures["auto/fastest"])
     return (
         f"| {figures['model']} | {figures['batch']} | {figures['runs']} | {spread(figures['single_ms'], 1)} "
@@ -286,8 +307,10 @@ def combine(paths: list[str], write: bool) -> None:
     for report in reports:
         for row in report["rows"]:
             grouped.setdefault((row["model"], row["batch"]), []).append(row)
-    rounds = sorted({row["rounds"] for rows in grouped.values() for row in rows})
-    loads = [value for rows in grouped.values() for row in rows for value in row["load_average"]]
+    rounds = sorted({row["rounds"] for rows in grouped.values() for row in rows if "rounds" in row})
+    loads = [value for rows in grouped.values() for row in rows for value in row.get("load_average", [])] or [
+        float("nan")
+    ]
     header = [
         "## Real models (torch)",
         "",
@@ -311,7 +334,7 @@ def combine(paths: list[str], write: bool) -> None:
         "| fallback (nodes) | `macs` check | auto | auto ÷ faster: picked it | build packed / auto (s) | error |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
     ]
-    body = [line(ratios(rows)) for rows in grouped.values()]
+    body = [line(rows) for rows in grouped.values()]
     publish(SECTION, "\n".join(header + body), write=write)
 
 
@@ -331,7 +354,7 @@ def main() -> None:
     if args.combine:
         combine(args.combine, write=not args.no_write)
     elif args.out:
-        run(args)
+        sys.exit(1 if run(args) else 0)
     else:
         parser.error("give --out (measure) or --combine (write the table)")
 
