@@ -32,6 +32,7 @@ def script(*options: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
 
 
+@pytest.mark.slow  # about 30 s on the loaded 2-core machine (two pack builds of each program, a subprocess each)
 def test_smoke_run_checks_both_programs_and_combine_prints_its_rows(tmp_path: Path) -> None:
     out = tmp_path / "run.json"
     measured = script("--smoke", "--out", str(out), "--threads", "1")
