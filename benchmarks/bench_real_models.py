@@ -205,6 +205,7 @@ def measure(name: str, spec: RealModel, batch: int, rounds: int) -> dict[str, An
         "batch": batch,
         "rounds": rounds,
         "seconds": medians,
+        "round_seconds": times,
         "build_seconds": {"packed": packed_build, "auto": auto_build},
         "auto": {
             "program": auto.program,
@@ -249,28 +250,15 @@ def run(args: argparse.Namespace) -> int:
     return failures
 
 
-def ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """One table row's figures from the runs of one model at one batch size (each a list over the runs)."""
-    first = rows[0]
-    macs = first["macs"]
-    fastest = [min(row["seconds"]["packed"], row["seconds"]["predict"]) for row in rows]
-    return {
-        "model": f"{first['model']} ({first['masks']})",
-        "batch": first["batch"],
-        "runs": len(rows),
-        "single_ms": [row["seconds"]["single"] * 1e3 for row in rows],
-        "packed/predict": [row["seconds"]["packed"] / row["seconds"]["predict"] for row in rows],
-        "packed/single": [row["seconds"]["packed"] / row["seconds"]["single"] for row in rows],
-        "mac_ratio": macs["packed"] / (macs["dense"] / N),
-        "fallback": macs["fallback"] / macs["packed"] if macs["packed"] else 1.0,
-        "mac_check": macs["dense"] / N / first["counted_single_macs"],
-        "fallbacks": len(first["fallbacks"]),
-        "auto_programs": sorted({row["auto"]["program"] for row in rows}),
-        "auto/fastest": [row["seconds"]["auto"] / best for row, best in zip(rows, fastest, strict=True)],
-        "build_packed": [row["build_seconds"]["packed"] for row in rows],
-        "build_auto": [row["build_seconds"]["auto"] for row in rows],
-        "error": max(max(row["error"], row["auto_error"]) for row in rows),
-    }
+def ratio(rows: list[dict[str, Any]], top: str, bottom: str) -> str:
+    """The median over the runs of ``top`` ÷ ``bottom`` (medians of each run's rounds) and, in brackets, its range
+    over the runs; for one run, in parentheses, the range of the ratio within each of its interleaved rounds."""
+    values = [row["seconds"][top] / row["seconds"][bottom] for row in rows]
+    within = rows[0].get("round_seconds", {})
+    if len(rows) > 1 or top not in within:
+        return spread(values, unit="×")
+    rounds = [a / b for a, b in zip(within[top], within[bottom], strict=True)]
+    return f"{values[0]:.2f}× ({min(rounds):.2f}–{max(rounds):.2f})"
 
 
 def spread(values: list[float], digits: int = 2, unit: str = "") -> str:
@@ -281,22 +269,26 @@ def spread(values: list[float], digits: int = 2, unit: str = "") -> str:
 
 def line(rows: list[dict[str, Any]]) -> str:
     """The table row of one model at one batch size from its runs (a failure, if any run failed)."""
+    first = rows[0]
     failed = [row for row in rows if "failure" in row]
     if failed:
-        first = failed[0]
         return (
             f"| {first['model']} ({first['masks']}) | {first['batch']} | {len(rows)} "
-            f"| failed in {len(failed)} of {len(rows)} runs: `{first['failure'][:300]}` |"
+            f"| failed in {len(failed)} of {len(rows)} runs: `{failed[0]['failure'][:300]}` |"
         )
-    figures = ratios(rows)
-    picked = sum(value <= AUTO_TOLERANCE for value in figures["auto/fastest"])
+    macs = first["macs"]
+    faster = [row["seconds"]["auto"] / min(row["seconds"]["packed"], row["seconds"]["predict"]) for row in rows]
+    picked = sum(value <= AUTO_TOLERANCE for value in faster)
+    programs = "/".join(sorted({row["auto"]["program"] for row in rows}))
+    builds = [spread([row["build_seconds"][kind] for row in rows], 0) for kind in ("packed", "auto")]
+    error = max(max(row["error"], row["auto_error"]) for row in rows)
     return (
-        f"| {figures['model']} | {figures['batch']} | {figures['runs']} | {spread(figures['single_ms'], 1)} "
-        f"| {spread(figures['packed/predict'], unit='×')} | {spread(figures['packed/single'], unit='×')} "
-        f"| {figures['mac_ratio']:.2f}× | {figures['fallback']:.0%} ({figures['fallbacks']}) "
-        f"| {figures['mac_check']:.2f} | {'/'.join(figures['auto_programs'])} "
-        f"| {spread(figures['auto/fastest'], unit='×')}: {picked} of {figures['runs']} "
-        f"| {spread(figures['build_packed'], 0)} / {spread(figures['build_auto'], 0)} | {figures['error']:.1e} |"
+        f"| {first['model']} ({first['masks']}) | {first['batch']} | {len(rows)} "
+        f"| {spread([row['seconds']['single'] * 1e3 for row in rows], 1)} | {ratio(rows, 'packed', 'predict')} "
+        f"| {ratio(rows, 'packed', 'single')} | {macs['packed'] / (macs['dense'] / N):.2f}× "
+        f"| {macs['fallback'] / macs['packed'] if macs['packed'] else 1.0:.0%} ({len(first['fallbacks'])}) "
+        f"| {macs['dense'] / N / first['counted_single_macs']:.2f} | {programs} "
+        f"| {spread(faster, unit='×')}: {picked} of {len(rows)} | {builds[0]} / {builds[1]} | {error:.1e} |"
     )
 
 
@@ -319,7 +311,8 @@ def combine(paths: list[str], write: bool) -> None:
         f"{reports[0]['machine']}, shared with other engineers' jobs while it ran (1-minute load average "
         f"{min(loads):.1f}–{max(loads):.1f} at the rows' starts and ends). Each "
         f"figure is the median over `runs` separate runs of `benchmarks/bench_real_models.py` (each itself a median "
-        f"of {'/'.join(map(str, rounds))} interleaved rounds after one warm-up), the runs' range in brackets. "
+        f"of {'/'.join(map(str, rounds))} interleaved rounds after one warm-up), the runs' range in brackets; where "
+        "there is one run, the range of the ratio within its rounds in parentheses. "
         "`single`: one forward of the same network without masks; `predict`: tiled `predict`; `packed`: "
         '`pack(program="packed")`; MAC ratio: `packed.macs` packed ÷ dense/N, fallback: the share of its MACs that '
         "run at full width (and the count of fallback nodes); `macs` check: `packed.macs` dense/N ÷ "
