@@ -41,6 +41,7 @@ import torch
 import transformers as T
 from _report import machine, publish
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 import masksembles_torch as mt
@@ -156,8 +157,9 @@ def checked(program: nn.Module, members: Any, x: dict[str, Any], what: str) -> f
 
 
 def counted_macs(model: nn.Module, x: dict[str, Any]) -> float:
-    """Multiply-adds per sample of one forward of ``model`` (``FlopCounterMode``'s flops / 2)."""
-    with FlopCounterMode(display=False) as counter, torch.no_grad():
+    """Multiply-adds per sample of one forward of ``model`` (``FlopCounterMode``'s flops / 2), attention by torch's
+    math kernel (``FlopCounterMode`` does not count the CPU's fused one)."""
+    with FlopCounterMode(display=False) as counter, torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
         model(**x)
     batch = next(value for value in x.values() if isinstance(value, Tensor)).shape[0]
     return counter.get_total_flops() / 2 / batch
@@ -316,7 +318,8 @@ def combine(paths: list[str], write: bool) -> None:
         "`single`: one forward of the same network without masks; `predict`: tiled `predict`; `packed`: "
         '`pack(program="packed")`; MAC ratio: `packed.macs` packed ÷ dense/N, fallback: the share of its MACs that '
         "run at full width (and the count of fallback nodes); `macs` check: `packed.macs` dense/N ÷ "
-        "`FlopCounterMode`'s count of one forward of the single model (1.00: nothing left out); auto: the program "
+        "`FlopCounterMode`'s count of one forward of the single model, attention by the math kernel (1.00: nothing "
+        "left out); auto: the program "
         "`pack()` returned, its time ÷ the faster of packed and tiled `predict`, and in how many runs that was within "
         f'{AUTO_TOLERANCE - 1:.0%} (its own rule\'s margin); build: seconds for `pack(program="packed")` / `pack()`; '
         "error: the largest |packed − predict| ÷ the largest |predict| over the whole example batch, checked before "
