@@ -44,6 +44,7 @@ def test_smoke_run_checks_both_programs_and_combine_prints_its_rows(tmp_path: Pa
         assert set(row["seconds"]) == {"single", "predict", "packed", "auto"}
         assert all(value > 0 for value in row["seconds"].values())
         assert row["error"] <= bound and row["auto_error"] <= bound
+        assert row["output_scale"] > 1e-20, "a check of outputs that are all (nearly) zero says nothing"
         assert row["layers"] > 0 and 0 < row["macs"]["packed"] < row["macs"]["dense"]
         assert row["auto"]["program"] in {"packed", "dense"}
     before = (ROOT / "BENCHMARKS.md").read_bytes()
