@@ -37,6 +37,8 @@ ATEN = torch.ops.aten
 FUNCTIONS: dict[Any, tuple[Callable[..., Any], int | None]] = {
     ATEN.linear.default: (F.linear, None), ATEN.conv1d.default: (F.conv1d, None),
     ATEN.conv2d.default: (F.conv2d, None), ATEN.conv3d.default: (F.conv3d, None),
+    ATEN.conv1d.padding: (F.conv1d, None), ATEN.conv2d.padding: (F.conv2d, None),  # padding "same" or "valid"
+    ATEN.conv3d.padding: (F.conv3d, None),
     ATEN.layer_norm.default: (F.layer_norm, 5), ATEN.group_norm.default: (F.group_norm, 5),
     ATEN.dropout.default: (F.dropout, None), ATEN.gelu.default: (F.gelu, None),
     ATEN.relu.default: (torch.relu, None), ATEN.tanh.default: (torch.tanh, None),
