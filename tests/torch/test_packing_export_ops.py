@@ -159,7 +159,9 @@ OPERATIONS: dict[str, Callable[[], nn.Module]] = {
         lambda x: x.amin((2, 3), keepdim=True) * x.amax(-2, keepdim=True),
     ),
     # export records these as aten.conv2d.padding (transformers' EfficientNet writes its convolutions so)
-    "string-padded-convolutions": lambda: chain(nn.Conv2d(8, 8, 3, padding="same"), nn.Conv2d(8, 8, 3, padding="valid")),
+    "string-padded-convolutions": lambda: chain(
+        nn.Conv2d(8, 8, 3, padding="same"), nn.Conv2d(8, 8, 3, padding="valid")
+    ),
     "float64-and-back": lambda: chain(lambda x: x.to(torch.float64).abs().sqrt().to(torch.float32)),
 }
 
