@@ -33,8 +33,10 @@ from masksembles_core.packing import (
     norm_affine,
 )
 
+from . import _packed_ops as ops
 from ._layers import Masksembles
 from ._pack_export import exported, flat_inputs
+from ._pack_fuse import fuse_mean_ratios
 from ._pack_modules import write_out_torch_modules
 from ._structures import Inputs, batch_size, batched_tensors, call, map_batched
 
@@ -83,7 +85,7 @@ ELEMENTWISE_FUNCTIONS = {
     F.hardshrink, F.softshrink, F.tanhshrink, F.mish, F.sigmoid, F.logsigmoid, F.softplus, F.softsign, F.threshold,
     F.rrelu, torch.relu, torch.sigmoid, torch.tanh, torch.exp, torch.abs, torch.neg, torch.sqrt, torch.rsqrt,
     torch.square, torch.clamp, torch.clip, torch.erf, torch.sin, torch.cos, torch.log, torch.pow, torch.nan_to_num,
-    torch.sign, operator.neg, operator.abs, operator.pos,
+    torch.sign, operator.neg, operator.abs, operator.pos, torch.addcmul, torch.addcdiv,
 }  # fmt: skip
 
 
@@ -114,7 +116,7 @@ IN_PLACE_OPERATORS = {
 PER_SAMPLE_DROPOUTS = {"stochastic_depth", "drop_path"}  # functions of (x, p, ..., training): the identity in eval
 
 
-REDUCTIONS = {"mean", "sum", "amax", "amin", "var", "std"}
+REDUCTIONS = {"mean", "sum", "amax", "amin", "var", "std", "norm", "linalg_vector_norm"}
 
 
 MOVES = {"permute", "transpose", "flatten", "unsqueeze", "squeeze", "movedim", "swapaxes", "swapdims", "unflatten"}
@@ -486,7 +488,8 @@ class _Op(CapturedOp[fx.Node]):
     (a view, Dropout in eval) keeps zeros without being evaluated."""
 
     module: nn.Module | None = None
-    how: str = "call"  # call (the model's own operation), identity, affine, prelu, linear, conv, norm, flatten, rows
+    how: str = "call"  # call (the model's own operation), identity, affine, prelu, linear, conv, norm, flatten, rows,
+    # mean_ratio
     weight: Tensor | None = None
     bias: Tensor | None = None
     conv: dict[str, Any] = field(default_factory=dict)
@@ -540,6 +543,7 @@ class _Capture:
             )
         if self.entry is None:
             write_out_torch_modules(self.gm, cast(Tensor, example))
+        fuse_mean_ratios(self.gm)
         given = dict(zip(placeholders, self.flat(example), strict=True))
         # the batch-first tensors among the inputs: the first is the input the core starts from, the others run as
         # the model runs them (fallbacks without inputs) wherever they are read
@@ -779,6 +783,9 @@ class _Capture:
         name = str(target) if method else getattr(target, "__name__", "")
         if method and name.endswith("_") and not name.endswith("__"):
             name = name[:-1]  # in place: emitted out of place
+        if target is ops.mean_ratio and len(tensors) == 1:  # over the channels, or per channel (``mean_ratio_axis``)
+            over_batch = self.argument(node, "dim", 1) % self.seen[node].rank in self.seen[tensors[0]].batch_axes
+            return None if over_batch else _Op(node, "mean_ratio", tensors, how="mean_ratio")
         if target in (torch.cat, torch.concat):
             dim = self.argument(node, "dim", 1, 0)
             if not isinstance(dim, int):

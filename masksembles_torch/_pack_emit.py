@@ -362,6 +362,13 @@ class _Emitter:
             return self.graph.call_function(torch.cat, (parts, op.axis))
         if kind == "norm":
             return self._norm(op, inputs[0], member) if member else self._as_model(op, inputs)
+        if kind == "mean_ratio":  # each block's channels summed, divided by the full width
+            _, valid = channel_indices(placement.layouts)
+            held = self._attribute("valid", torch.as_tensor(valid, device=self.capture.device))
+            eps = self.capture.argument(op.node, "eps", 2)
+            blocks = len(placement.layouts)
+            args = (inputs[0], blocks, op.axis, held, step.node.channels, eps)
+            return self.graph.call_function(ops.mean_ratio_members, args)
         if kind == "flatten":
             last = step.node.channels_last
             if last and member:
@@ -818,6 +825,7 @@ FRESH_MODULES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear, ops.MemberLinear, o
 
 FRESH_FUNCTIONS = {
     ops.gather_channels, ops.add_shared, ops.concat_members, ops.layer_norm_members, ops.group_norm_members,
+    ops.mean_ratio_members,
     torch.relu, torch.sigmoid, torch.tanh, F.relu, F.gelu, F.silu, F.hardswish, F.hardsigmoid, F.prelu,
 }  # fmt: skip
 

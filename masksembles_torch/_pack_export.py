@@ -67,6 +67,8 @@ FUNCTIONS: dict[Any, tuple[Callable[..., Any], int | None]] = {
     ATEN.adaptive_avg_pool1d.default: (F.adaptive_avg_pool1d, None),
     ATEN.adaptive_avg_pool2d.default: (F.adaptive_avg_pool2d, None),
     ATEN.adaptive_avg_pool3d.default: (F.adaptive_avg_pool3d, None),
+    ATEN.linalg_vector_norm.default: (torch.linalg.vector_norm, None), ATEN.addcmul.default: (torch.addcmul, None),
+    ATEN.addcdiv.default: (torch.addcdiv, None),
 }  # fmt: skip
 
 

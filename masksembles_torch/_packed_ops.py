@@ -115,6 +115,23 @@ def layer_norm_members(x: Tensor, members: int, weight: Tensor | None, bias: Ten
     return F.layer_norm(split, split.shape[-1:], weight, bias, eps).flatten(-2)
 
 
+def mean_ratio(g: Tensor, dim: int, eps: float) -> Tensor:
+    """GRN's ``g / (g.mean(dim, keepdim=True) + eps)``, the operations the model runs, in its order: what ``pack``'s
+    capture makes of that pattern (one call the core reads as a ``"mean_ratio"``)."""
+    return g / (g.mean(dim=dim, keepdim=True) + eps)
+
+
+def mean_ratio_members(x: Tensor, members: int, axis: int, valid: Tensor, channels: int, eps: float) -> Tensor:
+    """``mean_ratio`` on each member's block of ``axis`` (non-negative), its mean the sum of the block's channels
+    (``valid``, (m*P,) bool: where the layout holds a channel, not padding) divided by the full width ``channels``:
+    the channels a block leaves out are zeros, which add nothing to the sum."""
+    split: Tensor = x.unflatten(axis, (members, -1))  # type: ignore[no-untyped-call]
+    shape = [1] * split.dim()
+    shape[axis : axis + 2] = [members, -1]
+    total = torch.where(valid.view(shape), split, 0.0).sum(dim=axis + 1, keepdim=True)
+    return (split / (total / channels + eps)).flatten(axis, axis + 1)
+
+
 def group_norm_members(
     x: Tensor, members: int, groups: int, weight: Tensor | None, bias: Tensor | None, eps: float
 ) -> Tensor:
