@@ -67,6 +67,8 @@ class Region:
     shapes: dict[fx.Node, tuple[int, ...]] = field(default_factory=dict)
     chunks: dict[fx.Node, tuple[int, int]] = field(default_factory=dict)  # a split of a fold's axis: (parts, axis)
     repeats: dict[fx.Node, dict[fx.Node, int]] = field(default_factory=dict)  # per-head inputs: the axis to repeat
+    indexes: dict[fx.Node, tuple[int, tuple[Any, ...], int]] = field(default_factory=dict)  # (axis, index, landing)
+    shared_heads: set[fx.Node] = field(default_factory=set)  # attention whose keys/values have one head per member
 
 
 Component = tuple[list[fx.Node], set[fx.Node]]  # a region's operations in graph order, and the Linear layers it reads
@@ -270,7 +272,12 @@ def _rule(graph: _Graph, region: Region, node: fx.Node, op: _Op) -> Fold | tuple
     if is_expand(node) and len(op.tensors) == 1:
         return _expand(region, node, first, source, probed)
     if (node.target is operator.getitem or name == "unsqueeze") and len(op.tensors) == 1:
-        return _indexed(graph, node, first, source)
+        try:
+            return _indexed(graph, node, first, source)
+        except _Rejected:
+            if node.target is not operator.getitem:
+                raise
+            return _member_index(graph, region, node, first, source)
     if node.target in (torch.cat, torch.concat):
         return _concat(graph, region, node)
     if name == "repeat_interleave" and len(op.tensors) == 1:
@@ -312,6 +319,42 @@ def _indexed(graph: _Graph, node: fx.Node, fold: Fold, source: Probed) -> Fold:
     if landing is None or source.batch_axis < 0 or not _takes_whole(index, source.rank, [fold.axis, source.batch_axis]):
         raise _Rejected(node)
     return Fold(landing[fold.axis], fold.outer)
+
+
+def _member_index(graph: _Graph, region: Region, node: fx.Node, fold: Fold, source: Probed) -> Fold:
+    """A basic index that takes the batch whole and, on the fold's axis (members outermost), a slice or a list of
+    positions of one head (Falcon's multi-query split of its fused qkv heads, ``qkv[..., :-2, :]``, ``qkv[..., [-2],
+    :]``): in the dense model it takes those heads of the one member's block; folded, it takes them of every member's
+    block (``Region.indexes``: emitted on the axis split as (members, heads), ``index_members``)."""
+    index = node.args[1]
+    entries = list(index) if isinstance(index, tuple) else [index]
+    lists = [i for i, e in enumerate(entries) if isinstance(e, list)]
+    if fold.outer != 1 or source.batch_axis < 0 or len(lists) > 1:
+        raise _Rejected(node)
+    if lists and not all(isinstance(p, int) and not isinstance(p, bool) for p in entries[lists[0]]):
+        raise _Rejected(node)
+    plain = tuple(slice(None) if isinstance(e, list) else e for e in entries)  # the axes a list keeps, in place
+    landing = _index_axes(plain, source.rank)
+    if landing is None or not _takes_whole(plain, source.rank, [source.batch_axis]):
+        raise _Rejected(node)
+    explicit: list[Any] = []  # the index with its Ellipsis written out, and the axis it reads at each entry
+    axes: list[int] = []
+    consumed = sum(e is not None and e is not Ellipsis for e in entries)
+    for e in entries:
+        if e is Ellipsis:
+            explicit += [slice(None)] * (source.rank - consumed)
+            axes += [len([a for a in axes if a >= 0]) + i for i in range(source.rank - consumed)]
+        else:
+            explicit.append(e)
+            axes.append(-1 if e is None else len([a for a in axes if a >= 0]))
+    if fold.axis not in axes:
+        explicit.append(slice(None))
+        axes.append(fold.axis)
+    at = axes.index(fold.axis)
+    if isinstance(explicit[at], int) or landing[fold.axis] < 0:
+        raise _Rejected(node)
+    region.indexes[node] = (fold.axis, (*explicit[:at], slice(None), *explicit[at:]), landing[fold.axis])
+    return Fold(landing[fold.axis], 1)
 
 
 def _index_axes(index: Any, rank: int) -> list[int] | None:
@@ -441,7 +484,9 @@ def _attention(graph: _Graph, region: Region, node: fx.Node, op: _Op) -> Fold:
     every operand (not the last two, which the products mix); an attention mask outside the region broadcasts.
     With ``enable_gqa`` (query head h reads key/value head h // (Hq / Hkv)), the fold is the heads axis with the
     members' blocks outermost: query head i*Hq + h of member i reads (i*Hq + h) // (Hq / Hkv) = i*Hkv + h // (Hq /
-    Hkv), member i's own key/value head for h."""
+    Hkv), member i's own key/value head for h. Multi-query attention (Falcon: one key/value head that the dense
+    model broadcasts over the query heads) is the same with Hkv = 1: folded, it runs with ``enable_gqa``
+    (``Region.shared_heads``); a matmul's operands must have the same heads."""
     rank = graph.probed(node).rank
     sdpa = node.target is F.scaled_dot_product_attention
     operands = [t for t in op.tensors if t in region.folds]
@@ -472,7 +517,20 @@ def _attention(graph: _Graph, region: Region, node: fx.Node, op: _Op) -> Fold:
     _sides(graph, region, node, fold)
     if grouped and (fold.axis != rank - 3 or fold.outer != 1):
         raise _Rejected(node)
+    heads = [graph.probed(t).shape[fold.axis] for t in _attention_operands(node, operands)]
+    if not grouped and len(set(heads)) > 1:  # keys/values broadcast over the query heads: one head, shared by all
+        if not sdpa or heads[1:] != [1, 1] or fold.axis != rank - 3 or fold.outer != 1:
+            raise _Rejected(node)
+        region.shared_heads.add(node)  # member i's query heads read its own key/value head: enable_gqa
     return fold
+
+
+def _attention_operands(node: fx.Node, operands: list[fx.Node]) -> list[fx.Node]:
+    """The query, key and value of ``scaled_dot_product_attention`` (or a matmul's two operands), as it reads them."""
+    if node.target is not F.scaled_dot_product_attention:
+        return operands
+    names = ("query", "key", "value")
+    return [cast(fx.Node, node.kwargs[n] if n in node.kwargs else node.args[i]) for i, n in enumerate(names)]
 
 
 def _reshape(

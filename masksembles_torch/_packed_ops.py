@@ -29,6 +29,13 @@ def gather_channels(x: Tensor, axis: int, index: Tensor) -> Tensor:
     return x.index_select(axis, index)
 
 
+def index_members(x: Tensor, axis: int, members: int, index: tuple[Any, ...], landing: int) -> Tensor:
+    """``index`` (written out, with a full slice where ``axis`` is split) of each member's block of ``axis``: x's
+    ``axis`` split as (members, -1), indexed, the result's member axis (``landing``) and the one after it merged."""
+    split: Tensor = x.unflatten(axis, (members, -1))  # type: ignore[no-untyped-call]
+    return split[index].flatten(landing, landing + 1)
+
+
 def to_batch(x: Tensor, members: int, batch_axis: int, channel_axis: int) -> Tensor:
     """(…B…, m*C…) -> (…m*B…, C…): the members' channel blocks onto the batch, member ``k`` in block ``k``.
 
