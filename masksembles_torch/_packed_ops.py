@@ -139,6 +139,20 @@ def mean_ratio_members(x: Tensor, members: int, axis: int, valid: Tensor, channe
     return (split / (total / channels + eps)).flatten(axis, axis + 1)
 
 
+def unfold_patches(x: Tensor, kernel_size: Any, dilation: Any, padding: Any, stride: Any) -> Tensor:
+    """MobileViT-v2's patches: ``F.unfold`` of (B, C, H, W) viewed (B, C, K, L), as the model computes them (on any
+    number of channels: the sizes are read from ``x``)."""
+    patches = F.unfold(x, kernel_size, dilation, padding, stride)
+    return patches.reshape(x.shape[0], x.shape[1], -1, patches.shape[-1])
+
+
+def fold_patches(
+    patches: Tensor, output_size: Any, kernel_size: Any, dilation: Any, padding: Any, stride: Any
+) -> Tensor:
+    """MobileViT-v2's folding: (B, C, K, L) viewed (B, C*K, L), then ``F.fold`` to (B, C, H, W)."""
+    return F.fold(patches.flatten(1, 2), output_size, kernel_size, dilation, padding, stride)
+
+
 def group_norm_members(
     x: Tensor, members: int, groups: int, weight: Tensor | None, bias: Tensor | None, eps: float
 ) -> Tensor:
