@@ -36,7 +36,7 @@ from masksembles_core.packing import (
 from . import _packed_ops as ops
 from ._layers import Masksembles
 from ._pack_export import exported, flat_inputs
-from ._pack_fuse import fuse_mean_ratios, fuse_patches
+from ._pack_fuse import fuse_mean_ratios, fuse_patch_rows, fuse_patches
 from ._pack_modules import write_out_torch_modules
 from ._structures import Inputs, batch_size, batched_tensors, call, map_batched
 
@@ -557,7 +557,8 @@ class _Capture:
         constants = {n for n in self.gm.graph.nodes if n not in self.dynamic and n.op != "output"}
         larger = map_batched(example, lambda tensor: torch.cat([tensor, tensor[:1]]))
         self.seen, self.constants = _probe(self.gm, [self.flat(example), self.flat(larger)], constants)
-        for replaced, fused in fuse_patches(self.gm, self._shape).items():  # the same value, one call
+        rows = fuse_patch_rows(self.gm, self._shapes, functools.partial(_evaluate, self))
+        for replaced, fused in {**fuse_patches(self.gm, self._shape), **rows}.items():  # the same value, one call
             self.seen[fused] = self.seen.pop(replaced)
             self.dynamic.add(fused)
         self.values: set[fx.Node] = set(self.placeholders)  # the model values: tensors, tuples and what they give
@@ -577,8 +578,13 @@ class _Capture:
 
     def _shape(self, node: fx.Node) -> tuple[int, ...] | None:
         """A value's shape at the example's batch size, None for anything but a tensor."""
+        shapes = self._shapes(node)
+        return None if shapes is None else shapes[0]
+
+    def _shapes(self, node: fx.Node) -> tuple[tuple[int, ...], ...] | None:
+        """A value's shapes at the probe's two batch sizes, None for anything but a tensor."""
         seen = self.seen.get(node)
-        return seen.shapes[0] if seen is not None and seen.tensor else None
+        return seen.shapes if seen is not None and seen.tensor else None
 
     def flat(self, inputs: Inputs) -> list[Any]:
         """``inputs`` (of the example's structure) as the graph's placeholders take them."""
@@ -793,6 +799,10 @@ class _Capture:
             name = name[:-1]  # in place: emitted out of place
         if target in (ops.unfold_patches, ops.fold_patches) and len(tensors) == 1:  # channel c from channel c
             return _Op(node, "channelwise", tensors, rule="fixed", fixed_in=1, fixed_out=1)
+        if target in (ops.patches_to_rows, ops.rows_to_patches) and len(tensors) == 1:  # each sample's rows together
+            axes = (1, 2) if target is ops.patches_to_rows else (2, 1)
+            return _Op(node, "channelwise", tensors, rule="fixed", fixed_in=axes[0], fixed_out=axes[1], batch_in=0,
+                       batch_out=0, regroups_rows=True)  # fmt: skip
         if target is ops.mean_ratio and len(tensors) == 1:  # over the channels, or per channel (``mean_ratio_axis``)
             over_batch = self.argument(node, "dim", 1) % self.seen[node].rank in self.seen[tensors[0]].batch_axes
             return None if over_batch else _Op(node, "mean_ratio", tensors, how="mean_ratio")

@@ -9,7 +9,12 @@ dense and fallback programs are unchanged; only the core sees one node it can co
 - MobileViT-v2's patches: ``F.unfold(x, ...)`` viewed (B, C, K, L) and (B, C, K, L) viewed (B, C*K, L) for
   ``F.fold``, where the probe saw those shapes (K the kernel's positions, C the channels of ``x``): one
   ``unfold_patches``/``fold_patches`` call, channel ``c`` from channel ``c`` alone (``F.unfold`` writes channel ``c``'s
-  K positions at c*K..c*K+K-1, ``F.fold`` sums them back), each sample from itself.
+  K positions at c*K..c*K+K-1, ``F.fold`` sums them back), each sample from itself;
+- MobileViT's patches (``transformers``' ``MobileViTLayer.unfolding``/``folding``): a chain of views and transposes
+  from (B, C, H, W) to (B*ph*pw, patches, C), or back, that the intermediate values cannot be compacted along (the
+  channels merged into the batch axis), proven by evaluating the chain on each element's index at both probed batch
+  sizes to equal ``patches_to_rows``/``rows_to_patches``: one call, channel ``c`` from channel ``c``, each sample's
+  ph*pw rows together, in sample order.
 """
 
 from __future__ import annotations
@@ -27,6 +32,12 @@ from torch import fx
 from . import _packed_ops as ops
 
 RESHAPES = {torch.reshape, "reshape", "view"}
+CHAIN_VIEWS = {
+    torch.reshape, torch.transpose, torch.permute, torch.flatten, torch.movedim, "reshape", "view", "transpose",
+    "permute", "contiguous", "flatten", "unflatten", "movedim",
+}  # fmt: skip
+CHAIN_LENGTH = 8  # views and transposes in a patch chain, at most
+Evaluate = Callable[[fx.Node, dict[fx.Node, Any], int], Any]  # a node on given values of its inputs, at probe run r
 Shapes = Callable[[fx.Node], tuple[int, ...] | None]  # a value's shape at the example's batch (None: not a tensor)
 DIVISIONS = {operator.truediv, torch.div, torch.true_divide, "div", "true_divide", "__truediv__"}
 SUMS = {operator.add, torch.add, "add", "__add__", "__radd__"}
@@ -164,3 +175,96 @@ def _arguments(node: fx.Node, function: Callable[..., Any], names: tuple[str, ..
 
 def _pair(value: Any) -> tuple[Any, ...]:
     return tuple(value) if isinstance(value, (tuple, list)) else (value, value)
+
+
+def fuse_patch_rows(gm: fx.GraphModule, shapes: Callable[[fx.Node], tuple[tuple[int, ...], ...] | None],
+                    evaluate: Evaluate) -> dict[fx.Node, fx.Node]:  # fmt: skip
+    """MobileViT's unfolding and folding chains (``shapes``: a value's shapes at both probed batch sizes) as one call
+    each; the replaced end of each chain -> its call."""
+    fused: dict[fx.Node, fx.Node] = {}
+    erased: set[fx.Node] = set()
+    for source in list(gm.graph.nodes):
+        if source in erased:
+            continue
+        found = _patch_chain(source, shapes, evaluate)
+        if found is None:
+            continue
+        function, arguments, chain = found
+        with gm.graph.inserting_before(chain[-1]):
+            call = gm.graph.call_function(function, (source, *arguments))
+        call.meta = dict(chain[-1].meta)
+        chain[-1].replace_all_uses_with(call)
+        for node in reversed(chain):
+            gm.graph.erase_node(node)
+        erased.update(chain)
+        fused[chain[-1]] = call
+    if fused:
+        gm.graph.lint()
+        gm.recompile()
+    return fused
+
+
+def _patch_chain(
+    source: fx.Node, shapes: Callable[[fx.Node], tuple[tuple[int, ...], ...] | None], evaluate: Evaluate
+) -> tuple[Callable[..., Any], tuple[int, ...], list[fx.Node]] | None:
+    """The function, its arguments after the tensor, and the chain of views from ``source`` it replaces, where one
+    of ``source``'s readers starts a chain that ends at MobileViT's patch rows (or back at the feature map)."""
+    first = shapes(source)
+    if first is None or len(first[0]) not in (3, 4):
+        return None
+    for start in source.users:
+        chain, node = [], start
+        while _target(node) in CHAIN_VIEWS and node.args and len(chain) < CHAIN_LENGTH:
+            chain.append(node)
+            for function, arguments in _patch_candidates(first, shapes(node)):
+                if all(_same_chain(chain, source, first[r], function, arguments, evaluate, r) for r in (0, 1)):
+                    return function, arguments, chain
+            if len(node.users) != 1:
+                break
+            (node,) = node.users
+    return None
+
+
+def _patch_candidates(
+    source: tuple[tuple[int, ...], ...], result: tuple[tuple[int, ...], ...] | None
+) -> list[tuple[Callable[..., Any], tuple[int, ...]]]:
+    """The patch sizes that would make ``result`` (shapes at both probes) the patch rows of ``source``, or the feature
+    map of its patch rows."""
+    if result is None:
+        return []
+    (before, _), (after, _) = source, result
+    if len(before) == 4 and len(after) == 3 and after[2] == before[1] and after[0] % before[0] == 0:
+        batch, _, height, width = before
+        area, patches = after[0] // batch, after[1]
+        return [
+            (ops.patches_to_rows, (ph, area // ph)) for ph in _divisors(height)
+            if area % ph == 0 and width % (area // ph) == 0 and (height // ph) * (width * ph // area) == patches
+        ]  # fmt: skip
+    if len(before) == 3 and len(after) == 4 and after[1] == before[2] and before[0] % after[0] == 0:
+        batch, _, height, width = after
+        area, patches = before[0] // batch, before[1]
+        return [
+            (ops.rows_to_patches, (ph, area // ph, height // ph, width * ph // area)) for ph in _divisors(height)
+            if area % ph == 0 and width % (area // ph) == 0 and (height // ph) * (width * ph // area) == patches
+        ]  # fmt: skip
+    return []
+
+
+def _divisors(size: int) -> list[int]:
+    return [d for d in range(1, size + 1) if size % d == 0]
+
+
+def _same_chain(
+    chain: list[fx.Node], source: fx.Node, shape: tuple[int, ...], function: Callable[..., Any],
+    arguments: tuple[int, ...], evaluate: Evaluate, run: int,
+) -> bool:  # fmt: skip
+    """Whether the chain, run on each element's index (at probe ``run``'s shape), gives what ``function`` gives."""
+    index = torch.arange(math.prod(shape), dtype=torch.float64).reshape(shape)
+    value: Any = index
+    try:
+        for node, before in zip(chain, [source, *chain[:-1]], strict=True):
+            value = evaluate(node, {before: value}, run)
+    except Exception:  # the chain does not apply to this tensor as given
+        return False
+    expected = function(index, *arguments)
+    return isinstance(value, torch.Tensor) and value.shape == expected.shape and bool(torch.equal(value, expected))

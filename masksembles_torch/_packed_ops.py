@@ -153,6 +153,21 @@ def fold_patches(
     return F.fold(patches.flatten(1, 2), output_size, kernel_size, dilation, padding, stride)
 
 
+def patches_to_rows(x: Tensor, patch_height: int, patch_width: int) -> Tensor:
+    """MobileViT's unfolding: (B, C, H, W) -> (B*ph*pw, (H/ph)*(W/pw), C), row b*ph*pw + i*pw + j holding position
+    (i, j) of every patch of sample b (sizes read from ``x``: any number of channels)."""
+    batch, channels, height, width = x.shape
+    grid = x.reshape(batch, channels, height // patch_height, patch_height, width // patch_width, patch_width)
+    return grid.permute(0, 3, 5, 2, 4, 1).reshape(batch * patch_height * patch_width, -1, channels)
+
+
+def rows_to_patches(rows: Tensor, patch_height: int, patch_width: int, patches_high: int, patches_wide: int) -> Tensor:
+    """MobileViT's folding, the inverse of ``patches_to_rows``: (B*ph*pw, patches, C) -> (B, C, H, W)."""
+    channels = rows.shape[-1]
+    grid = rows.reshape(-1, patch_height, patch_width, patches_high, patches_wide, channels)
+    return grid.permute(0, 5, 3, 1, 4, 2).reshape(-1, channels, patches_high * patch_height, patches_wide * patch_width)
+
+
 def group_norm_members(
     x: Tensor, members: int, groups: int, weight: Tensor | None, bias: Tensor | None, eps: float
 ) -> Tensor:

@@ -1,8 +1,10 @@
-"""MobileViT-v2's patches compacted by ``pack``: ``F.unfold`` viewed (B, C, K, L) and its inverse, (B, C, K, L)
-viewed (B, C*K, L) for ``F.fold``, each read as one operation that takes channel ``c`` from channel ``c`` alone
-(unfold writes channel c's K kernel positions next to each other, fold sums them back), each sample from itself: the
-layers between them run on each member's channels. A view that mixes the channels with the kernel positions stays a
-fallback; every program equals ``predict``."""
+"""MobileViT's patches compacted by ``pack``. MobileViT-v2: ``F.unfold`` viewed (B, C, K, L) and its inverse,
+(B, C, K, L) viewed (B, C*K, L) for ``F.fold``, each read as one operation that takes channel ``c`` from channel ``c``
+alone (unfold writes channel c's K kernel positions next to each other, fold sums them back), each sample from itself.
+MobileViT (v1): the views and transposes from (B, C, H, W) to (B*ph*pw, patches, C) and back, proven on each
+element's index to be one move that keeps each sample's rows together. The layers between them run on each member's
+channels. A view that mixes the channels with the kernel positions stays a fallback; every program equals
+``predict``."""
 
 from __future__ import annotations
 
@@ -96,4 +98,92 @@ def test_patches_viewed_across_the_channels_stay_fallbacks() -> None:
     model = built(mixed=True)
     packed = mt.pack(model, torch.randn(4, 3, 16, 16), program="packed")
     assert packed.fallbacks and "unfold_patches" not in program_code(packed)
+    check_equal_to_predict(model, packed)
+
+
+class MobileViTLayer(nn.Module):
+    """``transformers``' ``MobileViTLayer`` (v1) with one transformer layer: a 3x3 and a 1x1 convolution, its
+    ``unfolding`` (views and transposes to (B*ph*pw, patches, C)), a pre-norm attention block and MLP on the rows,
+    a LayerNorm, its ``folding`` back to (B, C, H, W), a 1x1 projection and the fusion convolution of the input and
+    the result concatenated."""
+
+    def __init__(self, channels: int = 8, dim: int = 16, heads: int = 2, patch: int = 2) -> None:
+        super().__init__()
+        self.patch, self.heads = patch, heads
+        self.conv_kxk, self.conv_1x1 = nn.Conv2d(channels, channels, 3, padding=1), nn.Conv2d(channels, dim, 1)
+        self.norm1, self.norm2, self.norm = nn.LayerNorm(dim), nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.query, self.key, self.value, self.out = (nn.Linear(dim, dim) for _ in range(4))
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.SiLU(), nn.Linear(2 * dim, dim))
+        self.projection, self.fusion = nn.Conv2d(dim, channels, 1), nn.Conv2d(2 * channels, channels, 3, padding=1)
+
+    def unfolding(self, features: Tensor) -> tuple[Tensor, dict[str, int]]:
+        patch_area = self.patch * self.patch
+        batch_size, channels, height, width = features.shape
+        num_patch_height, num_patch_width = height // self.patch, width // self.patch
+        num_patches = num_patch_height * num_patch_width
+        patches = features.reshape(batch_size * channels * num_patch_height, self.patch, num_patch_width, self.patch)
+        patches = patches.transpose(1, 2)
+        patches = patches.reshape(batch_size, channels, num_patches, patch_area)
+        patches = patches.transpose(1, 3)
+        patches = patches.reshape(batch_size * patch_area, num_patches, -1)
+        info = {"batch_size": batch_size, "channels": channels, "num_patches": num_patches,
+                "num_patch_height": num_patch_height, "num_patch_width": num_patch_width}  # fmt: skip
+        return patches, info
+
+    def folding(self, patches: Tensor, info: dict[str, int]) -> Tensor:
+        batch_size, channels, patch_area = info["batch_size"], info["channels"], self.patch * self.patch
+        features = patches.contiguous().view(batch_size, patch_area, info["num_patches"], -1)
+        features = features.transpose(1, 3)
+        features = features.reshape(
+            batch_size * channels * info["num_patch_height"], info["num_patch_width"], self.patch, self.patch
+        )
+        features = features.transpose(1, 2)
+        return features.reshape(
+            batch_size, channels, info["num_patch_height"] * self.patch, info["num_patch_width"] * self.patch
+        )
+
+    def attention(self, x: Tensor) -> Tensor:
+        rows, length, dim = x.shape
+        q, k, v = (
+            layer(x).view(rows, length, self.heads, dim // self.heads).transpose(1, 2)
+            for layer in (self.query, self.key, self.value)
+        )
+        context = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(rows, length, dim)
+        return self.out(context)
+
+    def forward(self, x: Tensor) -> Tensor:
+        features = self.conv_1x1(F.silu(self.conv_kxk(x)))
+        patches, info = self.unfolding(features)
+        patches = patches + self.attention(self.norm1(patches))
+        patches = self.norm(patches + self.mlp(self.norm2(patches)))
+        features = self.projection(self.folding(patches, info))
+        return self.fusion(torch.cat((x, features), 1))
+
+
+class MobileViT(nn.Module):
+    def __init__(self, channels: int = 8) -> None:
+        super().__init__()
+        self.stem, self.layer, self.head = (
+            nn.Conv2d(3, channels, 2, stride=2),
+            MobileViTLayer(channels),
+            nn.Linear(channels, 5),
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.layer(self.stem(x)).mean((2, 3)))
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_mobilevit_patch_rows_compact_and_the_transformer_with_them(capture: str) -> None:
+    """The unfolding and folding chains become one move each that keeps each sample's rows together: the Linear
+    layers on the patch rows compact (before, every one of them fell back, reading rows of a fallback); the program
+    equals predict."""
+    torch.manual_seed(0)
+    model = mt.insert(MobileViT(), N, 2.0, seed=0).eval()
+    x = torch.randn(4, 3, 16, 16)
+    packed = mt.pack(model, x if capture == "fx" else (x,), program="packed")
+    code = program_code(packed)
+    assert "patches_to_rows" in code and "rows_to_patches" in code
+    assert not [row for row in packed.fallbacks if "Linear" in row or "unfolding" in row], packed.fallbacks
+    assert packed.macs["fallback"] < packed.macs["packed"] / 4, packed.macs
     check_equal_to_predict(model, packed)
