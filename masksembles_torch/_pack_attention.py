@@ -347,9 +347,9 @@ def _member_index(graph: _Graph, region: Region, node: fx.Node, fold: Fold, sour
         else:
             explicit.append(e)
             axes.append(-1 if e is None else len([a for a in axes if a >= 0]))
-    if fold.axis not in axes:
+    while len([a for a in axes if a >= 0]) < source.rank:  # the axes after the index's, whole
         explicit.append(slice(None))
-        axes.append(fold.axis)
+        axes.append(len([a for a in axes if a >= 0]))
     at = axes.index(fold.axis)
     if isinstance(explicit[at], int) or landing[fold.axis] < 0:
         raise _Rejected(node)
@@ -538,12 +538,15 @@ def _reshape(
     source_batch: int, out_batch: int,
 ) -> Fold:  # fmt: skip
     """A reshape keeps the members apart when the elements outside the member index are the same before and after
-    it: the result's fold is the axis (and the elements of it outside the member index) where that count ends."""
+    it: the result's fold is the axis (and the elements of it outside the member index) where that count ends; a
+    member's one element (multi-query attention's one key/value head) stays on an axis of 1 where that count ends."""
     if source_batch < 0 or out_batch < 0 or source_batch == fold.axis:
         raise _Rejected(node)
     before = math.prod(source[: fold.axis]) * fold.outer
     landing = None
-    for a in range(len(out)):
+    if source[fold.axis] == 1 and fold.outer == 1:  # one head per member (multi-query keys): kept on an axis of 1
+        landing = next((Fold(a, 1) for a in range(len(out)) if math.prod(out[:a]) == before and out[a] == 1), None)
+    for a in range(len(out) if landing is None else 0):
         prefix = math.prod(out[:a])
         if prefix == before and out[a] > 1:
             landing = Fold(a, 1)
