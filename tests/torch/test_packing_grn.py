@@ -107,7 +107,7 @@ class MaskedGRN(nn.Module):
     def __init__(self, dim: int = 16) -> None:
         super().__init__()
         self.stem, self.fc = nn.Conv2d(3, dim, 2, stride=2), nn.Linear(dim, dim)
-        self.masks = mt.Masksembles1D(dim, N, 2.0, seed=3, channel_axis=-1)
+        self.masks = mt.Masksembles2D(dim, N, 2.0, seed=3, channel_axis=-1)
         generator = torch.Generator().manual_seed(4)
         self.weight = nn.Parameter(torch.randn(1, 1, 1, dim, generator=generator))
         self.bias = nn.Parameter(torch.zeros(1, 1, 1, dim))
