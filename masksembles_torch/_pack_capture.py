@@ -561,6 +561,7 @@ class _Capture:
         for replaced, fused in {**fuse_patches(self.gm, self._shape), **rows}.items():  # the same value, one call
             self.seen[fused] = self.seen.pop(replaced)
             self.dynamic.add(fused)
+        self.dynamic &= set(self.gm.graph.nodes)  # not the fused operations
         self.values: set[fx.Node] = set(self.placeholders)  # the model values: tensors, tuples and what they give
         for node in self.gm.graph.nodes:
             if node in self.dynamic and node.op not in ("placeholder", "output") and self._is_value(node):

@@ -208,20 +208,24 @@ def _patch_chain(
     source: fx.Node, shapes: Callable[[fx.Node], tuple[tuple[int, ...], ...] | None], evaluate: Evaluate
 ) -> tuple[Callable[..., Any], tuple[int, ...], list[fx.Node]] | None:
     """The function, its arguments after the tensor, and the chain of views from ``source`` it replaces, where one
-    of ``source``'s readers starts a chain that ends at MobileViT's patch rows (or back at the feature map)."""
+    of ``source``'s readers starts a chain that ends at MobileViT's patch rows (or back at the feature map): the
+    longest such chain (a shorter one can be patch rows of another patch size, which the rest of the chain undoes)."""
     first = shapes(source)
     if first is None or len(first[0]) not in (3, 4):
         return None
     for start in source.users:
-        chain, node = [], start
+        chain, node, found = [], start, None
         while _target(node) in CHAIN_VIEWS and node.args and len(chain) < CHAIN_LENGTH:
             chain.append(node)
             for function, arguments in _patch_candidates(first, shapes(node)):
                 if all(_same_chain(chain, source, first[r], function, arguments, evaluate, r) for r in (0, 1)):
-                    return function, arguments, chain
+                    found = function, arguments, list(chain)
+                    break
             if len(node.users) != 1:
                 break
             (node,) = node.users
+        if found is not None:
+            return found
     return None
 
 

@@ -23,7 +23,7 @@ class MobileViTV2Layer(nn.Module):
     """``transformers``' ``MobileViTV2Layer`` without its attention: a 3x3 and a 1x1 convolution, the patches
     (``unfolding``: ``F.unfold`` with kernel = stride = patch, viewed (B, C, patch area, patches)), a GroupNorm and a
     1x1-convolution MLP with its residual sum on (B, C, K, L), a GroupNorm, ``folding`` and a 1x1 projection. With
-    ``mixed`` the patches are viewed (B, K, C, L) instead: channels and kernel positions exchanged."""
+    ``mixed`` the patches are viewed (B, K, C, L) and transposed instead: channels and kernel positions mixed."""
 
     def __init__(self, dim: int = 8, patch: int = 2, mixed: bool = False) -> None:
         super().__init__()
@@ -36,8 +36,9 @@ class MobileViTV2Layer(nn.Module):
     def unfolding(self, x: Tensor) -> tuple[Tensor, tuple[int, int]]:
         batch_size, in_channels, height, width = x.shape
         patches = F.unfold(x, kernel_size=(self.patch, self.patch), stride=(self.patch, self.patch))
-        if self.mixed:
-            return patches.reshape(batch_size, self.patch * self.patch, in_channels, -1), (height, width)
+        if self.mixed:  # (B, K, C, L) read back as (B, C, K, L): each new channel holds several channels' values
+            mixed = patches.reshape(batch_size, self.patch * self.patch, in_channels, -1).transpose(1, 2)
+            return mixed, (height, width)
         return patches.reshape(batch_size, in_channels, self.patch * self.patch, -1), (height, width)
 
     def folding(self, patches: Tensor, output_size: tuple[int, int]) -> Tensor:
@@ -173,17 +174,21 @@ class MobileViT(nn.Module):
         return self.head(self.layer(self.stem(x)).mean((2, 3)))
 
 
+QKV = ("layer.query", "layer.key", "layer.value")  # their paths, in both captures' names
+
+
 @pytest.mark.parametrize("capture", ["fx", "export"])
 def test_mobilevit_patch_rows_compact_and_the_transformer_with_them(capture: str) -> None:
-    """The unfolding and folding chains become one move each that keeps each sample's rows together: the Linear
-    layers on the patch rows compact (before, every one of them fell back, reading rows of a fallback); the program
-    equals predict."""
+    """The unfolding and folding chains become one move each that keeps each sample's rows together: the query, key
+    and value Linear layers on the patch rows compact (before, every Linear layer of the transformer fell back,
+    reading rows of a fallback). The attention on the rows (patches folded into the batch, as Swin's windows) and
+    what reads its rows still run on the member-stacked batch; the program equals predict."""
     torch.manual_seed(0)
     model = mt.insert(MobileViT(), N, 2.0, seed=0).eval()
     x = torch.randn(4, 3, 16, 16)
     packed = mt.pack(model, x if capture == "fx" else (x,), program="packed")
     code = program_code(packed)
     assert "patches_to_rows" in code and "rows_to_patches" in code
-    assert not [row for row in packed.fallbacks if "Linear" in row or "unfolding" in row], packed.fallbacks
-    assert packed.macs["fallback"] < packed.macs["packed"] / 4, packed.macs
+    assert not [row for row in packed.fallbacks if any(name in row for name in QKV + ("patches_to_rows",))]
+    assert 0 < packed.macs["fallback"] < packed.macs["packed"] < packed.macs["dense"]
     check_equal_to_predict(model, packed)
