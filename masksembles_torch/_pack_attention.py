@@ -326,8 +326,8 @@ def _member_index(graph: _Graph, region: Region, node: fx.Node, fold: Fold, sour
     positions of one head (Falcon's multi-query split of its fused qkv heads, ``qkv[..., :-2, :]``, ``qkv[..., [-2],
     :]``): in the dense model it takes those heads of the one member's block; folded, it takes them of every member's
     block (``Region.indexes``: emitted on the axis split as (members, heads), ``index_members``)."""
-    index = node.args[1]
-    entries = list(index) if isinstance(index, tuple) else [index]
+    index: Any = node.args[1]
+    entries: list[Any] = list(index) if isinstance(index, tuple) else [index]
     lists = [i for i, e in enumerate(entries) if isinstance(e, list)]
     if fold.outer != 1 or source.batch_axis < 0 or len(lists) > 1:
         raise _Rejected(node)

@@ -214,7 +214,8 @@ def _patch_chain(
     if first is None or len(first[0]) not in (3, 4):
         return None
     for start in source.users:
-        chain, node, found = [], start, None
+        chain: list[fx.Node] = []
+        node, found = start, None
         while _target(node) in CHAIN_VIEWS and node.args and len(chain) < CHAIN_LENGTH:
             chain.append(node)
             for function, arguments in _patch_candidates(first, shapes(node)):
