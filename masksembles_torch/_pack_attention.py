@@ -4,7 +4,8 @@ An attention region (the operations between the query/key/value Linear layers, o
 per member after them (``q_proj(x) * scaling``), and the projection that reads their result: reshapes that split or
 merge the channels as (heads, head_dim), moves, ``unbind``, ``q @ k^T``, softmax, a scale, an additive mask,
 ``torch.where``, Dropout in eval, ``F.scaled_dot_product_attention``; rotary embeddings' slices and concatenation of
-the head dimension, grouped-query keys repeated for their query heads) falls back: nothing compacts it. Where
+the head dimension, grouped-query keys repeated for their query heads, multi-query attention's split of its fused
+heads) falls back: nothing compacts it. Where
 every member reads every channel of those Linear layers, the members' blocks side by side on the channel axis are
 one wider layer's output with ``m`` times the heads, and every operation of the region treats heads apart: the region
 runs once on (B, m*heads, L, d) and gives its result back in member blocks, (B, L, m*C), with no move in or out.
@@ -14,7 +15,7 @@ a region, its *fold*: the axis that holds the members' blocks and how many eleme
 member index (1 for blocks side by side; 3 when a fused qkv Linear's output is split as (3, heads, head_dim): that
 Linear then writes its output with the member index inside the 3, ``MemberLinear(output_split=3)``). Every operation
 has a rule that says where its result's fold is, or that it mixes what a fold keeps apart; a region with an operation
-that has no rule, or a rule that fails (a softmax over the heads, a matmul over them, a slice of the heads, a mask
+that has no rule, or a rule that fails (a softmax over the heads, a matmul over them, a concatenation of heads, a mask
 with a size other than 1 or one member's heads on the heads, talking heads), is left as it was: fallbacks on the
 member-stacked batch. A mask (or position bias) with one member's heads, the same for every member, is repeated for
 every member's heads where the region runs (``Region.repeats``).
