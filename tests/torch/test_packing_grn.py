@@ -135,17 +135,29 @@ def program_code(packed: nn.Module) -> str:
     return "\n".join(module.code for module in packed.modules() if isinstance(module, fx.GraphModule))
 
 
+def check_member_equal_to_predict(model: nn.Module, x: Tensor) -> None:
+    """Member 1 alone (``extract_member``, built on the same capture and planner) equals its part of predict."""
+    assert_rounding_close(mt.extract_member(model, 1, x[:2])(x), mt.predict(model, x, N)[1])
+
+
 def check_equal_to_predict(model: nn.Module, packed: nn.Module) -> None:
     for batch in (3, 8):
         x = torch.randn(batch, 3, 8, 8, generator=torch.Generator().manual_seed(batch))
         assert_rounding_close(packed(x), mt.predict(model, x, N))
 
 
+SLOW = pytest.mark.slow  # the other forms on the export path: the same operations as on the fx path, once rewritten
+
+
 @pytest.mark.parametrize(
-    ("grn", "channels_first"), [(transformers_grn, False), (timm_grn, False), (paper_grn, True)],
-    ids=["transformers", "timm", "paper-channels-first"],
+    ("grn", "channels_first", "capture"),
+    [
+        (transformers_grn, False, "fx"), (transformers_grn, False, "export"), (timm_grn, False, "fx"),
+        pytest.param(timm_grn, False, "export", marks=SLOW), (paper_grn, True, "fx"),
+        pytest.param(paper_grn, True, "export", marks=SLOW),
+    ],
+    ids=["transformers-fx", "transformers-export", "timm-fx", "timm-export", "paper-fx", "paper-export"],
 )  # fmt: skip
-@pytest.mark.parametrize("capture", ["fx", "export"])
 def test_convnext_v2_blocks_compact_their_grn(grn: GRN, channels_first: bool, capture: str) -> None:
     """No operation of the blocks falls back (GRN's norm, ratio, ``addcmul`` and sums are compacted per member: no
     move to the member-stacked batch), and the program equals predict; a tuple input goes through torch.export."""
@@ -157,6 +169,8 @@ def test_convnext_v2_blocks_compact_their_grn(grn: GRN, channels_first: bool, ca
     assert "mean_ratio_members" in code and "to_batch" not in code
     assert packed.macs["fallback"] == 0 < packed.macs["packed"] < packed.macs["dense"]
     check_equal_to_predict(model, packed)
+    if capture == "fx":
+        check_member_equal_to_predict(model, x)
 
 
 @pytest.mark.parametrize("capture", ["fx", "export"])

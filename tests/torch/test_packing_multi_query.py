@@ -70,6 +70,11 @@ def attention_fallbacks(packed: mt.PackedMasksembles) -> list[str]:
     return [row for row in packed.fallbacks if "attention" in row]
 
 
+def check_member_equal_to_predict(model: nn.Module, x: Tensor) -> None:
+    """Member 1 alone (``extract_member``, built on the same capture and planner) equals its part of predict."""
+    assert_rounding_close(mt.extract_member(model, 1, x[:2])(x), mt.predict(model, x, N)[1])
+
+
 def check_equal_to_predict(model: nn.Module, packed: nn.Module) -> None:
     for batch in (3, 8):
         x = zoo.tokens(batch, seed=batch)
@@ -88,6 +93,8 @@ def test_multi_query_attention_folds_into_the_heads(capture: str) -> None:
     assert "index_members" in code and "enable_gqa = True" in code and "to_batch" not in code
     assert packed.macs["fallback"] == 0 < packed.macs["packed"] < packed.macs["dense"]
     check_equal_to_predict(model, packed)
+    if capture == "fx":
+        check_member_equal_to_predict(model, zoo.tokens(5, seed=5))
 
 
 def test_a_key_that_mixes_the_heads_does_not_fold() -> None:

@@ -74,6 +74,11 @@ def program_code(packed: nn.Module) -> str:
     return "\n".join(module.code for module in packed.modules() if isinstance(module, fx.GraphModule))
 
 
+def check_member_equal_to_predict(model: nn.Module, x: Tensor) -> None:
+    """Member 1 alone (``extract_member``, built on the same capture and planner) equals its part of predict."""
+    assert_rounding_close(mt.extract_member(model, 1, x[:2])(x), mt.predict(model, x, N)[1])
+
+
 def check_equal_to_predict(model: nn.Module, packed: nn.Module) -> None:
     for batch in (3, 8):
         x = torch.randn(batch, 3, 16, 16, generator=torch.Generator().manual_seed(batch))
@@ -91,6 +96,8 @@ def test_mobilevit_v2_patches_compact(capture: str) -> None:
     code = program_code(packed)
     assert "unfold_patches" in code and "fold_patches" in code and "to_batch" not in code
     check_equal_to_predict(model, packed)
+    if capture == "fx":
+        check_member_equal_to_predict(model, x)
 
 
 def test_patches_viewed_across_the_channels_stay_fallbacks() -> None:
@@ -192,3 +199,5 @@ def test_mobilevit_patch_rows_compact_and_the_transformer_with_them(capture: str
     assert not [row for row in packed.fallbacks if any(name in row for name in (*QKV, "patches_to_rows"))]
     assert 0 < packed.macs["fallback"] < packed.macs["packed"] < packed.macs["dense"]
     check_equal_to_predict(model, packed)
+    if capture == "fx":
+        check_member_equal_to_predict(model, x)
