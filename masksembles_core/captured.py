@@ -31,7 +31,7 @@ import numpy as np
 
 from .packing import OUTPUT, AxisConflict, AxisRule, BoolArray, GraphNode, channel_axes, per_member_fallbacks
 
-ELEMENTWISE_KINDS = ("channelwise", "combine", "concat", "flatten")  # compacted only while one input is compacted
+ELEMENTWISE_KINDS = ("channelwise", "combine", "concat", "flatten", "mean_ratio")  # compacted while an input is
 K = TypeVar("K", bound=Hashable)  # how an adapter names a run-time value (an fx node, a jaxpr variable)
 
 
@@ -343,7 +343,7 @@ def graph_nodes(graph: CapturedGraph[K, Op], axis: Mapping[K, int]) -> tuple[lis
         size = channels(key)
         if op.kind == "masks":
             nodes.append(GraphNode(name(key), "masks", names, size, masks=op.masks))
-        elif op.kind in ("channelwise", "grouped"):
+        elif op.kind in ("channelwise", "grouped", "mean_ratio"):
             zero = True if op.keeps_zeros else graph.zero_map(op)
             nodes.append(GraphNode(name(key), op.kind, names, size, zero_preserving=zero, groups=op.groups))
         elif op.kind == "combine":

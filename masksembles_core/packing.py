@@ -26,6 +26,10 @@ Kinds (what output channel ``c`` reads; ``channels`` is the size of the node's c
 - ``"concat"``: the inputs' channels one after the other (``parts``: channels of each input);
 - ``"norm"``: every input channel, zeros counted (LayerNorm, GroupNorm over the channels): after it every channel is
   live again;
+- ``"mean_ratio"``: input channel ``c`` divided by a function of the mean over every input channel, zeros counted
+  (GRN's ``g / (g.mean(channels) + eps)``): a zero channel adds nothing to the mean's sum, whose divisor is the full
+  width ``channels``, so each member's block computes it from the channels it holds (its padding left out) and the
+  full width; ``zero_preserving[c]`` as for channelwise (evaluated: 0 / (0 + eps) is 0 where eps is not 0);
 - ``"masks"``: a Masksembles layer (``masks`` (n, C) bool);
 - ``"flatten"``: (B, C, *spatial) -> (B, C*spatial), feature ``c*spatial + s`` from channel ``c``; with
   ``channels_last``, (B, *spatial, C) -> (B, spatial*C), feature ``s*C + c`` from channel ``c``;
@@ -42,23 +46,25 @@ Kinds (what output channel ``c`` reads; ``channels`` is the size of the node's c
 
 Rules, per member:
 
-- *needed*: the output needs every channel; mixing, norm and fallback nodes need every input channel, and so does a
-  combine of its broadcast inputs; a ``batch_dependent`` node needs them even where the member needs none of its
-  output (it reads every member's rows of the member-stacked batch, so another member's output can depend on them);
+- *needed*: the output needs every channel; mixing, norm, mean_ratio and fallback nodes need every input channel, and
+  so does a combine of its broadcast inputs; a ``batch_dependent`` node needs them even where the member needs none
+  of its output (it reads every member's rows of the member-stacked batch, so another member's output can depend on
+  them);
   grouped nodes the input channels of the groups they keep; channelwise, combine, concat and flatten nodes the input
   channels of their needed outputs; Masksembles only the needed channels its mask keeps.
-- *zero*: a channel is known to be zero after Masksembles drops it and stays zero through zero-preserving channelwise
-  and grouped nodes, flatten, concatenation and combines by their rule; nothing else is assumed zero.
-- *kept*: needed, and not (zero and dropped by every consumer). Mixing, grouped, norm and fallback consumers, and
-  combines reading it at a broadcast position, drop zero inputs (they contribute nothing, or the move that feeds them
-  writes the zero); any other consumer drops what it does not keep itself.
+- *zero*: a channel is known to be zero after Masksembles drops it and stays zero through zero-preserving channelwise,
+  mean_ratio and grouped nodes, flatten, concatenation and combines by their rule; nothing else is assumed zero.
+- *kept*: needed, and not (zero and dropped by every consumer). Mixing, grouped, norm, mean_ratio and fallback
+  consumers, and combines reading it at a broadcast position, drop zero inputs (they contribute nothing, or the move
+  that feeds them writes the zero); any other consumer drops what it does not keep itself.
 
 Placement: a node computed only from the input (before any Masksembles) is *shared*: every member computes the same
 values, so the union of the members' kept channels is computed once. Every other node holds, per member, its kept
 channels (in increasing order, padded with -1 to the widest member; grouped nodes in whole groups; concatenations
-part by part), the members' blocks side by side on the channel axis. A *dense* node (fallback, or an elementwise node
-whose inputs are all dense) holds every channel on the member-stacked batch instead: (m*B, C, ...) as the tiled dense
-model holds it, or (B, C, ...) when shared; a folded fallback holds every channel in member blocks when not shared.
+part by part; a mean_ratio node also every channel its input holds, which it reads in its own layout), the members'
+blocks side by side on the channel axis. A *dense* node (fallback, or an elementwise node whose inputs are all dense)
+holds every channel on the member-stacked batch instead: (m*B, C, ...) as the tiled dense model holds it, or
+(B, C, ...) when shared; a folded fallback holds every channel in member blocks when not shared.
 ``Move``s bring a tensor from its producer's placement to the one its consumer reads.
 
 Around the plan, what every adapter's ``pack`` does the same way: ``per_member_fallbacks`` (the shared fallbacks that
@@ -83,15 +89,16 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 KINDS = (
-    "input", "mixing", "grouped", "channelwise", "combine", "add", "concat", "norm", "masks", "flatten", "fallback",
+    "input", "mixing", "grouped", "channelwise", "combine", "add", "concat", "norm", "mean_ratio", "masks", "flatten",
+    "fallback",
 )  # fmt: skip
 ZERO_RULES = ("all", "any", "never")
 OUTPUT = "__output__"  # the name adapters give the fallback node that gathers a model's output leaves
 IntArray = NDArray[np.int64]
 BoolArray = NDArray[np.bool_]
 FloatArray = NDArray[np.float64]
-ZERO_FILLING = ("mixing", "grouped", "norm", "fallback")  # consumers whose input move writes known zeros
-ELEMENTWISE = ("channelwise", "combine", "add", "concat", "norm", "flatten")  # dense when every input is dense
+ZERO_FILLING = ("mixing", "grouped", "norm", "mean_ratio", "fallback")  # consumers whose input move writes known zeros
+ELEMENTWISE = ("channelwise", "combine", "add", "concat", "norm", "mean_ratio", "flatten")  # dense when inputs are
 
 
 @dataclass(frozen=True, eq=False)
@@ -249,7 +256,7 @@ def _check(nodes: Sequence[GraphNode], output: str) -> dict[str, GraphNode]:
         if missing:
             raise ValueError(f"node {node.name!r} reads {missing} before they are defined")
         sources = [by_name[name] for i, name in enumerate(node.inputs) if i not in node.broadcast]
-        if node.kind in ("combine", "add", "channelwise", "masks") and any(
+        if node.kind in ("combine", "add", "channelwise", "mean_ratio", "masks") and any(
             s.channels != node.channels for s in sources
         ):
             raise ValueError(f"{node.kind} node {node.name!r} has {node.channels} channels; its inputs must too")
@@ -292,7 +299,7 @@ def _zeros(nodes: Sequence[GraphNode], member: int) -> dict[str, BoolArray]:
         if node.kind == "masks":
             assert node.masks is not None
             zero[node.name] = sources[0] | ~node.masks[member]
-        elif node.kind == "channelwise":
+        elif node.kind in ("channelwise", "mean_ratio"):
             zero[node.name] = sources[0] & node.zero_map()
         elif node.kind in ("combine", "add"):
             rule = "all" if node.kind == "add" else node.zero_rule
@@ -344,7 +351,7 @@ def kept_channels(nodes: Sequence[GraphNode], output: str, member: int) -> dict[
             source = needed[name]
             if node.batch_dependent:  # it mixes the members' rows (predict's batch): others may need this member's
                 source[:] = True
-            elif node.kind in ("mixing", "norm", "fallback") or position in node.broadcast:
+            elif node.kind in ("mixing", "norm", "mean_ratio", "fallback") or position in node.broadcast:
                 source |= bool(demand.any())
             elif node.kind == "grouped":
                 used = kept[node.name].reshape(node.groups, -1).any(axis=1)
@@ -629,6 +636,12 @@ def plan_program(nodes: Sequence[GraphNode], output: str, members: Sequence[int]
         elif node.kind == "norm":
             placement = _full(node.channels, shared, m)
             reads = [_full(by_name[node.inputs[0]].channels, shared, m)]
+        elif node.kind == "mean_ratio":  # the channels it keeps and every one its input holds (the mean's terms)
+            held = [k | member[node.inputs[0]] for k, member in zip(member_kept, kept, strict=True)]
+            width = max(int(h.sum()) for h in held)
+            layouts = (_padded(np.logical_or.reduce(held), 1),) if shared else tuple(_padded(h, width) for h in held)
+            placement = Placement(shared, layouts)
+            reads = [placement]
         elif node.kind == "grouped":
             size = node.channels // node.groups
             layouts, groups = _grouped_layouts([np.logical_or.reduce(member_kept)] if shared else member_kept, size)

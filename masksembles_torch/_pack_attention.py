@@ -4,7 +4,8 @@ An attention region (the operations between the query/key/value Linear layers, o
 per member after them (``q_proj(x) * scaling``), and the projection that reads their result: reshapes that split or
 merge the channels as (heads, head_dim), moves, ``unbind``, ``q @ k^T``, softmax, a scale, an additive mask,
 ``torch.where``, Dropout in eval, ``F.scaled_dot_product_attention``; rotary embeddings' slices and concatenation of
-the head dimension, grouped-query keys repeated for their query heads) falls back: nothing compacts it. Where
+the head dimension, grouped-query keys repeated for their query heads, multi-query attention's split of its fused
+heads) falls back: nothing compacts it. Where
 every member reads every channel of those Linear layers, the members' blocks side by side on the channel axis are
 one wider layer's output with ``m`` times the heads, and every operation of the region treats heads apart: the region
 runs once on (B, m*heads, L, d) and gives its result back in member blocks, (B, L, m*C), with no move in or out.
@@ -14,7 +15,7 @@ a region, its *fold*: the axis that holds the members' blocks and how many eleme
 member index (1 for blocks side by side; 3 when a fused qkv Linear's output is split as (3, heads, head_dim): that
 Linear then writes its output with the member index inside the 3, ``MemberLinear(output_split=3)``). Every operation
 has a rule that says where its result's fold is, or that it mixes what a fold keeps apart; a region with an operation
-that has no rule, or a rule that fails (a softmax over the heads, a matmul over them, a slice of the heads, a mask
+that has no rule, or a rule that fails (a softmax over the heads, a matmul over them, a concatenation of heads, a mask
 with a size other than 1 or one member's heads on the heads, talking heads), is left as it was: fallbacks on the
 member-stacked batch. A mask (or position bias) with one member's heads, the same for every member, is repeated for
 every member's heads where the region runs (``Region.repeats``).
@@ -67,6 +68,8 @@ class Region:
     shapes: dict[fx.Node, tuple[int, ...]] = field(default_factory=dict)
     chunks: dict[fx.Node, tuple[int, int]] = field(default_factory=dict)  # a split of a fold's axis: (parts, axis)
     repeats: dict[fx.Node, dict[fx.Node, int]] = field(default_factory=dict)  # per-head inputs: the axis to repeat
+    indexes: dict[fx.Node, tuple[int, tuple[Any, ...], int]] = field(default_factory=dict)  # (axis, index, landing)
+    shared_heads: set[fx.Node] = field(default_factory=set)  # attention whose keys/values have one head per member
 
 
 Component = tuple[list[fx.Node], set[fx.Node]]  # a region's operations in graph order, and the Linear layers it reads
@@ -270,7 +273,12 @@ def _rule(graph: _Graph, region: Region, node: fx.Node, op: _Op) -> Fold | tuple
     if is_expand(node) and len(op.tensors) == 1:
         return _expand(region, node, first, source, probed)
     if (node.target is operator.getitem or name == "unsqueeze") and len(op.tensors) == 1:
-        return _indexed(graph, node, first, source)
+        try:
+            return _indexed(graph, node, first, source)
+        except _Rejected:
+            if node.target is not operator.getitem:
+                raise
+            return _member_index(graph, region, node, first, source)
     if node.target in (torch.cat, torch.concat):
         return _concat(graph, region, node)
     if name == "repeat_interleave" and len(op.tensors) == 1:
@@ -312,6 +320,42 @@ def _indexed(graph: _Graph, node: fx.Node, fold: Fold, source: Probed) -> Fold:
     if landing is None or source.batch_axis < 0 or not _takes_whole(index, source.rank, [fold.axis, source.batch_axis]):
         raise _Rejected(node)
     return Fold(landing[fold.axis], fold.outer)
+
+
+def _member_index(graph: _Graph, region: Region, node: fx.Node, fold: Fold, source: Probed) -> Fold:
+    """A basic index that takes the batch whole and, on the fold's axis (members outermost), a slice or a list of
+    positions of one head (Falcon's multi-query split of its fused qkv heads, ``qkv[..., :-2, :]``, ``qkv[..., [-2],
+    :]``): in the dense model it takes those heads of the one member's block; folded, it takes them of every member's
+    block (``Region.indexes``: emitted on the axis split as (members, heads), ``index_members``)."""
+    index: Any = node.args[1]
+    entries: list[Any] = list(index) if isinstance(index, tuple) else [index]
+    lists = [i for i, e in enumerate(entries) if isinstance(e, list)]
+    if fold.outer != 1 or source.batch_axis < 0 or len(lists) > 1:
+        raise _Rejected(node)
+    if lists and not all(isinstance(p, int) and not isinstance(p, bool) for p in entries[lists[0]]):
+        raise _Rejected(node)
+    plain = tuple(slice(None) if isinstance(e, list) else e for e in entries)  # the axes a list keeps, in place
+    landing = _index_axes(plain, source.rank)
+    if landing is None or not _takes_whole(plain, source.rank, [source.batch_axis]):
+        raise _Rejected(node)
+    explicit: list[Any] = []  # the index with its Ellipsis written out, and the axis it reads at each entry
+    axes: list[int] = []
+    consumed = sum(e is not None and e is not Ellipsis for e in entries)
+    for e in entries:
+        if e is Ellipsis:
+            explicit += [slice(None)] * (source.rank - consumed)
+            axes += [len([a for a in axes if a >= 0]) + i for i in range(source.rank - consumed)]
+        else:
+            explicit.append(e)
+            axes.append(-1 if e is None else len([a for a in axes if a >= 0]))
+    while len([a for a in axes if a >= 0]) < source.rank:  # the axes after the index's, whole
+        explicit.append(slice(None))
+        axes.append(len([a for a in axes if a >= 0]))
+    at = axes.index(fold.axis)
+    if isinstance(explicit[at], int) or landing[fold.axis] < 0:
+        raise _Rejected(node)
+    region.indexes[node] = (fold.axis, (*explicit[:at], slice(None), *explicit[at:]), landing[fold.axis])
+    return Fold(landing[fold.axis], 1)
 
 
 def _index_axes(index: Any, rank: int) -> list[int] | None:
@@ -441,7 +485,9 @@ def _attention(graph: _Graph, region: Region, node: fx.Node, op: _Op) -> Fold:
     every operand (not the last two, which the products mix); an attention mask outside the region broadcasts.
     With ``enable_gqa`` (query head h reads key/value head h // (Hq / Hkv)), the fold is the heads axis with the
     members' blocks outermost: query head i*Hq + h of member i reads (i*Hq + h) // (Hq / Hkv) = i*Hkv + h // (Hq /
-    Hkv), member i's own key/value head for h."""
+    Hkv), member i's own key/value head for h. Multi-query attention (Falcon: one key/value head that the dense
+    model broadcasts over the query heads) is the same with Hkv = 1: folded, it runs with ``enable_gqa``
+    (``Region.shared_heads``); a matmul's operands must have the same heads."""
     rank = graph.probed(node).rank
     sdpa = node.target is F.scaled_dot_product_attention
     operands = [t for t in op.tensors if t in region.folds]
@@ -472,7 +518,20 @@ def _attention(graph: _Graph, region: Region, node: fx.Node, op: _Op) -> Fold:
     _sides(graph, region, node, fold)
     if grouped and (fold.axis != rank - 3 or fold.outer != 1):
         raise _Rejected(node)
+    heads = [graph.probed(t).shape[fold.axis] for t in _attention_operands(node, operands)]
+    if not grouped and len(set(heads)) > 1:  # keys/values broadcast over the query heads: one head, shared by all
+        if not sdpa or heads[1:] != [1, 1] or fold.axis != rank - 3 or fold.outer != 1:
+            raise _Rejected(node)
+        region.shared_heads.add(node)  # member i's query heads read its own key/value head: enable_gqa
     return fold
+
+
+def _attention_operands(node: fx.Node, operands: list[fx.Node]) -> list[fx.Node]:
+    """The query, key and value of ``scaled_dot_product_attention`` (or a matmul's two operands), as it reads them."""
+    if node.target is not F.scaled_dot_product_attention:
+        return operands
+    names = ("query", "key", "value")
+    return [cast(fx.Node, node.kwargs[n] if n in node.kwargs else node.args[i]) for i, n in enumerate(names)]
 
 
 def _reshape(
@@ -480,12 +539,15 @@ def _reshape(
     source_batch: int, out_batch: int,
 ) -> Fold:  # fmt: skip
     """A reshape keeps the members apart when the elements outside the member index are the same before and after
-    it: the result's fold is the axis (and the elements of it outside the member index) where that count ends."""
+    it: the result's fold is the axis (and the elements of it outside the member index) where that count ends; a
+    member's one element (multi-query attention's one key/value head) stays on an axis of 1 where that count ends."""
     if source_batch < 0 or out_batch < 0 or source_batch == fold.axis:
         raise _Rejected(node)
     before = math.prod(source[: fold.axis]) * fold.outer
     landing = None
-    for a in range(len(out)):
+    if source[fold.axis] == 1 and fold.outer == 1:  # one head per member (multi-query keys): kept on an axis of 1
+        landing = next((Fold(a, 1) for a in range(len(out)) if math.prod(out[:a]) == before and out[a] == 1), None)
+    for a in range(len(out) if landing is None else 0):
         prefix = math.prod(out[:a])
         if prefix == before and out[a] > 1:
             landing = Fold(a, 1)

@@ -33,8 +33,10 @@ from masksembles_core.packing import (
     norm_affine,
 )
 
+from . import _packed_ops as ops
 from ._layers import Masksembles
 from ._pack_export import exported, flat_inputs
+from ._pack_fuse import fuse_mean_ratios, fuse_patch_rows, fuse_patches
 from ._pack_modules import write_out_torch_modules
 from ._structures import Inputs, batch_size, batched_tensors, call, map_batched
 
@@ -83,7 +85,7 @@ ELEMENTWISE_FUNCTIONS = {
     F.hardshrink, F.softshrink, F.tanhshrink, F.mish, F.sigmoid, F.logsigmoid, F.softplus, F.softsign, F.threshold,
     F.rrelu, torch.relu, torch.sigmoid, torch.tanh, torch.exp, torch.abs, torch.neg, torch.sqrt, torch.rsqrt,
     torch.square, torch.clamp, torch.clip, torch.erf, torch.sin, torch.cos, torch.log, torch.pow, torch.nan_to_num,
-    torch.sign, operator.neg, operator.abs, operator.pos,
+    torch.sign, operator.neg, operator.abs, operator.pos, torch.addcmul, torch.addcdiv,
 }  # fmt: skip
 
 
@@ -114,7 +116,7 @@ IN_PLACE_OPERATORS = {
 PER_SAMPLE_DROPOUTS = {"stochastic_depth", "drop_path"}  # functions of (x, p, ..., training): the identity in eval
 
 
-REDUCTIONS = {"mean", "sum", "amax", "amin", "var", "std"}
+REDUCTIONS = {"mean", "sum", "amax", "amin", "var", "std", "norm", "linalg_vector_norm"}
 
 
 MOVES = {"permute", "transpose", "flatten", "unsqueeze", "squeeze", "movedim", "swapaxes", "swapdims", "unflatten"}
@@ -486,7 +488,8 @@ class _Op(CapturedOp[fx.Node]):
     (a view, Dropout in eval) keeps zeros without being evaluated."""
 
     module: nn.Module | None = None
-    how: str = "call"  # call (the model's own operation), identity, affine, prelu, linear, conv, norm, flatten, rows
+    how: str = "call"  # call (the model's own operation), identity, affine, prelu, linear, conv, norm, flatten, rows,
+    # mean_ratio
     weight: Tensor | None = None
     bias: Tensor | None = None
     conv: dict[str, Any] = field(default_factory=dict)
@@ -540,6 +543,7 @@ class _Capture:
             )
         if self.entry is None:
             write_out_torch_modules(self.gm, cast(Tensor, example))
+        fuse_mean_ratios(self.gm)
         given = dict(zip(placeholders, self.flat(example), strict=True))
         # the batch-first tensors among the inputs: the first is the input the core starts from, the others run as
         # the model runs them (fallbacks without inputs) wherever they are read
@@ -553,6 +557,11 @@ class _Capture:
         constants = {n for n in self.gm.graph.nodes if n not in self.dynamic and n.op != "output"}
         larger = map_batched(example, lambda tensor: torch.cat([tensor, tensor[:1]]))
         self.seen, self.constants = _probe(self.gm, [self.flat(example), self.flat(larger)], constants)
+        rows = fuse_patch_rows(self.gm, self._shapes, functools.partial(_evaluate, self))
+        for replaced, fused in {**fuse_patches(self.gm, self._shape), **rows}.items():  # the same value, one call
+            self.seen[fused] = self.seen.pop(replaced)
+            self.dynamic.add(fused)
+        self.dynamic &= set(self.gm.graph.nodes)  # not the fused operations
         self.values: set[fx.Node] = set(self.placeholders)  # the model values: tensors, tuples and what they give
         for node in self.gm.graph.nodes:
             if node in self.dynamic and node.op not in ("placeholder", "output") and self._is_value(node):
@@ -567,6 +576,16 @@ class _Capture:
         held = [inner for module in called for inner in module.modules() if isinstance(inner, Masksembles)]
         self.n = _members_of(held)
         self.classified = self.ops
+
+    def _shape(self, node: fx.Node) -> tuple[int, ...] | None:
+        """A value's shape at the example's batch size, None for anything but a tensor."""
+        shapes = self._shapes(node)
+        return None if shapes is None else shapes[0]
+
+    def _shapes(self, node: fx.Node) -> tuple[tuple[int, ...], ...] | None:
+        """A value's shapes at the probe's two batch sizes, None for anything but a tensor."""
+        seen = self.seen.get(node)
+        return seen.shapes if seen is not None and seen.tensor else None
 
     def flat(self, inputs: Inputs) -> list[Any]:
         """``inputs`` (of the example's structure) as the graph's placeholders take them."""
@@ -779,6 +798,15 @@ class _Capture:
         name = str(target) if method else getattr(target, "__name__", "")
         if method and name.endswith("_") and not name.endswith("__"):
             name = name[:-1]  # in place: emitted out of place
+        if target in (ops.unfold_patches, ops.fold_patches) and len(tensors) == 1:  # channel c from channel c
+            return _Op(node, "channelwise", tensors, rule="fixed", fixed_in=1, fixed_out=1)
+        if target in (ops.patches_to_rows, ops.rows_to_patches) and len(tensors) == 1:  # each sample's rows together
+            axes = (1, 2) if target is ops.patches_to_rows else (2, 1)
+            return _Op(node, "channelwise", tensors, rule="fixed", fixed_in=axes[0], fixed_out=axes[1], batch_in=0,
+                       batch_out=0, regroups_rows=True)  # fmt: skip
+        if target is ops.mean_ratio and len(tensors) == 1:  # over the channels, or per channel (``mean_ratio_axis``)
+            over_batch = self.argument(node, "dim", 1) % self.seen[node].rank in self.seen[tensors[0]].batch_axes
+            return None if over_batch else _Op(node, "mean_ratio", tensors, how="mean_ratio")
         if target in (torch.cat, torch.concat):
             dim = self.argument(node, "dim", 1, 0)
             if not isinstance(dim, int):

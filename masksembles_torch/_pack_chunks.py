@@ -160,7 +160,7 @@ def _keeps_samples(capture: _Capture, node: fx.Node) -> bool:
     if node.target in COMPARISONS or name in COMPARISON_METHODS:  # elementwise: the batch on the same axis
         return bool(axes) and out is not None and all(a == out for a in axes)
     classified = capture.classified.get(node)  # an operation that would compact, at full width as it reads fallbacks
-    if classified is None or classified.kind not in ("channelwise", "combine") or out is None:
+    if classified is None or classified.kind not in ("channelwise", "combine", "mean_ratio") or out is None:
         return False
     if classified.rule == "map":  # a move or a reduction: the batch indices must come out whole on the batch axis
         return len(axes) == 1 and axes[0] is not None and _axis_map(capture, classified, axes[0]) == out

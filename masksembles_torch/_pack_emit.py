@@ -56,6 +56,8 @@ class _Emitter:
         self.fold_shapes = {node: shape for region in regions for node, shape in region.shapes.items()}
         self.fold_chunks = {node: parts for region in regions for node, parts in region.chunks.items()}
         self.fold_repeats = {node: sides for region in regions for node, sides in region.repeats.items()}
+        self.fold_indexes = {node: index for region in regions for node, index in region.indexes.items()}
+        self.fold_shared_heads = {node for region in regions for node in region.shared_heads}
         self.split_outputs = {entry: outer for region in regions for entry, outer in region.entries.items()}
         self.m = len(program.members)
         # the members returned, as positions in the program's (None: all of them, in order)
@@ -234,6 +236,14 @@ class _Emitter:
             return self.graph.call_method("expand" if is_expand(node) else "reshape", (inputs[0], shape))
         if node in self.fold_chunks:  # a split of a folded region's axis: equal parts, whatever its width
             return self.graph.call_function(torch.chunk, (inputs[0], *self.fold_chunks[node]))
+        if node in self.fold_indexes:  # an index of a folded region's heads: the same heads of every member's block
+            members = 1 if step.placement.shared else self.m
+            axis, index, landing = self.fold_indexes[node]
+            return self.graph.call_function(ops.index_members, (inputs[0], axis, members, index, landing))
+        if node in self.fold_shared_heads and step.name in self.program.folded:  # member i's own key/value head
+            attention = self._as_model(op, inputs)
+            attention.args, attention.kwargs = attention.args[:7], {**attention.kwargs, "enable_gqa": True}
+            return attention
         read = op.batch_size_read if step.placement.shared else None
         if read is not None:  # computed once on the batch: the batch size is the input's, not the dense model's
             batch = self.graph.call_method("size", (self.values[self.capture.input.name], 0))
@@ -362,6 +372,13 @@ class _Emitter:
             return self.graph.call_function(torch.cat, (parts, op.axis))
         if kind == "norm":
             return self._norm(op, inputs[0], member) if member else self._as_model(op, inputs)
+        if kind == "mean_ratio":  # each block's channels summed, divided by the full width
+            _, valid = channel_indices(placement.layouts)
+            held = self._attribute("valid", torch.as_tensor(valid, device=self.capture.device))
+            eps = self.capture.argument(op.node, "eps", 2)
+            blocks = len(placement.layouts)
+            args = (inputs[0], blocks, op.axis, held, step.node.channels, eps)
+            return self.graph.call_function(ops.mean_ratio_members, args)
         if kind == "flatten":
             last = step.node.channels_last
             if last and member:
@@ -828,6 +845,7 @@ FRESH_MODULES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear, ops.MemberLinear, o
 
 FRESH_FUNCTIONS = {
     ops.gather_channels, ops.add_shared, ops.concat_members, ops.layer_norm_members, ops.group_norm_members,
+    ops.mean_ratio_members,
     torch.relu, torch.sigmoid, torch.tanh, F.relu, F.gelu, F.silu, F.hardswish, F.hardsigmoid, F.prelu,
 }  # fmt: skip
 

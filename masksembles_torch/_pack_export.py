@@ -69,6 +69,9 @@ FUNCTIONS: dict[Any, tuple[Callable[..., Any], int | None]] = {
     ATEN.adaptive_avg_pool1d.default: (F.adaptive_avg_pool1d, None),
     ATEN.adaptive_avg_pool2d.default: (F.adaptive_avg_pool2d, None),
     ATEN.adaptive_avg_pool3d.default: (F.adaptive_avg_pool3d, None),
+    ATEN.linalg_vector_norm.default: (torch.linalg.vector_norm, None), ATEN.addcmul.default: (torch.addcmul, None),
+    ATEN.addcdiv.default: (torch.addcdiv, None), ATEN.im2col.default: (F.unfold, None),
+    ATEN.col2im.default: (F.fold, None),
 }  # fmt: skip
 
 
@@ -463,6 +466,8 @@ def _rewrite(node: fx.Node) -> None:
             node.target, node.args = twin
     elif target in (ATEN.select.int, ATEN.slice.Tensor):
         _as_index(node)
+    elif target is ATEN.index.Tensor:
+        _list_index(node)
     if node.target in KEYWORD_TWINS:
         arguments = inspect.signature(node.target).bind(*node.args, **node.kwargs).arguments
         first, *rest = arguments
@@ -472,6 +477,26 @@ def _rewrite(node: fx.Node) -> None:
 def _rank(node: Any) -> int | None:
     value = node.meta.get("val") if isinstance(node, fx.Node) else None
     return value.dim() if isinstance(value, Tensor) else None
+
+
+def _list_index(node: fx.Node) -> None:
+    """``index.Tensor(x, [None, ..., positions])`` with constant positions (a 1-D integer tensor held by the module,
+    as export lifts ``x[..., [-2]]``'s list) -> ``x[..., [p0, p1, ...]]``, the list on the same axis."""
+    source, indices = node.args
+    if not isinstance(indices, (list, tuple)) or not indices or any(i is not None for i in indices[:-1]):
+        return
+    held = indices[-1]
+    if isinstance(held, fx.Node) and held.target is ATEN.lift_fresh_copy.default:
+        held = held.args[0]
+    if not isinstance(held, fx.Node) or held.op != "get_attr" or held.graph.owning_module is None:
+        return
+    positions: Any = held.graph.owning_module
+    for name in str(held.target).split("."):
+        positions = getattr(positions, name, None)
+    if not isinstance(positions, Tensor) or positions.dim() != 1 or positions.dtype not in (torch.int64, torch.int32):
+        return
+    node.target = operator.getitem
+    node.args = (source, (*[slice(None)] * (len(indices) - 1), positions.tolist()))
 
 
 def _as_index(node: fx.Node) -> None:

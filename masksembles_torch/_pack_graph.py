@@ -94,7 +94,16 @@ def _axis_map(capture: _Capture, op: _Op, source_axis: int) -> int | None:
 def _solve_axes(capture: _Capture) -> tuple[_Graph, dict[fx.Node, int]]:
     """The core's channel axes over the capture (``masksembles_core.captured.solve_axes``)."""
     graph = _Graph(capture)
-    return graph, captured.solve_axes(graph)
+    axis = captured.solve_axes(graph)
+    for op in graph.ops.values():
+        if op.kind == "mean_ratio" and op.axis != mean_ratio_axis(capture, op.node):
+            op.kind = "channelwise"  # a mean over another axis than the channels': channel c from channel c alone
+    return graph, axis
+
+
+def mean_ratio_axis(capture: _Capture, node: fx.Node) -> int:
+    """The axis of ``_packed_ops.mean_ratio(g, dim, eps)``'s mean (its channel axis where it is a ``"mean_ratio"``)."""
+    return int(capture.argument(node, "dim", 1)) % capture.seen[node].rank
 
 
 def _takes_whole(index: Any, rank: int, axes: Sequence[int]) -> bool:

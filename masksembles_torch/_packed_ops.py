@@ -36,6 +36,13 @@ def gather_channels(x: Tensor, axis: int, index: Tensor) -> Tensor:
     return x.index_select(axis, index)
 
 
+def index_members(x: Tensor, axis: int, members: int, index: tuple[Any, ...], landing: int) -> Tensor:
+    """``index`` (written out, with a full slice where ``axis`` is split) of each member's block of ``axis``: x's
+    ``axis`` split as (members, -1), indexed, the result's member axis (``landing``) and the one after it merged."""
+    split: Tensor = x.unflatten(axis, (members, -1))  # type: ignore[no-untyped-call]
+    return split[index].flatten(landing, landing + 1)
+
+
 def to_batch(x: Tensor, members: int, batch_axis: int, channel_axis: int) -> Tensor:
     """(…B…, m*C…) -> (…m*B…, C…): the members' channel blocks onto the batch, member ``k`` in block ``k``.
 
@@ -120,6 +127,52 @@ def layer_norm_members(x: Tensor, members: int, weight: Tensor | None, bias: Ten
     """LayerNorm over each member's block of the last axis (every channel of the member, zeros included)."""
     split: Tensor = x.unflatten(-1, (members, -1))  # type: ignore[no-untyped-call]
     return F.layer_norm(split, split.shape[-1:], weight, bias, eps).flatten(-2)
+
+
+def mean_ratio(g: Tensor, dim: int, eps: float) -> Tensor:
+    """GRN's ``g / (g.mean(dim, keepdim=True) + eps)``, the operations the model runs, in its order: what ``pack``'s
+    capture makes of that pattern (one call the core reads as a ``"mean_ratio"``)."""
+    return g / (g.mean(dim=dim, keepdim=True) + eps)
+
+
+def mean_ratio_members(x: Tensor, members: int, axis: int, valid: Tensor, channels: int, eps: float) -> Tensor:
+    """``mean_ratio`` on each member's block of ``axis`` (non-negative), its mean the sum of the block's channels
+    (``valid``, (m*P,) bool: where the layout holds a channel, not padding) divided by the full width ``channels``:
+    the channels a block leaves out are zeros, which add nothing to the sum."""
+    split: Tensor = x.unflatten(axis, (members, -1))  # type: ignore[no-untyped-call]
+    shape = [1] * split.dim()
+    shape[axis : axis + 2] = [members, -1]
+    total = torch.where(valid.view(shape), split, 0.0).sum(dim=axis + 1, keepdim=True)
+    return (split / (total / channels + eps)).flatten(axis, axis + 1)
+
+
+def unfold_patches(x: Tensor, kernel_size: Any, dilation: Any, padding: Any, stride: Any) -> Tensor:
+    """MobileViT-v2's patches: ``F.unfold`` of (B, C, H, W) viewed (B, C, K, L), as the model computes them (on any
+    number of channels: the sizes are read from ``x``)."""
+    patches = F.unfold(x, kernel_size, dilation, padding, stride)
+    return patches.reshape(x.shape[0], x.shape[1], -1, patches.shape[-1])
+
+
+def fold_patches(
+    patches: Tensor, output_size: Any, kernel_size: Any, dilation: Any, padding: Any, stride: Any
+) -> Tensor:
+    """MobileViT-v2's folding: (B, C, K, L) viewed (B, C*K, L), then ``F.fold`` to (B, C, H, W)."""
+    return F.fold(patches.flatten(1, 2), output_size, kernel_size, dilation, padding, stride)
+
+
+def patches_to_rows(x: Tensor, patch_height: int, patch_width: int) -> Tensor:
+    """MobileViT's unfolding: (B, C, H, W) -> (B*ph*pw, (H/ph)*(W/pw), C), row b*ph*pw + i*pw + j holding position
+    (i, j) of every patch of sample b (sizes read from ``x``: any number of channels)."""
+    batch, channels, height, width = x.shape
+    grid = x.reshape(batch, channels, height // patch_height, patch_height, width // patch_width, patch_width)
+    return grid.permute(0, 3, 5, 2, 4, 1).reshape(batch * patch_height * patch_width, -1, channels)
+
+
+def rows_to_patches(rows: Tensor, patch_height: int, patch_width: int, patches_high: int, patches_wide: int) -> Tensor:
+    """MobileViT's folding, the inverse of ``patches_to_rows``: (B*ph*pw, patches, C) -> (B, C, H, W)."""
+    channels = rows.shape[-1]
+    grid = rows.reshape(-1, patch_height, patch_width, patches_high, patches_wide, channels)
+    return grid.permute(0, 5, 3, 1, 4, 2).reshape(-1, channels, patches_high * patch_height, patches_wide * patch_width)
 
 
 def group_norm_members(

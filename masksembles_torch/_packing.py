@@ -10,13 +10,15 @@ How, one file a step: ``_pack_capture`` traces the model with torch.fx in eval m
 ``torch.export``, ``_pack_export``, for several inputs or a model torch.fx cannot trace), runs it on the example input
 at two batch sizes (every tensor's shape and batch axis) and classifies each operation as a ``masksembles_core.packing``
 kind: what can be compacted (Linear and convolutions of any ``groups``, BatchNorm, LayerNorm/GroupNorm over the
-channels, elementwise operations with scalar or per-channel arguments, pooling and reductions over other axes, moves
-of the channel axis, sums/products, concatenations, flattening, Masksembles) or a *fallback* that runs exactly as the
-dense model runs it, at full width on the member-stacked batch (``PackedMasksembles.fallbacks`` lists them);
-``_pack_graph`` answers the core's questions about it (``masksembles_core.captured`` solves the channel axes and builds
-the core's graph, from which the core decides which channels each member computes); ``_pack_emit`` writes the program
-as an fx graph over the kernels of ``_packed_ops``; ``_pack_chunks`` proves a CPU program per-sample and runs it on
-chunks of the batch. This module builds, verifies against ``predict`` and chooses (``pack``, ``extract_member``).
+channels, GRN's ratio to the mean over the channels, elementwise operations with scalar or per-channel arguments,
+pooling and reductions over other axes, moves of the channel axis, sums/products, concatenations, flattening,
+MobileViT's patches, Masksembles; ``_pack_fuse`` first rewrites a few patterns of several operations into one call each)
+or a *fallback* that runs exactly as the dense model runs it, at full width on the member-stacked batch
+(``PackedMasksembles.fallbacks`` lists them); ``_pack_graph`` answers the core's questions about it
+(``masksembles_core.captured`` solves the channel axes and builds the core's graph, from which the core decides which
+channels each member computes); ``_pack_emit`` writes the program as an fx graph over the kernels of ``_packed_ops``;
+``_pack_chunks`` proves a CPU program per-sample and runs it on chunks of the batch. This module builds, verifies
+against ``predict`` and chooses (``pack``, ``extract_member``).
 
 "Zero stays zero" is never assumed from an operation's name: an elementwise operation counts as zero-preserving on a
 channel only when evaluating it, with its own arguments, on +0 and -0 inputs gives 0 there.

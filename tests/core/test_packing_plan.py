@@ -376,6 +376,58 @@ def test_norm_reads_every_channel_zeros_written_by_the_move() -> None:
     assert move.scale.reshape(3, 6).tolist() == DISJOINT.astype(float).tolist(), "dropped channels come in as 0"
 
 
+def grn_scale(g: np.ndarray, channels: int, eps: float) -> np.ndarray:
+    """GRN's ``g / (g.mean(channels) + eps)`` over the last axis, the mean's divisor ``channels``."""
+    return g / (g.sum(-1, keepdims=True) / channels + eps)
+
+
+def test_mean_ratio_computes_each_members_block_with_the_full_width_divisor() -> None:
+    """GRN's ratio after a mask: each member's block holds only its live channels (no move in), and its mean over
+    the block's channels divided by the full width is the dense mean, the dropped channels' zeros counted."""
+    nodes = masked_input(GraphNode("ratio", "mean_ratio", (), 6), GraphNode("out", "mixing", (), 2))
+    program = plan_program(nodes, "out", range(3))
+    step = program.step("ratio")
+    assert layouts(step.placement) == [[0, 1], [2, 3], [4, 5]] == layouts(step.edges[0].placement)
+    assert step.edges[0].moves == (), "it reads the masks' blocks as they are"
+    assert program.fallbacks == ()
+    g = np.random.default_rng(0).random((4, 6)) + 0.5
+    for k, layout in enumerate(layouts(step.placement)):
+        dense = grn_scale(np.where(DISJOINT[k], g, 0.0), 6, 1e-6)
+        np.testing.assert_allclose(grn_scale(g[:, layout], 6, 1e-6), dense[:, layout], rtol=1e-12)
+        assert (dense[:, ~DISJOINT[k]] == 0).all(), "zero-preserving: the dropped channels stay zero"
+
+
+def test_mean_ratio_that_is_not_zero_preserving_keeps_the_zeros_it_reads() -> None:
+    """Without eps, 0 / 0 is not 0: every channel is computed, the dropped ones written as zeros by the move, and
+    padding never enters the mean (the block is the full width)."""
+    nodes = masked_input(
+        GraphNode("ratio", "mean_ratio", (), 6, zero_preserving=False), GraphNode("out", "mixing", (), 2)
+    )
+    step = plan_program(nodes, "out", range(3)).step("ratio")
+    assert layouts(step.placement) == [list(range(6))] * 3
+    (move,) = step.edges[0].moves
+    assert move.scale is not None and move.scale.reshape(3, 6).tolist() == DISJOINT.astype(float).tolist()
+
+
+def test_mean_ratio_reads_every_channel_its_input_holds_and_keeps_the_ones_consumers_need() -> None:
+    """A ratio of the whole output of a mixing layer (no mask between): it reads all of it, per member; a mask after
+    it keeps each member's channels for the next layer."""
+    nodes = [
+        GraphNode("x", "input", (), 3),
+        GraphNode("fc", "mixing", ("x",), 6),
+        GraphNode("m", "masks", ("fc",), 6, masks=DISJOINT),
+        GraphNode("fc2", "mixing", ("m",), 6),
+        GraphNode("ratio", "mean_ratio", ("fc2",), 6),
+        GraphNode("m2", "masks", ("ratio",), 6, masks=DISJOINT[::-1].copy()),
+        GraphNode("out", "mixing", ("m2",), 2),
+    ]
+    program = plan_program(nodes, "out", range(3))
+    assert layouts(program.step("fc2").placement) == [list(range(6))] * 3
+    assert layouts(program.step("ratio").placement) == [list(range(6))] * 3
+    assert layouts(program.step("m2").placement) == [[4, 5], [2, 3], [0, 1]]
+    assert program.fallbacks == ()
+
+
 def test_fallback_runs_dense_and_its_neighbours_move() -> None:
     nodes = masked_input(
         GraphNode("f", "fallback", (), 6),

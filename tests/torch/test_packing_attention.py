@@ -431,8 +431,9 @@ def test_rotary_grouped_query_attention_folds_into_the_heads(grouping: str) -> N
 
 
 def test_rotary_on_a_slice_of_the_heads_does_not_fold() -> None:
-    """``q[:, :2]`` takes the first two of a member's four heads; folded, it would take member 0's heads only: the
-    region stays on the member-stacked batch, and equals predict."""
+    """``q[:, :2]`` takes the first two of a member's four heads (folded: of every member's block), but the
+    rotated heads concatenated with the others along the heads axis would interleave the members' blocks: the region
+    stays on the member-stacked batch, and equals predict."""
     torch.manual_seed(0)
     model = mt.insert(RotaryAttention("rotary_on_some_heads"), N, 2.0, seed=0).eval()
     check_attention_folds_and_equals_predict(model, folds=False)
