@@ -15,7 +15,7 @@ from torch import Tensor, fx, nn
 
 import masksembles_torch as mt
 from masksembles_torch import _packed_ops
-from tests.rounding import assert_rounding_close
+from tests.torch.packing_checks import check_equal_to_predict, check_member_equal_to_predict, program_code
 
 N = 4
 
@@ -130,23 +130,12 @@ def grn_fallbacks(packed: mt.PackedMasksembles) -> list[str]:
     return [row for row in packed.fallbacks if "blocks" in row]
 
 
-def program_code(packed: nn.Module) -> str:
-    """The code of the program and of the graphs it calls (a torch.export capture's program is called by its entry)."""
-    return "\n".join(module.code for module in packed.modules() if isinstance(module, fx.GraphModule))
-
-
-def check_member_equal_to_predict(model: nn.Module, x: Tensor) -> None:
-    """Member 1 alone (``extract_member``, built on the same capture and planner) equals its part of predict."""
-    assert_rounding_close(mt.extract_member(model, 1, x[:2])(x), mt.predict(model, x, N)[1])
-
-
-def check_equal_to_predict(model: nn.Module, packed: nn.Module) -> None:
-    for batch in (3, 8):
-        x = torch.randn(batch, 3, 8, 8, generator=torch.Generator().manual_seed(batch))
-        assert_rounding_close(packed(x), mt.predict(model, x, N))
-
-
 SLOW = pytest.mark.slow  # the other forms on the export path: the same operations as on the fx path, once rewritten
+
+
+def images(batch: int) -> Tensor:
+    """A batch of ``batch`` 3x8x8 images, seeded by its size."""
+    return torch.randn(batch, 3, 8, 8, generator=torch.Generator().manual_seed(batch))
 
 
 @pytest.mark.parametrize(
@@ -168,9 +157,9 @@ def test_convnext_v2_blocks_compact_their_grn(grn: GRN, channels_first: bool, ca
     code = program_code(packed)
     assert "mean_ratio_members" in code and "to_batch" not in code
     assert packed.macs["fallback"] == 0 < packed.macs["packed"] < packed.macs["dense"]
-    check_equal_to_predict(model, packed)
+    check_equal_to_predict(model, packed, images, N)
     if capture == "fx":
-        check_member_equal_to_predict(model, x)
+        check_member_equal_to_predict(model, x, N)
 
 
 @pytest.mark.parametrize("capture", ["fx", "export"])
@@ -189,7 +178,7 @@ def test_a_mask_before_grn_leaves_each_member_its_live_channels(capture: str) ->
     )  # fmt: skip
     held = getattr(program, str(ratio.args[3].target))
     assert held.numel() == N * live, "each member's block holds its live channels, padded to the widest member"
-    check_equal_to_predict(model, packed)
+    check_equal_to_predict(model, packed, images, N)
 
 
 @pytest.mark.parametrize("name", list(NEGATIVE))
@@ -200,4 +189,4 @@ def test_ratios_that_do_not_count_zeros_as_a_mean_does_stay_fallbacks(name: str)
     x = torch.randn(4, 3, 8, 8)
     for packed in (mt.pack(model, x, program="packed"), mt.pack(model, (x,), program="packed")):
         assert grn_fallbacks(packed) and "mean_ratio_members" not in program_code(packed), packed.fallbacks
-        check_equal_to_predict(model, packed)
+        check_equal_to_predict(model, packed, images, N)

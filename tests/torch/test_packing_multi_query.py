@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import Tensor, fx, nn
+from torch import Tensor, nn
 
 import masksembles_torch as mt
-from tests.rounding import assert_rounding_close
 from tests.torch import zoo
+from tests.torch.packing_checks import check_equal_to_predict, check_member_equal_to_predict, program_code
 
 N = 4
 
@@ -62,23 +62,8 @@ def built(mixed_key: bool = False) -> nn.Module:
     return mt.insert(Falcon(mixed_key), N, 2.0, seed=0).eval()
 
 
-def program_code(packed: nn.Module) -> str:
-    return "\n".join(module.code for module in packed.modules() if isinstance(module, fx.GraphModule))
-
-
 def attention_fallbacks(packed: mt.PackedMasksembles) -> list[str]:
     return [row for row in packed.fallbacks if "attention" in row]
-
-
-def check_member_equal_to_predict(model: nn.Module, x: Tensor) -> None:
-    """Member 1 alone (``extract_member``, built on the same capture and planner) equals its part of predict."""
-    assert_rounding_close(mt.extract_member(model, 1, x[:2])(x), mt.predict(model, x, N)[1])
-
-
-def check_equal_to_predict(model: nn.Module, packed: nn.Module) -> None:
-    for batch in (3, 8):
-        x = zoo.tokens(batch, seed=batch)
-        assert_rounding_close(packed(x), mt.predict(model, x, N))
 
 
 @pytest.mark.parametrize("capture", ["fx", "export"])
@@ -92,9 +77,9 @@ def test_multi_query_attention_folds_into_the_heads(capture: str) -> None:
     code = program_code(packed)
     assert "index_members" in code and "enable_gqa = True" in code and "to_batch" not in code
     assert packed.macs["fallback"] == 0 < packed.macs["packed"] < packed.macs["dense"]
-    check_equal_to_predict(model, packed)
+    check_equal_to_predict(model, packed, lambda batch: zoo.tokens(batch, seed=batch), N)
     if capture == "fx":
-        check_member_equal_to_predict(model, zoo.tokens(5, seed=5))
+        check_member_equal_to_predict(model, zoo.tokens(5, seed=5), N)
 
 
 def test_a_key_that_mixes_the_heads_does_not_fold() -> None:
@@ -104,4 +89,4 @@ def test_a_key_that_mixes_the_heads_does_not_fold() -> None:
     packed = mt.pack(model, zoo.tokens(4), program="packed")
     assert attention_fallbacks(packed) and packed.macs["fallback"] > 0
     assert "enable_gqa = True" not in program_code(packed)
-    check_equal_to_predict(model, packed)
+    check_equal_to_predict(model, packed, lambda batch: zoo.tokens(batch, seed=batch), N)

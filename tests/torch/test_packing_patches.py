@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import Tensor, fx, nn
+from torch import Tensor, nn
 
 import masksembles_torch as mt
-from tests.rounding import assert_rounding_close
+from tests.torch.packing_checks import check_equal_to_predict, check_member_equal_to_predict, program_code
 
 N = 4
 
@@ -70,19 +70,9 @@ def built(mixed: bool = False) -> nn.Module:
     return mt.insert(MobileViTV2(mixed), N, 2.0, seed=0).eval()
 
 
-def program_code(packed: nn.Module) -> str:
-    return "\n".join(module.code for module in packed.modules() if isinstance(module, fx.GraphModule))
-
-
-def check_member_equal_to_predict(model: nn.Module, x: Tensor) -> None:
-    """Member 1 alone (``extract_member``, built on the same capture and planner) equals its part of predict."""
-    assert_rounding_close(mt.extract_member(model, 1, x[:2])(x), mt.predict(model, x, N)[1])
-
-
-def check_equal_to_predict(model: nn.Module, packed: nn.Module) -> None:
-    for batch in (3, 8):
-        x = torch.randn(batch, 3, 16, 16, generator=torch.Generator().manual_seed(batch))
-        assert_rounding_close(packed(x), mt.predict(model, x, N))
+def images(batch: int) -> Tensor:
+    """A batch of ``batch`` 3x16x16 images, seeded by its size."""
+    return torch.randn(batch, 3, 16, 16, generator=torch.Generator().manual_seed(batch))
 
 
 @pytest.mark.parametrize("capture", ["fx", "export"])
@@ -95,9 +85,9 @@ def test_mobilevit_v2_patches_compact(capture: str) -> None:
     assert packed.fallbacks == (), packed.fallbacks
     code = program_code(packed)
     assert "unfold_patches" in code and "fold_patches" in code and "to_batch" not in code
-    check_equal_to_predict(model, packed)
+    check_equal_to_predict(model, packed, images, N)
     if capture == "fx":
-        check_member_equal_to_predict(model, x)
+        check_member_equal_to_predict(model, x, N)
 
 
 def test_patches_viewed_across_the_channels_stay_fallbacks() -> None:
@@ -106,7 +96,7 @@ def test_patches_viewed_across_the_channels_stay_fallbacks() -> None:
     model = built(mixed=True)
     packed = mt.pack(model, torch.randn(4, 3, 16, 16), program="packed")
     assert packed.fallbacks and "unfold_patches" not in program_code(packed)
-    check_equal_to_predict(model, packed)
+    check_equal_to_predict(model, packed, images, N)
 
 
 class MobileViTLayer(nn.Module):
@@ -198,6 +188,6 @@ def test_mobilevit_patch_rows_compact_and_the_transformer_with_them(capture: str
     assert "patches_to_rows" in code and "rows_to_patches" in code
     assert not [row for row in packed.fallbacks if any(name in row for name in (*QKV, "patches_to_rows"))]
     assert 0 < packed.macs["fallback"] < packed.macs["packed"] < packed.macs["dense"]
-    check_equal_to_predict(model, packed)
+    check_equal_to_predict(model, packed, images, N)
     if capture == "fx":
-        check_member_equal_to_predict(model, x)
+        check_member_equal_to_predict(model, x, N)
