@@ -108,7 +108,7 @@ def fresh_jax_compilation_cache(session: nox.Session) -> None:
     cut the CPU time of tests/flax/test_packing_modules.py's cnn, mixer and resnet cases from 82 s to 50 s. Each
     pytest-xdist worker gets its own folder (tests/conftest.py): JAX writes an entry in place, and another process
     could read it half-written."""
-    cache = Path(session.create_tmp()) / "jax-compilation-cache"
+    cache = Path(session.create_tmp()).resolve() / "jax-compilation-cache"  # absolute: some tests change directory
     shutil.rmtree(cache, ignore_errors=True)
     session.env["JAX_COMPILATION_CACHE_DIR"] = str(cache)
     session.env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"  # the default caches only compiles over 1 s

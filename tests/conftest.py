@@ -15,4 +15,4 @@ _worker = os.environ.get("PYTEST_XDIST_WORKER")
 if _cache and _worker:
     if "jax" in sys.modules:  # the environment variable would come too late
         raise RuntimeError("jax was imported before tests/conftest.py could give this worker its own cache folder")
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(_cache, _worker)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(os.path.abspath(_cache), _worker)
