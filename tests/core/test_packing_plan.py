@@ -378,7 +378,8 @@ def test_norm_reads_every_channel_zeros_written_by_the_move() -> None:
 
 def grn_scale(g: np.ndarray, channels: int, eps: float) -> np.ndarray:
     """GRN's ``g / (g.mean(channels) + eps)`` over the last axis, the mean's divisor ``channels``."""
-    return g / (g.sum(-1, keepdims=True) / channels + eps)
+    scale: np.ndarray = g / (g.sum(-1, keepdims=True) / channels + eps)
+    return scale
 
 
 def test_mean_ratio_computes_each_members_block_with_the_full_width_divisor() -> None:
