@@ -98,7 +98,8 @@ IntArray = NDArray[np.int64]
 BoolArray = NDArray[np.bool_]
 FloatArray = NDArray[np.float64]
 ZERO_FILLING = ("mixing", "grouped", "norm", "mean_ratio", "fallback")  # consumers whose input move writes known zeros
-ELEMENTWISE = ("channelwise", "combine", "add", "concat", "norm", "mean_ratio", "flatten")  # dense when inputs are
+# dense when every input is dense
+ELEMENTWISE = ("channelwise", "combine", "add", "concat", "norm", "mean_ratio", "flatten")
 
 
 @dataclass(frozen=True, eq=False)
