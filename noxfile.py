@@ -101,13 +101,18 @@ def torch(session: nox.Session) -> None:
     run_pytest(session, "torch,transformers", *ADAPTER_TESTS, "tests/torch", DEVICE_CHECK_SMOKE)
 
 
-def fresh_jax_compilation_cache(session: nox.Session) -> None:
-    """JAX's persistent compilation cache, empty at the start of every run (so no run reads another's programs).
+def jax_test_compilation(session: nox.Session, *xla_flags: str) -> None:
+    """How the JAX sessions compile: most of their time is XLA compiling many small programs, each run once or twice.
 
-    The tests build the same small models again and again, and XLA compiles each identical program once: a cold cache
-    cut the CPU time of tests/flax/test_packing_modules.py's cnn, mixer and resnet cases from 82 s to 50 s. Each
-    pytest-xdist worker gets its own folder (tests/conftest.py): JAX writes an entry in place, and another process
-    could read it half-written."""
+    - XLA's CPU backend without LLVM optimization (``--xla_backend_optimization_level=0``; XLA's own HLO passes,
+      fusion included, run as by default): the tests check results, not speed (benchmarks/ run with the defaults).
+      tests/flax/test_packing_modules.py, one process: 289 s -> 219 s user CPU.
+    - JAX's persistent compilation cache, empty at the start of every run (so no run reads another's programs): the
+      tests build the same small models again and again, and XLA compiles each identical program once (the cnn,
+      mixer and resnet cases of tests/flax/test_packing_modules.py: 82 s -> 50 s CPU). Each pytest-xdist worker gets
+      its own folder (tests/conftest.py): JAX writes an entry in place, and another process could read it
+      half-written."""
+    session.env["XLA_FLAGS"] = " ".join(("--xla_backend_optimization_level=0", *xla_flags))
     cache = Path(session.create_tmp()).resolve() / "jax-compilation-cache"  # absolute: some tests change directory
     shutil.rmtree(cache, ignore_errors=True)
     session.env["JAX_COMPILATION_CACHE_DIR"] = str(cache)
@@ -132,7 +137,7 @@ def keras(session: nox.Session, backend: str) -> None:
     session.install("--no-deps", *nox.project.dependency_groups(PYPROJECT, "test-keras-hub"))
     session.env["KERAS_BACKEND"] = backend
     if backend == "jax":
-        fresh_jax_compilation_cache(session)
+        jax_test_compilation(session)
     run_pytest(session, f"keras-{backend},keras_hub", *ADAPTER_TESTS, "tests/keras")
 
 
@@ -141,8 +146,7 @@ def flax(session: nox.Session) -> None:
     """The Flax adapter (linen and NNX), with 4 virtual CPU devices for the sharding tests, and the GPU check's smoke
     test."""
     session.install("-e", ".[flax]", *TEST, *nox.project.dependency_groups(PYPROJECT, "test-flax"), *DEMO)
-    session.env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-    fresh_jax_compilation_cache(session)
+    jax_test_compilation(session, "--xla_force_host_platform_device_count=4")
     run_pytest(session, "flax", *ADAPTER_TESTS, "tests/flax", DEVICE_CHECK_SMOKE)
 
 

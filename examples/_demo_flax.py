@@ -1,7 +1,7 @@
 """Flax (linen) path of the demo: builds, trains and runs the models that ``_demo_common.ModelSpec`` describes.
 
-The Adam step is jitted once per architecture (the masks are an argument, not a constant) and compiled before the
-training time starts, so the reported time is training only.
+The Adam step and the inference call are jitted once per architecture (the masks are an argument, not a constant);
+the step is compiled before the training time starts, so the reported time is training only.
 """
 
 from __future__ import annotations
@@ -69,18 +69,40 @@ class FlaxModel:
     def predict(self, x: NDArray[np.float32]) -> NDArray[np.float64]:
         """Member outputs (logits, or mean and log-variance), (B, ...) -> (members, B, K)."""
         spec, inputs = self.network.spec, jnp.asarray(x)
+        apply = inference_call(self.network)
         if spec.method == "dropout":
             keys = jax.random.split(jax.random.key(self.seed), spec.samples)
-            logits = jnp.stack(
-                [self.network.apply(self.variables, inputs, train=True, rngs={"dropout": key}) for key in keys]
-            )
+            logits = jnp.stack([apply(self.variables, inputs, key) for key in keys])
         elif spec.method == "masksembles":
-            logits = masksembles_flax.predict(
-                lambda xb: self.network.apply(self.variables, xb, train=False), inputs, spec.samples
-            )
+            logits = masksembles_flax.predict(lambda xb: apply(self.variables, xb, None), inputs, spec.samples)
         else:
-            logits = self.network.apply(self.variables, inputs, train=False)[None]
+            logits = apply(self.variables, inputs, None)[None]
         return np.asarray(logits, dtype=np.float64)
+
+
+Apply = Callable[[Variables, jax.Array, jax.Array | None], jax.Array]
+APPLIES: dict[tuple[Any, ...], Apply] = {}
+
+
+def architecture(spec: ModelSpec) -> tuple[Any, ...]:
+    """What fixes a network's program: everything in ``spec`` but its masks (which come in with the variables)."""
+    return (spec.arch, spec.in_shape, spec.outputs, spec.widths, spec.task, spec.method, spec.rate, spec.samples)
+
+
+def inference_call(network: Network) -> Apply:
+    """``network.apply`` jitted once per architecture: ``apply(variables, x, key)`` draws dropout from ``key`` (a
+    training-mode pass, MC-Dropout's sample), or runs in inference mode where ``key`` is None."""
+    key = architecture(network.spec)
+    if key not in APPLIES:
+
+        @jax.jit
+        def apply(variables: Variables, x: jax.Array, dropout_key: jax.Array | None) -> jax.Array:
+            if dropout_key is None:
+                return network.apply(variables, x, train=False)
+            return network.apply(variables, x, train=True, rngs={"dropout": dropout_key})
+
+        APPLIES[key] = apply
+    return APPLIES[key]
 
 
 Step = Callable[[Any, Any, Variables, jax.Array, jax.Array, jax.Array], tuple[Any, Any]]
@@ -90,8 +112,7 @@ STEPS: dict[tuple[Any, ...], tuple[Step, optax.GradientTransformation]] = {}
 def training_step(network: Network, learning_rate: float) -> tuple[Step, optax.GradientTransformation]:
     """A jitted Adam step, compiled once per architecture: the masks come in with the fixed variables."""
     spec = network.spec
-    architecture = (spec.arch, spec.in_shape, spec.outputs, spec.widths, spec.task)
-    key = (*architecture, spec.method, spec.rate, spec.samples, learning_rate)
+    key = (*architecture(spec), learning_rate)
     if key not in STEPS:
         optimizer = optax.adam(learning_rate)
 

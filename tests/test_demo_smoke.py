@@ -71,7 +71,15 @@ FRAMEWORKS = {
     "keras-torch": "keras",
     "flax": "flax",
 }
-RUNS = sorted({FRAMEWORKS[backend] for backend in requested_backends() if backend in FRAMEWORKS})
+# The Keras demo runs the same code on every backend, and each Keras session's own tests cover its backend: it runs
+# by default in the TensorFlow session only (60-100 s a run); the JAX and torch sessions run it with -m slow.
+REQUESTED = requested_backends()
+RUNS = [
+    pytest.param(framework, marks=pytest.mark.slow)
+    if framework == "keras" and "keras-tensorflow" not in REQUESTED
+    else framework
+    for framework in sorted({FRAMEWORKS[backend] for backend in REQUESTED if backend in FRAMEWORKS})
+]
 
 
 @pytest.mark.parametrize("framework", RUNS)
