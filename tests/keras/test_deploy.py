@@ -1,8 +1,8 @@
 """A packed model, with and without the uncertainty head, through Keras' export formats and back, against ``predict``
 and ``masksembles_core.heads.uncertainty_head``: a TensorFlow SavedModel served with ``tf.saved_model.load(path).serve``
-(TensorFlow and JAX backends) at two batch sizes, one of them 1; ONNX in onnxruntime; LiteRT in its interpreter
-(TensorFlow backend). Each test runs in the session of the backends it names; docs/keras.md's "Deploy" blocks run
-on TensorFlow."""
+(TensorFlow and JAX backends) at two batch sizes, one of them 1; ONNX in onnxruntime (TensorFlow, JAX and torch
+backends, the same sizes); LiteRT in its interpreter (TensorFlow backend). Each test runs in the session of the
+backends it names; docs/keras.md's "Deploy" blocks run on TensorFlow."""
 
 from __future__ import annotations
 
@@ -91,8 +91,10 @@ def export_and_load(model: keras.Model, path: Path, export_format: str) -> Calla
         session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
         (feed,) = session.get_inputs()
         names = [output.name for output in session.get_outputs()]
-        if isinstance(model, mk.UncertaintyModel) and BACKEND == "torch":  # torch's exporter names the graph's nodes
-            names = list(model.get_layer("uncertainty").spec.outputs)  # its outputs in the call's order
+        if isinstance(model, mk.UncertaintyModel) and BACKEND != "tensorflow":  # the exporter names graph nodes:
+            names = list(model.get_layer("uncertainty").spec.outputs)  # torch's outputs are in the call's order,
+            if BACKEND == "jax":  # jax2onnx's in the flattened dict's (JAX's pytrees sort a dict's keys)
+                names = sorted(names)
         return lambda x: dict(zip(names, session.run(None, {feed.name: x}), strict=True))
     from ai_edge_litert.interpreter import Interpreter
 
@@ -104,7 +106,7 @@ def export_and_load(model: keras.Model, path: Path, export_format: str) -> Calla
 # format -> (the backends whose Keras exports it, the file name, the batch sizes it runs)
 FORMATS = {
     "tf_saved_model": (("tensorflow", "jax"), "served", BATCHES),
-    "onnx": (("tensorflow", "torch"), "model.onnx", BATCHES),
+    "onnx": (("tensorflow", "jax", "torch"), "model.onnx", BATCHES),
     "litert": (("tensorflow",), "model.tflite", (3,)),  # a fixed batch (the one it was converted for)
 }
 
