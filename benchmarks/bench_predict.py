@@ -300,8 +300,8 @@ def main() -> None:
         if len(settings) != 1:
             raise SystemExit(f"--from-json: the files were measured with other --rounds/--threads: {sorted(settings)}")
         ((rounds, threads),) = settings
-        runs = [list(itertools.chain(*run_parts)) for run_parts in zip(*(part["runs"] for part in saved), strict=True)]
-        publish("predict-speed", section(runs, rounds, threads), write=not args.no_write)
+        joined = [list(itertools.chain(*parts)) for parts in zip(*(part["runs"] for part in saved), strict=True)]
+        publish("predict-speed", section(joined, rounds, threads), write=not args.no_write)
         return
     runs: list[list[dict[str, Any]]] = []
     with tempfile.TemporaryDirectory() as folder:
