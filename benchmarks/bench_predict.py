@@ -2,6 +2,7 @@
 
     python benchmarks/bench_predict.py [--rounds 5] [--runs 3] [--frameworks keras-jax,flax-nnx,...]
         [--models "README CNN,ResNet-like"] [--batches 1,64,256] [--json runs.json] [--no-write]
+    python benchmarks/bench_predict.py --from-json keras.json,flax.json  # publish runs saved apart, joined
 
 For each framework (Keras on TensorFlow, JAX and PyTorch, Flax NNX and linen, PyTorch; each in its own process:
 Keras reads KERAS_BACKEND once), the README's small CNN (the linen one written like the NNX one) and a ResNet-like
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import math
 import os
@@ -275,6 +277,11 @@ def main() -> None:
     parser.add_argument("--models", type=lambda text: text.split(","), default=list(MODELS))
     parser.add_argument("--batches", type=lambda text: [int(b) for b in text.split(",")], default=list(BATCHES))
     parser.add_argument("--json", help="also write every run's rows to this JSON file")
+    parser.add_argument(
+        "--from-json",
+        type=lambda text: text.split(","),
+        help="measure nothing: publish the runs that --json saved in these files (run i of each joined)",
+    )
     parser.add_argument("--no-write", action="store_true", help="print only, leave BENCHMARKS.md alone")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # one framework, rows to the --out JSON file
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -287,6 +294,15 @@ def main() -> None:
         rows = measure(args.worker, args.rounds, args.models, args.batches)
         Path(args.out).write_text(json.dumps(rows))
         return
+    if args.from_json:
+        saved = [json.loads(Path(name).read_text()) for name in args.from_json]
+        settings = {(part["rounds"], part["threads"]) for part in saved}
+        if len(settings) != 1:
+            raise SystemExit(f"--from-json: the files were measured with other --rounds/--threads: {sorted(settings)}")
+        ((rounds, threads),) = settings
+        joined = [list(itertools.chain(*parts)) for parts in zip(*(part["runs"] for part in saved), strict=True)]
+        publish("predict-speed", section(joined, rounds, threads), write=not args.no_write)
+        return
     runs: list[list[dict[str, Any]]] = []
     with tempfile.TemporaryDirectory() as folder:
         for run in range(args.runs):
@@ -298,8 +314,9 @@ def main() -> None:
                            "--rounds", str(args.rounds), "--threads", str(args.threads), *choice]  # fmt: skip
                 subprocess.run(command, check=True, env=worker_environment(framework, args.threads))
                 runs[-1] += json.loads(out.read_text())
-    if args.json:
-        Path(args.json).write_text(json.dumps(runs, indent=1))
+            if args.json:  # after every run: what a stopped benchmark measured is kept
+                saved_runs = {"rounds": args.rounds, "threads": args.threads, "runs": runs}
+                Path(args.json).write_text(json.dumps(saved_runs, indent=1))
     publish("predict-speed", section(runs, args.rounds, args.threads), write=not args.no_write)
 
 

@@ -57,10 +57,7 @@ def predict(model: Callable[[jax.Array], T], x: jax.Array, n: int | None = None)
         except TypeError:  # a static attribute that cannot be hashed: nothing can be cached for it
             return _nnx_eager(graphdef, state, x, mca.check_members(_nnx_counts(model), n))  # type: ignore[no-any-return]
         program = known or _PROGRAMS.put(graphdef, _nnx_program(model, graphdef))
-        members = mca.check_members(program.counts(None), n)
-        compiled: T = program.run(
-            lambda: program.jitted(state, x, members), lambda: _nnx_eager(graphdef, state, x, members)
-        )
+        compiled: T = program(state, x, n)
         return compiled
     bound = _bound_arrays(model)
     if bound is None:
@@ -71,8 +68,7 @@ def predict(model: Callable[[jax.Array], T], x: jax.Array, n: int | None = None)
     except TypeError:  # a bound value that cannot be hashed: nothing can be cached for it
         return _traced_members(model, x, n)
     program = known or _PROGRAMS.put(key, _partial_program(key))
-    members = mca.check_members(program.counts((tuple((a.shape, a.dtype) for a in arrays), x.shape, x.dtype)), n)
-    result: T = program.run(lambda: program.jitted(arrays, x, members), lambda: predict_members(model, x, members))
+    result: T = program(arrays, x, n)
     return result
 
 
@@ -82,26 +78,23 @@ def _traced_members(model: Callable[[jax.Array], T], x: jax.Array, n: int | None
 
 
 class _Program:
-    """One model structure's predict (an NNX graph definition, or a partial's function and static bound values): its
-    jitted program (``jitted(arrays, x, n)``), the n of its Masksembles layers per argument signature (read once by
-    ``count_layers``), and whether it runs eagerly (its compiled call failed once)."""
+    """One model structure's predict (an NNX graph definition, or a partial's function and static bound values):
+    ``function(arrays, x, n)``, which checks ``n`` (None or an int, as the caller passed it) against the n of the
+    Masksembles layers it runs and returns the members, called jitted (``n`` static: the check runs once per ``n``
+    and argument shapes, while tracing, not on every call), or as it is where the jitted call failed once
+    (remembered)."""
 
-    def __init__(self, jitted: Callable[..., Any], count_layers: Callable[[Hashable], tuple[int, ...]]) -> None:
-        self.jitted, self.count_layers, self.eager = jitted, count_layers, False
-        self.counted: dict[Hashable, tuple[int, ...]] = {}
+    def __init__(self, function: Callable[[Any, jax.Array, int | None], Any]) -> None:
+        self.function, self.jitted, self.eager = function, jax.jit(function, static_argnums=2), False
 
-    def counts(self, signature: Hashable) -> tuple[int, ...]:
-        """The n of every Masksembles layer the program runs on arguments of ``signature``."""
-        counts = self.counted.get(signature)
-        if counts is None:
-            counts = self.counted[signature] = self.count_layers(signature)
-        return counts
-
-    def run(self, compiled: Callable[[], T], eager: Callable[[], T]) -> T:
-        """``compiled()``, or ``eager()`` where the program does not compile (remembered)."""
+    def __call__(self, arrays: Any, x: jax.Array, n: int | None) -> Any:
+        """The members, compiled where the program compiles. A refused ``n`` raises in both calls, and the program
+        stays compiled."""
         if self.eager:
-            return eager()
-        return mca.compiled_or_eager(compiled, eager, self._run_eagerly)
+            return self.function(arrays, x, n)
+        return mca.compiled_or_eager(
+            lambda: self.jitted(arrays, x, n), lambda: self.function(arrays, x, n), self._run_eagerly
+        )
 
     def _run_eagerly(self) -> None:
         self.eager = True
@@ -130,14 +123,14 @@ _PROGRAMS = _Programs(limit=256)
 
 def _nnx_program(model: nnx.Module, graphdef: nnx.GraphDef[Any]) -> _Program:
     """The ``_Program`` of the graph definition of ``model``: ``_nnx_eager`` jitted with the graph definition fixed
-    (traced once per ``n`` and argument shapes), and the n of the module's Masksembles layers, read once (``n`` is a
-    static attribute, part of the graph definition: a model of an equal one has the same)."""
+    (traced once per ``n`` and argument shapes), ``n`` checked against the module's Masksembles layers, read once
+    (``n`` is a static attribute, part of the graph definition: a model of an equal one has the same)."""
     counts = _nnx_counts(model)
 
-    def program(state: Any, x: jax.Array, n: int) -> Any:
-        return _nnx_eager(graphdef, state, x, n)
+    def program(state: Any, x: jax.Array, n: int | None) -> Any:
+        return _nnx_eager(graphdef, state, x, mca.check_members(counts, n))
 
-    return _Program(jax.jit(program, static_argnums=2), lambda _: counts)
+    return _Program(program)
 
 
 def _nnx_counts(model: nnx.Module) -> tuple[int, ...]:
@@ -159,9 +152,15 @@ def _bound_arrays(model: Callable[..., Any]) -> tuple[Hashable, list[Any]] | Non
     if not isinstance(model, functools.partial):
         return None
     leaves, treedef = jax.tree.flatten((model.args, model.keywords))
-    arrays = [leaf for leaf in leaves if isinstance(leaf, jax.Array | np.ndarray)]
-    static = tuple(_DYNAMIC if isinstance(leaf, jax.Array | np.ndarray) else leaf for leaf in leaves)
-    return (model.func, treedef, static), arrays
+    arrays: list[Any] = []
+    static: list[Any] = []
+    for leaf in leaves:  # one pass: this runs on every call
+        if isinstance(leaf, jax.Array | np.ndarray):
+            arrays.append(leaf)
+            static.append(_DYNAMIC)
+        else:
+            static.append(leaf)
+    return (model.func, treedef, tuple(static)), arrays
 
 
 def _rebuilt(key: Any, arrays: list[Any]) -> Callable[[jax.Array], Any]:
@@ -173,20 +172,17 @@ def _rebuilt(key: Any, arrays: list[Any]) -> Callable[[jax.Array], Any]:
 
 
 def _partial_program(key: Any) -> _Program:
-    """The ``_Program`` of the partial of ``key``: ``predict_members`` of it jitted (traced once per ``n`` and
-    argument shapes), and the n of the Masksembles layers it calls, from one abstract trace per argument signature
-    (the bound arrays' shapes and dtypes, the input's shape and dtype)."""
+    """The ``_Program`` of the partial of ``key``: ``predict_members`` of it jitted (traced once per ``n`` and argument
+    shapes), ``n`` checked against the Masksembles layers that one abstract trace of the partial finds while tracing
+    (the bound arrays' and the input's shapes and dtypes are the jitted program's: no per-call signature)."""
 
-    def count_layers(signature: Any) -> tuple[int, ...]:
-        shapes, x_shape, x_dtype = signature
-        arrays = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]  # type: ignore[no-untyped-call]
+    def program(arrays: list[Any], x: jax.Array, n: int | None) -> Any:
+        model = _rebuilt(key, arrays)
+        abstract = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]  # type: ignore[no-untyped-call]
         traced = jax.make_jaxpr(lambda values, batch: _rebuilt(key, values)(batch))(
-            arrays,
-            jax.ShapeDtypeStruct(x_shape, x_dtype),  # type: ignore[no-untyped-call]
+            abstract,
+            jax.ShapeDtypeStruct(x.shape, x.dtype),  # type: ignore[no-untyped-call]
         )
-        return tuple(sorted(masking_counts(traced.jaxpr)))
+        return predict_members(model, x, mca.check_members(sorted(masking_counts(traced.jaxpr)), n))
 
-    def program(arrays: list[Any], x: jax.Array, n: int) -> Any:
-        return predict_members(_rebuilt(key, arrays), x, n)
-
-    return _Program(jax.jit(program, static_argnums=2), count_layers)
+    return _Program(program)

@@ -168,9 +168,28 @@ def test_a_partial_follows_other_variable_shapes_and_an_unhashable_bound_value_r
     assert LinenNet.runs >= 1, "an unhashable bound value: run as it is (eagerly) on every call"
 
 
+def test_a_refused_n_raises_on_every_call_and_leaves_the_compiled_program_in_place() -> None:
+    """``n`` is checked while the program traces (once per ``n`` and shapes, not on every call): a wrong ``n`` raises
+    the eager call's refusal every time, and the model still runs compiled afterwards, n given or read."""
+    x, net = samples(4), LinenNet()
+    variables = net.init(jax.random.key(0), x)
+    linen_model = functools.partial(net.apply, variables)
+    nnx_model = Counting(seed=0)
+    expected = {"linen": np.asarray(mf.predict(linen_model, x)), "nnx": eager_members(nnx_model, x)}
+    for name, model, count in (("linen", linen_model, LinenNet), ("nnx", nnx_model, Counting)):
+        assert_close(mf.predict(model, x, n=N), expected[name])  # n given and n read: one result
+        for _ in range(2):
+            with pytest.raises(ValueError, match=f"n=2 does not match .* layers, which have n={N}"):
+                mf.predict(model, x, n=2)
+        count.runs = 0
+        assert_close(mf.predict(model, x), expected[name])
+        assert_close(mf.predict(model, x, n=N), expected[name])
+        assert count.runs == 0, f"{name}: a refused n left the model running eagerly or traced again"
+
+
 def test_the_program_cache_keeps_the_last_made() -> None:
     programs = _inference._Programs(limit=2)
-    made = [_inference._Program(lambda: None, lambda _: ()) for _ in range(3)]
+    made = [_inference._Program(lambda arrays, x, n: None) for _ in range(3)]
     for key, program in enumerate(made):
         assert programs.put(key, program) is program
     assert programs.get(0) is None
