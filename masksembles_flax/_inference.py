@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Hashable
 from typing import Any, TypeVar
 
 import jax
 import numpy as np
-from flax import nnx
+from flax import linen, nnx
 
 import masksembles_core.adapter as mca
 
@@ -33,13 +34,14 @@ def predict(model: Callable[[jax.Array], T], x: jax.Array, n: int | None = None)
 
     Compiled and cached: an ``nnx.Module`` runs as one ``jax.jit`` program per graph structure and input shape (its
     arrays are arguments: a second call, or another model of the same structure, does not trace again), and so does
-    a ``functools.partial`` of a function (``functools.partial(module.apply, variables)``, its bound arrays the
-    arguments). The cache is keyed on the graph definition (or the partial's function and non-array bound values):
-    a model changed since (a layer swapped, other shapes, another ``n``) gets its own program, and new values of the
-    same structure run in the cached one. Any other function is traced once per call to read ``n`` and runs as it is,
-    not cached (its closure, the globals it reads and the objects it calls can change while the function object stays
-    the same: a program cached on it would run stale arrays); call ``predict`` inside your own ``jax.jit`` to compile
-    it. A model that cannot be compiled (a data-dependent shape) runs eagerly, from then on, silently.
+    a ``functools.partial`` of a linen Module's method (``functools.partial(module.apply, variables)``, its bound
+    arrays the arguments). The cache is keyed on the graph definition (or the partial's method and non-array bound
+    values): a model changed since (a layer swapped, other shapes, another ``n``) gets its own program, and new values
+    of the same structure run in the cached one. Any other function, or a partial of one, is traced once per call to
+    read ``n`` and runs as it is, not cached (its closure, the globals it reads and the objects it calls can change
+    while the function object stays the same: a program cached on it would run stale arrays); call ``predict`` inside
+    your own ``jax.jit`` to compile it. A model that cannot be compiled (a data-dependent shape) runs eagerly, from
+    then on, silently.
 
     Args:
         n: the number of members; None reads it from the model's Masksembles layers: an ``nnx.Module``'s own layers,
@@ -147,9 +149,13 @@ def _nnx_eager(graphdef: nnx.GraphDef[Any], state: Any, x: jax.Array, n: int) ->
 
 
 def _bound_arrays(model: Callable[..., Any]) -> tuple[Hashable, list[Any]] | None:
-    """A ``functools.partial`` as (a key: its function, the structure and non-array values of its bound arguments,
-    hashable unless a value is not; the arrays among them), or None for any other callable."""
-    if not isinstance(model, functools.partial):
+    """A ``functools.partial`` of a linen Module's method (``module.apply``) as (a key: the method, the structure and
+    non-array values of its bound arguments, hashable unless a value is not; the arrays among them), or None for any
+    other callable. The key holds the module (a frozen dataclass: another model is another key), as ``jax.jit`` of
+    ``module.apply`` does; a partial of any other function is not cached: a function that reads its model from a
+    closure or a global keeps its identity when that model is replaced, and a program cached on it would compute the
+    old model, silently."""
+    if not isinstance(model, functools.partial) or not _linen_method(model.func):
         return None
     leaves, treedef = jax.tree.flatten((model.args, model.keywords))
     arrays: list[Any] = []
@@ -161,6 +167,11 @@ def _bound_arrays(model: Callable[..., Any]) -> tuple[Hashable, list[Any]] | Non
         else:
             static.append(leaf)
     return (model.func, treedef, tuple(static)), arrays
+
+
+def _linen_method(function: Callable[..., Any]) -> bool:
+    """Whether ``function`` is a method bound to a linen Module."""
+    return inspect.ismethod(function) and isinstance(function.__self__, linen.Module)
 
 
 def _rebuilt(key: Any, arrays: list[Any]) -> Callable[[jax.Array], Any]:

@@ -194,3 +194,35 @@ def test_the_program_cache_keeps_the_last_made() -> None:
         assert programs.put(key, program) is program
     assert programs.get(0) is None
     assert programs.get(1) is made[1] and programs.get(2) is made[2]
+
+
+class Activated(nn.Module):
+    """Dense, an activation, Masksembles, Dense: two values of ``activation`` are two models with the same variables."""
+
+    activation: str = "relu"
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        hidden = nn.Dense(12)(x)
+        hidden = nn.relu(hidden) if self.activation == "relu" else jnp.tanh(hidden)
+        return nn.Dense(2)(ml.Masksembles(n=N, scale=2.0, seed=0)(hidden, deterministic=True))
+
+
+CURRENT = {"model": Activated("relu")}  # a model a function reads from outside itself, replaced below
+
+
+def test_a_partial_of_a_function_that_reads_its_model_from_outside_follows_the_model_it_reads() -> None:
+    """The function object stays the same while the model it reads changes: a program cached on it would compute the
+    first model (as it did before only a linen method's partial was cached)."""
+
+    def apply(variables: Any, batch: jax.Array) -> jax.Array:
+        return CURRENT["model"].apply(variables, batch)
+
+    x = samples(4)
+    variables = Activated("relu").init(jax.random.key(0), x)
+    for activation in ("relu", "tanh"):
+        CURRENT["model"] = Activated(activation)
+        with jax.disable_jit():
+            expected = np.asarray(mf.untile(CURRENT["model"].apply(variables, mf.tile(x, N)), N))
+        assert_close(mf.predict(functools.partial(apply, variables), x), expected)
+    assert not np.allclose(expected, np.asarray(mf.untile(Activated("relu").apply(variables, mf.tile(x, N)), N)))
