@@ -230,13 +230,22 @@ def run_member_first(module: fx.GraphModule, local_gathers: frozenset[str], *arg
 
 def member_first_plan(module: fx.GraphModule, example: Tensor) -> frozenset[str] | None:
     """The channel gathers of ``module`` that read within each member's block, where running it member-first on
-    ``example`` gives its own output within rounding (``masksembles_core.packing.output_mismatch``); None otherwise,
-    or where it holds no members' Linear (it is exported as it runs)."""
+    ``example`` gives its own output within rounding (``masksembles_core.packing.output_mismatch``); None where it
+    differs or raises, or where the program holds no members' Linear (it is then exported as it runs)."""
     if not any(isinstance(m, MEMBER_LAYERS) for m in module.modules()):
         return None
+    interpreter = _MemberFirst(module, None)
+    try:
+        with torch.no_grad():
+            actual = _arrays(interpreter.run(example))
+    except Exception:  # an export form, not the program: where it cannot run, the program's own is exported
+        return None
     with torch.no_grad():
-        interpreter = _MemberFirst(module, None)
-        actual = [leaf.detach().cpu().numpy() for leaf in ops.leaves(interpreter.run(example))]
-        expected = [leaf.detach().cpu().numpy() for leaf in ops.leaves(module(example))]
+        expected = _arrays(module(example))
     eps = [float(np.finfo(a.dtype).eps) if np.issubdtype(a.dtype, np.inexact) else 0.0 for a in expected]
     return None if output_mismatch(expected, actual, eps) else frozenset(interpreter.found)
+
+
+def _arrays(output: Any) -> list[np.ndarray]:
+    """The tensor leaves of a program's output, as NumPy arrays."""
+    return [leaf.detach().cpu().numpy() for leaf in ops.leaves(output) if isinstance(leaf, Tensor)]
