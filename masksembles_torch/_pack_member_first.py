@@ -184,7 +184,8 @@ def _member_first_input(layer: ops.MemberLinear, x: Any) -> Tensor | None:
     (tokens), so that its weights, which onnxruntime packs on every call of a batched matmul (only a 2-D constant
     weight once, at load), cost little beside them. None where it reads its blocks apart."""
     lead = x.value.shape[2:-1] if isinstance(x, _Blocks) else x.shape[1:-1]
-    if layer.member_major_in or math.prod(lead) < BATCHED_ROWS:
+    rows = math.prod(size for size in lead if isinstance(size, int))  # a symbolic size (the batch) puts no guard
+    if layer.member_major_in or rows < BATCHED_ROWS:
         return None
     if isinstance(x, _Blocks):
         return x.value
@@ -204,7 +205,9 @@ def _output(layer: ops.MemberLinear, y: Tensor) -> Any:
 
 def _apart(layer: ops.MemberLinear, x: Any) -> list[Tensor]:
     """The members' input blocks of ``layer``, each (…, I), from a member-first or a program-held input."""
-    return list(x.value.unbind(0)) if isinstance(x, _Blocks) else layer.member_blocks(x)
+    if isinstance(x, _Blocks) and not layer.member_major_in:
+        return list(x.value.unbind(0))
+    return layer.member_blocks(_compacted(x))
 
 
 def _linear(layer: ops.MemberLinear, x: Any) -> Any:
