@@ -88,11 +88,11 @@ class PackedMasksembles(fx.GraphModule):
         program = type(self).forward
 
         @functools.wraps(program)  # its signature: torch.export reads the inputs' names from it
-        def forward(self: PackedMasksembles, *args: Any) -> Any:
+        def forward(self: PackedMasksembles, *args: Any, **kwargs: Any) -> Any:
             plan = self.meta.get("masksembles", {}).get("member_first")
-            if plan is not None and torch.compiler.is_exporting():
+            if plan is not None and not kwargs and torch.compiler.is_exporting():
                 return run_member_first(self, plan, *args)
-            return program(self, *args)
+            return program(self, *args, **kwargs)
 
         type(self).forward = forward
         return code
