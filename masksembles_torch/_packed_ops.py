@@ -287,16 +287,12 @@ class MemberLinear(nn.Module):
         """The members' outputs, each (*lead, O), in the layout ``forward`` gives."""
         if self.member_major_out:
             return torch.stack(list(outputs))
-        if self.split_heads or self.output_split > 1:
-            return self.split_layout(torch.stack(list(outputs), -2))
-        return torch.cat(list(outputs), -1)
-
-    def split_layout(self, y: Tensor) -> Tensor:
-        """The members' outputs side by side, (*lead, m, O), in the layout of ``output_split``/``split_heads``."""
         if self.split_heads:
-            return self.heads_split(y)
-        parts: Tensor = y.unflatten(-1, (self.output_split, -1))  # type: ignore[no-untyped-call]
-        return parts.transpose(-3, -2).flatten(-3)  # (*lead, m, s, O/s) -> (*lead, s*m*O/s)
+            return self.heads_split(torch.stack(list(outputs), -2))
+        if self.output_split > 1:
+            y: Tensor = torch.stack(list(outputs), -2).unflatten(-1, (self.output_split, -1))  # type: ignore[no-untyped-call]
+            return y.transpose(-3, -2).flatten(-3)  # (*lead, m, s, O/s) -> (*lead, s*m*O/s)
+        return torch.cat(list(outputs), -1)
 
     def heads_split(self, y: Tensor) -> Tensor:
         """(*lead, m, O), O in (H, s, D) order -> (*lead, s, m*H, D) (``split_heads`` H, ``output_split`` s)."""

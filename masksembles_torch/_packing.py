@@ -41,7 +41,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 from torch import Tensor, fx, nn
-from torch.fx.graph import PythonCode, _PyTreeCodeGen, _PyTreeInfo
+from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
 from torch.utils import _pytree as pytree
 
 from masksembles_core import captured
@@ -67,7 +67,6 @@ from ._pack_capture import PREFIX, _Capture, _describe, _members_of, _SharedInPl
 from ._pack_chunks import _in_chunks, _planned, _samples_per_chunk
 from ._pack_emit import _Emitter
 from ._pack_graph import _Graph, _solve_axes
-from ._pack_member_first import member_first_plan, run_member_first
 from ._structures import Inputs, batch_size, batched_tensors, call, call_arguments, map_batched
 from ._surgery import keep_masks_off_fused_paths
 
@@ -77,45 +76,8 @@ class PackedMasksembles(fx.GraphModule):
 
     A ``torch.fx.GraphModule``: ``print(packed.code)`` shows the program, and it compiles and exports like any
     module. ``forward``: (B, ...) -> (m, B, ...) for the m members it was built for, or (B, ...) for an extracted
-    member. Inference only (eval semantics). Exported (``torch.export``, ONNX), a program with members' Linear
-    layers runs with the members' blocks of the last axis held member-first where ``pack`` found that equal
-    (``_pack_member_first``): the same values, without a move of the blocks around every layer.
+    member. Inference only (eval semantics).
     """
-
-    def recompile(self) -> PythonCode:
-        """``GraphModule.recompile``, its ``forward`` run member-first when exported with a plan."""
-        code = super().recompile()
-        program = type(self).forward
-
-        @functools.wraps(program)  # its signature: torch.export reads the inputs' names from it
-        def forward(self: PackedMasksembles, *args: Any, **kwargs: Any) -> Any:
-            plan = self.meta.get("masksembles", {}).get("member_first")
-            if plan is not None and not kwargs and torch.compiler.is_exporting():
-                return run_member_first(self, plan, *args)
-            return program(self, *args, **kwargs)
-
-        type(self).forward = forward
-        return code
-
-    @property
-    def graph(self) -> fx.Graph:
-        """The program's graph; exported with a member-first plan, one call that runs it member-first (a
-        ``GraphModule`` exported on its own is run from its graph, not its ``forward``)."""
-        plan = self.meta.get("masksembles", {}).get("member_first") if hasattr(self, "meta") else None
-        if plan is None or not torch.compiler.is_exporting():
-            return self._graph
-        graph = fx.Graph()
-        inputs = [graph.placeholder(node.name) for node in self._graph.nodes if node.op == "placeholder"]
-
-        def member_first(*args: Any) -> Any:
-            return run_member_first(self, plan, *args)
-
-        graph.output(graph.call_function(member_first, tuple(inputs)))
-        return graph
-
-    @graph.setter
-    def graph(self, value: fx.Graph) -> None:
-        fx.GraphModule.graph.fset(self, value)  # type: ignore[attr-defined]
 
     @property
     def members(self) -> tuple[int, ...]:
@@ -204,8 +166,6 @@ def _build(
     samples = _samples_per_chunk(capture, program, example) if chunks and isinstance(example, Tensor) else 0
     emitter = _Emitter(capture, axis, program, squeeze, samples or batch_size(example), chosen, regions)
     packed = PackedMasksembles(emitter.root, emitter.graph, class_name="PackedMasksembles")
-    plan = member_first_plan(packed, example) if not dense and isinstance(example, Tensor) else None
-    packed.meta["masksembles"] = {"member_first": plan}  # where it runs in chunks (below), this program runs them
     if samples:
         packed = PackedMasksembles(*_in_chunks(packed, cast(Tensor, example), samples), class_name="PackedMasksembles")
     if capture.entry is not None:
@@ -218,7 +178,6 @@ def _build(
     packed.meta["masksembles"] = {
         "members": tuple(chosen), "fallbacks": fallbacks, "macs": dict(emitter.macs),
         "program": "dense" if dense else "packed", "seconds": {}, "chunk": samples, "choice": "", "squeeze": squeeze,
-        "member_first": None if samples else plan,  # a program run in chunks: its inner program holds the plan
     }  # fmt: skip
     return packed.eval()
 

@@ -5,10 +5,7 @@ axis, not ``GatherElements`` on the axis moved last), every result a fresh tenso
 named in its case; exported with a dynamic batch and run in onnxruntime at two batch sizes (one of them 1), the
 packed program equals ``predict`` and its uncertainty head ``uncertainty_head`` in float32 rounding, and the graph
 holds none of the operations onnxruntime runs slowly there: no scatter (a write into a block of a buffer), no
-matmul over a stack of weights (but where the members' blocks are held member-first, ``_pack_member_first``), no
-``GatherElements`` for a gather on the channel axis of a convolution's output. Held member-first, a transformer block
-is exported without the ``Split`` of the last axis around each members' Linear, and that form equals the program run
-as it is, also where a gather reads across the members' blocks (which it then leaves in the program's layout)."""
+matmul over a stack of weights, no ``GatherElements`` for a gather on the channel axis of a convolution's output."""
 
 from __future__ import annotations
 
@@ -21,9 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
 import masksembles_torch as mt
-from masksembles_torch import _pack_member_first as member_first
 from masksembles_torch import _packed_ops as ops
-from tests.rounding import assert_rounding_close
 from tests.torch.heads import N, assert_head_matches, assert_members_match
 
 SIZES = (5, 1)
@@ -85,18 +80,6 @@ def tiny_vit() -> nn.Module:
     return mt.insert(TinyViT(), N, 2.0, seed=0).eval()
 
 
-def tokens_image(batch: int) -> Tensor:
-    """A 3x12x12 image: 9 patch tokens, enough rows per sample for the member-first batched matmuls."""
-    return torch.randn(batch, 3, 12, 12)
-
-
-def member_first_held(packed: nn.Module) -> bool:
-    """The program has a member-first plan whose gathers read within the members' blocks, and its tokens are
-    enough for the batched matmuls."""
-    plan = packed.meta["masksembles"]["member_first"]
-    return bool(plan) and member_first.BATCHED_ROWS <= 9
-
-
 # case -> (the Masksembles model, an input of a batch size, what the packed program must hold, the ONNX operations
 # its graph must not hold)
 CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[int], Tensor], Callable[[nn.Module], bool], set[str]]] = {
@@ -118,7 +101,6 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[int], Tensor], Callabl
         lambda packed: any(isinstance(m, ops.MemberLinear) and m.split_heads for m in packed.modules()),
         SCATTERS,
     ),
-    "member-first block": (tiny_vit, tokens_image, member_first_held, SCATTERS),
 }
 
 
@@ -140,8 +122,7 @@ def test_packed_forms_in_onnxruntime(case: str, head: bool, tmp_path: Path) -> N
     graph = onnx.load(path).graph
     assert not slow & {node.op_type for node in graph.node}
     weights = {initializer.name: len(initializer.dims) for initializer in graph.initializer}
-    if case != "member-first block":  # there one batched matmul per layer: a sample's many rows outweigh its packing
-        assert all(weights.get(node.input[1], 2) <= 2 for node in graph.node if node.op_type == "MatMul")
+    assert all(weights.get(node.input[1], 2) <= 2 for node in graph.node if node.op_type == "MatMul")
     session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
     for size in SIZES:
         x = example(size)
@@ -150,66 +131,3 @@ def test_packed_forms_in_onnxruntime(case: str, head: bool, tmp_path: Path) -> N
             assert_head_matches(dict(zip(names, results, strict=True)), model, x, {})
         else:
             assert_members_match(results[0], model, x)
-
-
-def exported_ops(module: nn.Module, x: Tensor, path: Path) -> list[str]:
-    """The ONNX operation types of ``module`` exported with a dynamic batch."""
-    import onnx
-
-    batch = torch.export.Dim("batch", min=1, max=1024)
-    torch.onnx.export(module, (x,), str(path), dynamo=True, dynamic_shapes=({0: batch},))
-    return [node.op_type for node in onnx.load(str(path)).graph.node]
-
-
-def test_member_first_export_splits_no_blocks(tmp_path: Path) -> None:
-    """A transformer block held member-first is exported without the last axis's ``Split`` before each members'
-    Linear (the program's own export form has one per layer)."""
-    packed = mt.pack(tiny_vit(), tokens_image(8), program="packed")
-    assert packed.meta["masksembles"]["member_first"]
-    held = exported_ops(packed, tokens_image(8), tmp_path / "held.onnx")
-    packed.meta["masksembles"]["member_first"] = None  # exported as the program runs
-    apart = exported_ops(packed, tokens_image(8), tmp_path / "apart.onnx")
-    layers = sum(isinstance(m, ops.MemberLinear | ops.MemberMLP) for m in packed.children())
-    assert apart.count("Split") >= layers - 1  # each layer's but the head's (on one row: chunked apart as before)
-    assert held.count("Split") <= 1 < apart.count("Split")
-
-
-@pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("size", SIZES)
-def test_member_first_run_equals_the_program(case: str, size: int) -> None:
-    """``run_member_first`` (the export form, run eagerly) equals the program's own run within float32 rounding."""
-    build, example, _, _ = CASES[case]
-    packed = mt.pack(build(), example(8), program="packed")
-    plan = packed.meta["masksembles"]["member_first"]
-    x = example(size)
-    with torch.no_grad():
-        expected = packed(x)
-        actual = member_first.run_member_first(packed, plan if plan is not None else frozenset(), x)
-    assert_rounding_close(actual, expected)
-
-
-def members_linear_gather_linear(index: list[int]) -> fx.GraphModule:
-    """(B, T, 2*4) -> (2, B, T, 3): two members' Linear layers, a gather of 4 of the first one's 2 blocks of 6
-    channels for each member between them (``index``: the positions in the members' blocks side by side)."""
-    torch.manual_seed(0)
-    root = nn.Module()
-    root.first = ops.MemberLinear(torch.randn(2, 6, 4), torch.randn(2, 6))  # weights (m, O, I)
-    root.second = ops.MemberLinear(torch.randn(2, 3, 4), None)
-    root.register_buffer("index", torch.tensor(index))
-    graph = fx.Graph()
-    first = graph.call_module("first", (graph.placeholder("x"),))
-    gathered = graph.call_function(ops.gather_channels, (first, 2, graph.get_attr("index")))
-    graph.output(graph.call_function(ops.members_first, (graph.call_module("second", (gathered,)), 2, 2)))
-    return fx.GraphModule(root, graph)
-
-
-@pytest.mark.parametrize("cross", [False, True], ids=["within blocks", "across blocks"])
-def test_a_gather_across_blocks_stays_in_the_program_layout(cross: bool) -> None:
-    """The plan keeps a gather member-first only where each member's positions lie in its own block; one that
-    reads another member's block runs on the program's layout, and the run equals the program's either way."""
-    module = members_linear_gather_linear([6, 8, 9, 11, 0, 1, 2, 5] if cross else [0, 1, 2, 5, 6, 8, 9, 11])
-    x = torch.randn(3, 10, 8)
-    plan = member_first.member_first_plan(module, x)
-    assert plan == (frozenset() if cross else frozenset({"gather_channels"}))
-    with torch.no_grad():
-        assert_rounding_close(member_first.run_member_first(module, plan, x), module(x))
