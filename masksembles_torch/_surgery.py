@@ -52,8 +52,8 @@ from masksembles_core.insertion import (
     wrapper_attribute_error,
 )
 
-from ._layers import Masksembles, record_batch_size
-from ._structures import Inputs, batched_tensors, call
+from ._layers import Masksembles, record_batch_size, sequence_first
+from ._structures import Inputs, batch_size, batched_tensors, call
 
 DEFAULT_BEFORE: tuple[type[nn.Module], ...] = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
 DEPTHWISE = "depthwise convolution: each output channel reads one input channel (before=... includes it)"
@@ -124,6 +124,34 @@ def _masksembles(row: LayerChange, n: int, scale: float, like: nn.Module, traini
     assert row.channels is not None and row.channel_axis is not None, f"row {row.path!r} places no masks"
     layer = Masksembles(row.channels, n, scale, seed=row.seed, channel_axis=row.channel_axis, **_factory(like))
     return layer.train(training)
+
+
+def _batch_axis(holder: nn.Module, shapes: Sequence[Any], channel_axis: int, samples: int | None) -> int | None:
+    """The samples' axis of a Masksembles layer that ``holder`` calls (its parent): 1 in one of torch's sequence-first
+    transformer modules, 0 in a batch-first one; elsewhere the axis ``masksembles_core.adapter.sample_axis`` finds in
+    every one of the layer's input ``shapes`` on the example input (``samples`` its batch size), or None (decided in
+    each call) where a call cannot tell, the calls disagree or nothing was seen."""
+    if isinstance(holder, FEED_FORWARD_LAYERS) and all(len(shape) != 2 for shape in shapes if shape is not None):
+        return 1 if sequence_first(holder) else 0  # an unbatched (L, E) call is decided by its shape
+    found: set[int] = set()
+    for shape in shapes if samples is not None else ():
+        if shape is None or None in shape or len(shape) < 2:
+            return None
+        try:
+            found.add(mca.sample_axis(shape, channel_axis, samples))
+        except ValueError:  # a batch-first and a sequence-first input both fit: left to each call
+            return None
+    return found.pop() if len(found) == 1 else None
+
+
+def _example_batch(inputs: Inputs | None) -> int | None:
+    """The batch size of an example input (None without one, or where its tensors' axis 0 differ)."""
+    if inputs is None:
+        return None
+    try:
+        return batch_size(inputs)
+    except ValueError:
+        return None
 
 
 def _paths(model: nn.Module) -> dict[int, list[str]]:
@@ -322,8 +350,11 @@ def _read_reason(layer: nn.Module, names: Collection[str], users: Collection[str
     return read_through_wrapper(" and ".join(users), names)
 
 
-def _run_once(model: nn.Module, inputs: Inputs, wrappers: dict[str, Masked]) -> dict[str, str]:
+def _run_once(
+    model: nn.Module, inputs: Inputs, wrappers: dict[str, Masked], shapes: dict[str, list[Any]]
+) -> dict[str, str]:
     """Run ``model`` on ``inputs`` (eval mode, no gradients, modes restored); {path of a wrapper: why it must go}.
+    ``shapes`` gets the input shape of each call of each wrapper's Masksembles layer, by the wrapper's path.
 
     A wrapper goes when the model reads its layer's attributes through it (``self.qkv.weight``: noted, and read from
     the layer so that the run goes on), when the model fails inside it, or when its parent, a torch.nn module, runs
@@ -358,9 +389,14 @@ def _run_once(model: nn.Module, inputs: Inputs, wrappers: dict[str, Masked]) -> 
         fused = type(owner).__module__.startswith("torch.nn") and not isinstance(owner, CONTAINERS)
         return fused and parent in called and path not in called
 
+    def shape_of(path: str, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if args and isinstance(args[0], Tensor):
+            shapes.setdefault(path, []).append(tuple(args[0].shape))
+
     hooks = [
         torch.nn.modules.module.register_module_forward_pre_hook(enter),
         torch.nn.modules.module.register_module_forward_hook(leave),
+        *(wrapper.masksembles.register_forward_pre_hook(functools.partial(shape_of, path)) for path, wrapper in wrappers.items()),
     ]
     for path, wrapper in wrappers.items():
         wrapper.__dict__[_NOTE_READS] = functools.partial(note, path)
@@ -500,8 +536,14 @@ def insert(
         )
         wrappers = _wrap(model, report)
         keep_masks_off_fused_paths(model)
-        failed = {} if example_input is None else _run_once(model, example_input, wrappers)
+        shapes: dict[str, list[Any]] = {}
+        failed = {} if example_input is None else _run_once(model, example_input, wrappers, shapes)
         if not failed:
+            samples = _example_batch(example_input)
+            for path, wrapper in wrappers.items():
+                holder = model.get_submodule(path.rpartition(".")[0])
+                layer = wrapper.masksembles
+                layer.batch_axis = _batch_axis(holder, shapes.get(path, []), layer.channel_axis, samples)
             return _attach(model, report)
         _unwrap(model, wrappers)
         reasons.update(failed)
@@ -1264,17 +1306,25 @@ def convert_dropout(
     )
     owners: dict[str, _Owner] = {}
     placed: dict[str, tuple[nn.Module, Masksembles]] = {}  # converted modules: path -> (the dropout, its masks)
+    samples = _example_batch(inputs)
+    shapes_of = {site.path: site.shapes for site in sites}
     for row, target in zip(report.rows, targets, strict=True):
         if row.action != CONVERTED:
             continue
+        layer = _masksembles(row, n, scale, model, True)
         if isinstance(target, nn.Module):
-            placed[row.path] = (target, _masksembles(row, n, scale, model, target.training))
-            _replace(model, paths[id(target)], placed[row.path][1])
+            holder = model.get_submodule(paths[id(target)][0].rpartition(".")[0])
+            placed[row.path] = (target, layer.train(target.training))
+            _replace(model, paths[id(target)], layer)
         elif target is not None:
             owner, index = target
             assert owner is not None, "a call is converted only where its owner was traced"
-            owner.layers[index] = _masksembles(row, n, scale, model, owner.module.training)
+            holder = owner.module
+            owner.layers[index] = layer.train(owner.module.training)
             owners[owner.path] = owner
+        else:
+            continue
+        layer.batch_axis = _batch_axis(holder, shapes_of.get(row.path, []), layer.channel_axis, samples)
     for path in sorted(owners, key=lambda p: -1 if not p else p.count("."), reverse=True):
         rewritten = _rewrite(owners[path])
         if path:
