@@ -116,7 +116,7 @@ class Masksembles(nn.Module):
         samples = self._training_samples() if self.training else None  # eval: predict's tiled batch lines up already
         known = samples if self.training else self.samples if self.open_calls else None
         axis = self._sample_axis(x, known)
-        if not torch.compiler.is_compiling():
+        if not torch.compiler.is_compiling() and not isinstance(x, torch.fx.Proxy):
             self.grouped_axis = axis
         index = None
         if self.mode == "random" and self.training:
@@ -138,16 +138,20 @@ class Masksembles(nn.Module):
 
     def _sample_axis(self, x: Tensor, samples: int | None) -> int:
         """The axis of ``x`` that holds the samples (``masksembles_core.adapter.sample_axis``). Under torch.compile
-        or torch.export a declared axis is used as it is (the eager calls check it) and an undeclared one is decided
-        by what holds for every value of the symbolic sizes, so that no guard is put on the batch size."""
-        if x.ndim < 2:  # the functional refuses it with its message
-            return 0
-        compiling = torch.compiler.is_compiling()
-        if compiling and self.batch_axis is not None:
-            return self.batch_axis
-        known = statically_known_true if compiling else bool
+        or torch.export a declared axis is used as it is (the eager calls check it), and an undeclared one is the
+        axis that provably holds the batch for every value of the symbolic sizes (no guard on the batch size, which
+        torch.export would refuse), decided with guards only where neither does."""
+        if isinstance(x, torch.fx.Proxy) or x.is_nested or x.ndim < 2:
+            # torch.fx's symbolic trace records the declared axis (no sizes to check), the functional refuses the rest
+            return 0 if self.batch_axis is None else self.batch_axis
         layer = f"{type(self).__name__}({self.channels}, n={self.n})"
-        return int(mca.sample_axis(x.shape, self.channel_axis, samples, self.batch_axis, layer=layer, known=known))
+        if torch.compiler.is_compiling() and samples is not None:
+            if self.batch_axis is not None:
+                return self.batch_axis
+            proven = mca.sample_axis(x.shape, self.channel_axis, samples, layer=layer, known=statically_known_true)
+            if proven == 1 or statically_known_true(x.shape[0] % samples == 0):
+                return int(proven)
+        return int(mca.sample_axis(x.shape, self.channel_axis, samples, self.batch_axis, layer=layer))
 
     def _training_samples(self) -> int | None:
         """The model's batch size for this training call: the recording model's (``record_batch_size``) within its

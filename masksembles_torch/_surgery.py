@@ -373,10 +373,14 @@ def _run_once(
         names[name] = None
         users[_user(stack[-1] if stack else "", modules)] = None
 
-    def enter(module: nn.Module, args: object) -> None:
+    masks_of = {id(wrapper.masksembles): path for path, wrapper in wrappers.items()}
+
+    def enter(module: nn.Module, args: tuple[Any, ...]) -> None:
         if id(module) in path_of:
             stack.append(path_of[id(module)])
             called.add(stack[-1])
+        if id(module) in masks_of and args and isinstance(args[0], Tensor):
+            shapes.setdefault(masks_of[id(module)], []).append(tuple(args[0].shape))
 
     def leave(module: nn.Module, args: object, output: object) -> None:
         if id(module) in path_of:
@@ -389,14 +393,9 @@ def _run_once(
         fused = type(owner).__module__.startswith("torch.nn") and not isinstance(owner, CONTAINERS)
         return fused and parent in called and path not in called
 
-    def shape_of(path: str, module: nn.Module, args: tuple[Any, ...]) -> None:
-        if args and isinstance(args[0], Tensor):
-            shapes.setdefault(path, []).append(tuple(args[0].shape))
-
     hooks = [
         torch.nn.modules.module.register_module_forward_pre_hook(enter),
         torch.nn.modules.module.register_module_forward_hook(leave),
-        *(wrapper.masksembles.register_forward_pre_hook(functools.partial(shape_of, path)) for path, wrapper in wrappers.items()),
     ]
     for path, wrapper in wrappers.items():
         wrapper.__dict__[_NOTE_READS] = functools.partial(note, path)
