@@ -794,7 +794,7 @@ class _Emitter:
         else:
             node = self.by_name[program.output]
             axis = capture.seen[node].batch_axis if final.placement.dense else self.axis[node]
-            value = self._members_first(value, axis, squeeze)
+            value = self._output_leaf(value, axis, squeeze)  # a sequence-first output keeps its members' blocks
         self.graph.output(value)
 
     def _output_leaf(self, value: fx.Node, axis: int, squeeze: bool) -> fx.Node:

@@ -53,7 +53,7 @@ from masksembles_core.insertion import (
 )
 
 from ._layers import Masksembles, record_batch_size, sequence_first
-from ._structures import Inputs, batch_size, batched_tensors, call
+from ._structures import Inputs, batched_tensors, call, map_batched
 
 DEFAULT_BEFORE: tuple[type[nn.Module], ...] = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
 DEPTHWISE = "depthwise convolution: each output channel reads one input channel (before=... includes it)"
@@ -126,32 +126,48 @@ def _masksembles(row: LayerChange, n: int, scale: float, like: nn.Module, traini
     return layer.train(training)
 
 
-def _batch_axis(holder: nn.Module, shapes: Sequence[Any], channel_axis: int, samples: int | None) -> int | None:
-    """The samples' axis of a Masksembles layer that ``holder`` calls (its parent): 1 in one of torch's sequence-first
-    transformer modules, 0 in a batch-first one; elsewhere the axis ``masksembles_core.adapter.sample_axis`` finds in
-    every one of the layer's input ``shapes`` on the example input (``samples`` its batch size), or None (decided in
-    each call) where a call cannot tell, the calls disagree or nothing was seen."""
-    if isinstance(holder, FEED_FORWARD_LAYERS) and all(len(shape) != 2 for shape in shapes if shape is not None):
-        return 1 if sequence_first(holder) else 0  # an unbatched (L, E) call is decided by its shape
-    found: set[int] = set()
-    for shape in shapes if samples is not None else ():
-        if shape is None or None in shape or len(shape) < 2:
-            return None
+def _declare_batch_axes(model: nn.Module, example: Inputs | None, holders: Mapping[Masksembles, nn.Module]) -> None:
+    """Set the ``batch_axis`` of each new Masksembles layer (a key of ``holders``, the module that calls it): 1 in
+    one of torch's sequence-first transformer layers, 0 in a batch-first one; elsewhere the axis of its input that
+    grows when the example input grows by one sample (the model run on ``example`` and on ``example`` with its first
+    sample repeated once more: eval mode, no gradients, modes restored), 0 or 1 for a 3-D channels-last input; None
+    (decided in each call) where no example is given, the model fails on the larger one, or no single axis grows."""
+    probed = {}
+    for layer, holder in holders.items():
+        if isinstance(holder, FEED_FORWARD_LAYERS):  # its unbatched (L, E) calls are refused by the layer
+            layer.batch_axis = 1 if sequence_first(holder) else 0
+        else:
+            layer.batch_axis = None
+            probed[id(layer)] = layer
+    if not probed or example is None:
+        return
+    runs: list[dict[int, list[tuple[int, ...]]]] = []
+    for inputs in (example, map_batched(example, lambda tensor: torch.cat([tensor, tensor[:1]]))):
+        seen: dict[int, list[tuple[int, ...]]] = {key: [] for key in probed}
+
+        def note(module: nn.Module, args: tuple[Any, ...], seen: dict[int, list[tuple[int, ...]]] = seen) -> None:
+            if id(module) in seen and args and isinstance(args[0], Tensor):
+                seen[id(module)].append(tuple(args[0].shape))
+
+        handle = torch.nn.modules.module.register_module_forward_pre_hook(note)
         try:
-            found.add(mca.sample_axis(shape, channel_axis, samples))
-        except ValueError:  # a batch-first and a sequence-first input both fit: left to each call
-            return None
-    return found.pop() if len(found) == 1 else None
-
-
-def _example_batch(inputs: Inputs | None) -> int | None:
-    """The batch size of an example input (None without one, or where its tensors' axis 0 differ)."""
-    if inputs is None:
-        return None
-    try:
-        return batch_size(inputs)
-    except ValueError:
-        return None
+            with _evaluating(model):
+                call(model, inputs)
+        except Exception:  # a model that takes no other batch size: each call decides
+            return
+        finally:
+            handle.remove()
+        runs.append(seen)
+    for key, layer in probed.items():
+        grown = {
+            tuple(axis for axis, (a, b) in enumerate(zip(small, large, strict=True)) if a != b)
+            for small, large in zip(runs[0][key], runs[1][key], strict=True)
+            if len(small) == len(large)
+        }
+        if grown == {(0,)}:
+            layer.batch_axis = 0
+        elif grown == {(1,)} and len(runs[0][key][0]) == 3 and layer.channel_axis % 3 == 2:
+            layer.batch_axis = 1
 
 
 def _paths(model: nn.Module) -> dict[int, list[str]]:
@@ -350,11 +366,8 @@ def _read_reason(layer: nn.Module, names: Collection[str], users: Collection[str
     return read_through_wrapper(" and ".join(users), names)
 
 
-def _run_once(
-    model: nn.Module, inputs: Inputs, wrappers: dict[str, Masked], shapes: dict[str, list[Any]]
-) -> dict[str, str]:
+def _run_once(model: nn.Module, inputs: Inputs, wrappers: dict[str, Masked]) -> dict[str, str]:
     """Run ``model`` on ``inputs`` (eval mode, no gradients, modes restored); {path of a wrapper: why it must go}.
-    ``shapes`` gets the input shape of each call of each wrapper's Masksembles layer, by the wrapper's path.
 
     A wrapper goes when the model reads its layer's attributes through it (``self.qkv.weight``: noted, and read from
     the layer so that the run goes on), when the model fails inside it, or when its parent, a torch.nn module, runs
@@ -373,14 +386,10 @@ def _run_once(
         names[name] = None
         users[_user(stack[-1] if stack else "", modules)] = None
 
-    masks_of = {id(wrapper.masksembles): path for path, wrapper in wrappers.items()}
-
-    def enter(module: nn.Module, args: tuple[Any, ...]) -> None:
+    def enter(module: nn.Module, args: object) -> None:
         if id(module) in path_of:
             stack.append(path_of[id(module)])
             called.add(stack[-1])
-        if id(module) in masks_of and args and isinstance(args[0], Tensor):
-            shapes.setdefault(masks_of[id(module)], []).append(tuple(args[0].shape))
 
     def leave(module: nn.Module, args: object, output: object) -> None:
         if id(module) in path_of:
@@ -535,14 +544,10 @@ def insert(
         )
         wrappers = _wrap(model, report)
         keep_masks_off_fused_paths(model)
-        shapes: dict[str, list[Any]] = {}
-        failed = {} if example_input is None else _run_once(model, example_input, wrappers, shapes)
+        failed = {} if example_input is None else _run_once(model, example_input, wrappers)
         if not failed:
-            samples = _example_batch(example_input)
-            for path, wrapper in wrappers.items():
-                holder = model.get_submodule(path.rpartition(".")[0])
-                layer = wrapper.masksembles
-                layer.batch_axis = _batch_axis(holder, shapes.get(path, []), layer.channel_axis, samples)
+            holders = {wrapper.masksembles: model.get_submodule(path.rpartition(".")[0]) for path, wrapper in wrappers.items()}
+            _declare_batch_axes(model, example_input, holders)
             return _attach(model, report)
         _unwrap(model, wrappers)
         reasons.update(failed)
@@ -1305,8 +1310,7 @@ def convert_dropout(
     )
     owners: dict[str, _Owner] = {}
     placed: dict[str, tuple[nn.Module, Masksembles]] = {}  # converted modules: path -> (the dropout, its masks)
-    samples = _example_batch(inputs)
-    shapes_of = {site.path: site.shapes for site in sites}
+    holders: dict[Masksembles, nn.Module] = {}
     for row, target in zip(report.rows, targets, strict=True):
         if row.action != CONVERTED:
             continue
@@ -1323,7 +1327,7 @@ def convert_dropout(
             owners[owner.path] = owner
         else:
             continue
-        layer.batch_axis = _batch_axis(holder, shapes_of.get(row.path, []), layer.channel_axis, samples)
+        holders[layer] = holder
     for path in sorted(owners, key=lambda p: -1 if not p else p.count("."), reverse=True):
         rewritten = _rewrite(owners[path])
         if path:
@@ -1331,6 +1335,7 @@ def convert_dropout(
         else:
             model = rewritten
     keep_masks_off_fused_paths(model)
+    _declare_batch_axes(model, inputs, holders)
     skipped = _skipped_at_inference(model, inputs, {path: layer for path, (_, layer) in placed.items()})
     for path in skipped:
         _replace(model, paths[id(placed[path][0])], placed[path][0])
