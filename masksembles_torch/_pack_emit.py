@@ -793,8 +793,12 @@ class _Emitter:
                 value = self.graph.call_function(ops.repeat_members, (value, members))
         else:
             node = self.by_name[program.output]
-            axis = capture.seen[node].batch_axis if final.placement.dense else self.axis[node]
-            value = self._output_leaf(value, axis, squeeze)  # a sequence-first output keeps its members' blocks
+            batch_axis = capture.seen[node].batch_axis
+            axis = batch_axis if final.placement.dense else self.axis[node]
+            if batch_axis > 0 and not squeeze and axis != batch_axis:  # sequence-first: predict's members' blocks
+                value = self.graph.call_function(ops.blocks_on, (value, self.m, axis, batch_axis, self.returned))
+            else:
+                value = self._output_leaf(value, axis, squeeze)
         self.graph.output(value)
 
     def _output_leaf(self, value: fx.Node, axis: int, squeeze: bool) -> fx.Node:
