@@ -52,13 +52,13 @@ BATCH_AXES = (0, 1)
 
 
 def check_batch_axis(batch_axis: object) -> int | None:
-    """Validate a layer's ``batch_axis``: 0 (batch-first), 1 (sequence-first, (L, B, ...)) or None (decided per call)."""
+    """Validate a layer's ``batch_axis``: 0 (batch-first), 1 (sequence-first (L, B, ...)) or None (decided per call)."""
     if batch_axis is not None and (isinstance(batch_axis, bool) or batch_axis not in BATCH_AXES):
         raise ValueError(
             f"batch_axis must be 0 (samples first, (B, ...)), 1 (sequence-first, (L, B, ...)) or None (decided from "
             f"each call's shape and the model's batch size); received {batch_axis!r}"
         )
-    return None if batch_axis is None else int(batch_axis)  # type: ignore[call-overload]
+    return None if batch_axis is None else int(batch_axis)
 
 
 def sample_axis(

@@ -104,10 +104,10 @@ def stack_members(outputs: list[Any], n: int, batches: list[int], *, sequence_fi
                 "cannot be told. Pass a batch_size (or a batch) whose n*B is not its sequence length"
             )
         if on_first:
-            members = [out.unflatten(0, (n, rows)) for out, rows in zip(tensors, batches, strict=True)]
+            members = [out.unflatten(0, (n, rows)) for out, rows in zip(tensors, batches, strict=True)]  # type: ignore[no-untyped-call]
             return members[0] if len(members) == 1 else torch.cat(members, dim=1)  # one chunk: a view, no copy
         if on_second:  # member k's block of every chunk, in order
-            blocks = [out.unflatten(1, (n, rows)) for out, rows in zip(tensors, batches, strict=True)]
+            blocks = [out.unflatten(1, (n, rows)) for out, rows in zip(tensors, batches, strict=True)]  # type: ignore[no-untyped-call]
             return first if len(outputs) == 1 else torch.cat(blocks, dim=2).flatten(1, 2)
         return first if len(outputs) == 1 else None
 

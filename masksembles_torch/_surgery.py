@@ -546,7 +546,9 @@ def insert(
         keep_masks_off_fused_paths(model)
         failed = {} if example_input is None else _run_once(model, example_input, wrappers)
         if not failed:
-            holders = {wrapper.masksembles: model.get_submodule(path.rpartition(".")[0]) for path, wrapper in wrappers.items()}
+            holders = {
+                wrapper.masksembles: model.get_submodule(path.rpartition(".")[0]) for path, wrapper in wrappers.items()
+            }
             _declare_batch_axes(model, example_input, holders)
             return _attach(model, report)
         _unwrap(model, wrappers)
