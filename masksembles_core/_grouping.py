@@ -49,6 +49,12 @@ def rows_per_sample(rows: Any, samples: Any) -> Any:
 
 
 BATCH_AXES = (0, 1)
+DECLARE_AXIS = (
+    "give the layer its layout: batch_axis=1 for a sequence-first (L, B, C) input (inside "
+    "nn.TransformerEncoderLayer(batch_first=False), XLNet's blocks), 0 for a batch-first one (`layer.batch_axis = "
+    "...`; insert and convert_dropout set it from the module's batch_first, or from the axis that grows with the "
+    "batch of example_input)"
+)
 
 
 def check_batch_axis(batch_axis: object) -> int | None:
@@ -102,12 +108,6 @@ def sample_axis(
         return 0 if batch_axis is None else batch_axis
     fits_first = known(shape[0] % samples == 0)
     fits_second = rank == 3 and channels == 2 and known(shape[1] == samples)
-    fix = (
-        "give the layer its layout: batch_axis=1 for a sequence-first (L, B, C) input (inside "
-        "nn.TransformerEncoderLayer(batch_first=False), XLNet's blocks), 0 for a batch-first one "
-        "(`layer.batch_axis = ...`; insert and convert_dropout set it from the module's batch_first and from "
-        "example_input, one whose sequence length is not a multiple of its batch size)"
-    )
     if batch_axis == 1:
         if not known(shape[1] == samples):
             raise ValueError(
@@ -123,14 +123,14 @@ def sample_axis(
             raise ValueError(
                 f"{layer}(batch_axis=0) received shape {tuple(shape)}, whose axis 1, not axis 0, holds the model's "
                 f"batch of {samples}: a sequence-first input would be grouped by token position instead of by "
-                f"sample; {fix}"
+                f"sample; {DECLARE_AXIS}"
             )
         return 0
     if fits_first and fits_second:
         raise ValueError(
             f"{layer} cannot tell which axis of its input {tuple(shape)} holds the model's batch of {samples}: a "
             f"batch-first (B, L, C) and a sequence-first (L, B, C) input both fit (L a multiple of B), and grouping "
-            f"along the wrong one sends each sample through every member; {fix}"
+            f"along the wrong one sends each sample through every member; {DECLARE_AXIS}"
         )
     return 1 if fits_second else 0
 
