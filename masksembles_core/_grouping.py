@@ -93,8 +93,9 @@ def sample_axis(
 
     Raises:
         ValueError: the declared axis does not hold ``samples`` while the other one does (or, for a declared 1, at
-            all), or, undeclared, both axes fit ``samples`` (``(B, B, C)``: a batch-first sequence of B tokens or a
-            sequence-first one of a batch of B cannot be told apart).
+            all). Undeclared, a shape both axes fit (``(B, B, C)``: a batch-first sequence of B tokens, or a
+            sequence-first one of a batch of B) reads axis 0, the batch-first convention: declare a sequence-first
+            layer.
     """
     rank = len(shape)
     channels = channel_axis % rank if rank else 0
@@ -126,13 +127,11 @@ def sample_axis(
                 f"sample; {DECLARE_AXIS}"
             )
         return 0
-    if fits_first and fits_second:
-        raise ValueError(
-            f"{layer} cannot tell which axis of its input {tuple(shape)} holds the model's batch of {samples}: a "
-            f"batch-first (B, L, C) and a sequence-first (L, B, C) input both fit (L a multiple of B), and grouping "
-            f"along the wrong one sends each sample through every member; {DECLARE_AXIS}"
-        )
-    return 1 if fits_second else 0
+    # Undeclared and both fit ((B, B, C), or (L, B, C) with L a multiple of B): axis 0, the package's batch-first
+    # convention, which every batch-first model needs (a refusal here stopped batch-first transformers whose token
+    # count equals the batch, e.g. 128 tokens at predict's n*B = 128). A sequence-first layer in that case must be
+    # declared: insert/convert_dropout declare it from torch's batch_first or from example_input.
+    return 1 if fits_second and not fits_first else 0
 
 
 def group_index(batch_size: int, n: int, *, samples: int | None = None) -> NDArray[np.int64]:

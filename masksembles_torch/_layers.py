@@ -44,8 +44,9 @@ class Masksembles(nn.Module):
         batch_axis: the axis of the samples in the input: 0 (B, ...), 1 for a sequence-first (L, B, ..., C) input
             (inside ``nn.TransformerEncoderLayer(batch_first=False)``, XLNet's blocks), or None (the default):
             decided in each call from its shape and the model's batch size (``masksembles_core.adapter.sample_axis``:
-            axis 1 where a 3-D channels-last input holds the batch there and not on axis 0; a call where both fit
-            is refused), axis 0 where no batch size is known. ``insert`` and ``convert_dropout`` set it.
+            axis 1 where a 3-D channels-last input holds the batch there and not on axis 0; axis 0 where both fit,
+            the batch-first convention), axis 0 where no batch size is known. ``insert`` and ``convert_dropout`` set
+            it (declare a sequence-first layer you place by hand).
         device, dtype: where and in which floating dtype the mask buffer is stored.
 
     Shape:

@@ -1,5 +1,6 @@
 """``sample_axis``: which axis of a layer's input holds the model's samples (batch-first or sequence-first), and the
-refusals where its shape cannot tell or contradicts the layer's declared axis."""
+axis 0 where its shape cannot tell (the batch-first convention), refusals where it contradicts the layer's declared
+axis."""
 
 from __future__ import annotations
 
@@ -29,9 +30,11 @@ def test_the_axis_that_holds_the_samples(
     assert mca.sample_axis(shape, channel_axis, samples, declared) == axis
 
 
-def test_a_shape_both_layouts_fit_is_refused_unless_declared() -> None:
-    with pytest.raises(ValueError, match=r"cannot tell which axis of its input \(8, 4, 16\).*batch_axis=1"):
-        mca.sample_axis((8, 4, 16), -1, 4)
+def test_a_shape_both_layouts_fit_reads_axis_0_unless_declared() -> None:
+    """(L, B, C) with L a multiple of B, or (B, B, C), fits both layouts: undeclared, the batch-first convention."""
+    assert mca.sample_axis((8, 4, 16), -1, 4) == 0
+    assert mca.sample_axis((4, 4, 16), -1, 4) == 0
+    assert mca.sample_axis((8, 4, 16), -1, 4, 1) == 1
 
 
 def test_a_declared_axis_the_batch_is_not_on_is_refused() -> None:
