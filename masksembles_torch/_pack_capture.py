@@ -823,6 +823,8 @@ class _Capture:
             return None
         if target is F.linear:
             return self._linear(node, tensors, self.argument(node, "weight", 1), self.argument(node, "bias", 2))
+        if target in (torch.matmul, operator.matmul) or (method and name in ("matmul", "__matmul__")):
+            return self._constant_matmul(node, tensors)
         if target in CONV_FUNCTIONS:
             return self._conv_function(node, tensors)
         if target in DROPOUT_FUNCTIONS:
@@ -946,6 +948,21 @@ class _Capture:
         rank = self.seen[tensors[0]].rank
         return _Op(node, "mixing", tensors, rule="fixed", fixed_in=rank - 1, fixed_out=rank - 1, how="linear",
                    weight=weight.detach(), bias=None if bias is None else bias.detach())  # fmt: skip
+
+    def _constant_matmul(self, node: fx.Node, tensors: list[fx.Node]) -> _Op | None:
+        """``x @ w`` with ``w`` a (K, N) matrix that does not depend on the input (``transformers``' FalconLinear,
+        ``x @ self.weight.T``, which torch.export captures as ``matmul(x, numpy_T(weight))``) as ``F.linear(x, w.T)``:
+        for ``x`` of rank 2 or more, ``matmul`` broadcasts a 2-D second operand over ``x``'s leading axes and
+        contracts ``x``'s last axis with its rows, each row of ``x`` alone, as a Linear of weight ``w.T`` (N, K)
+        does. Not a Linear: ``w`` first (``w @ x`` mixes another axis of ``x``), ``w`` of another rank (a vector drops
+        the last axis, a batched ``w`` pairs batches), ``x`` a vector, or two model values (attention's products)."""
+        if node.kwargs or len(node.args) != 2 or node.args[0] is not tensors[0] or self.seen[tensors[0]].rank < 2:
+            return None
+        second = node.args[1]
+        matrix = self.constant(second)
+        if not isinstance(matrix, Tensor) or matrix.dim() != 2:
+            return None
+        return self._linear(node, tensors, matrix.t(), None)
 
     def _conv_function(self, node: fx.Node, tensors: list[fx.Node]) -> _Op | None:
         weight, bias = self.argument(node, "weight", 1), self.argument(node, "bias", 2)
