@@ -381,8 +381,15 @@ def graph_nodes(graph: CapturedGraph[K, Op], axis: Mapping[K, int]) -> tuple[lis
 
 
 def _member_frames(graph: CapturedGraph[K, Op]) -> None:
-    """Mark the fallbacks that must run per member (``per_member_fallbacks``)."""
-    nodes = [(key, op.kind, op.tensors, op.batch_dependent) for key, op in graph.ops.items()]
+    """Mark the fallbacks that must run per member (``per_member_fallbacks``). A folded fallback reads its
+    ``broadcast`` inputs as they are, on the batch (they must be shared), never repeated for every member: they are
+    not its inputs there (Swin's shifted-window mask, (B*windows, 1, L, L), which has no exact batch axis to repeat
+    along)."""
+    nodes = [
+        (key, op.kind, [t for i, t in enumerate(op.tensors) if not (op.folded and i in op.broadcast)],
+         op.batch_dependent)
+        for key, op in graph.ops.items()
+    ]  # fmt: skip
     for key in per_member_fallbacks(nodes, lambda key: graph.repeatable(cast(K, key))):
         graph.ops[cast(K, key)].batch_dependent = True
 

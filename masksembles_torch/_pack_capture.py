@@ -667,8 +667,9 @@ class _Capture:
         axis (Swin's windows folded into the batch, (B*windows, L, C)): by induction from the values whose axis is
         exactly the batch, each value on more rows per sample reads only such values and keeps each sample's rows
         apart from the others' (``mixes_samples``, evaluated: redrawing one sample's rows of every input changes
-        only that sample's rows of the result); not a call that holds Masksembles layers (they group rows by
-        member)."""
+        only that sample's rows of the result). A Masksembles layer scales each row where it is (by its member's
+        mask: the rows' place in the member-stacked batch, so it is not evaluated on random rows); a module that holds
+        one is not proven to keep the rows in order."""
         pending, unknown = [node], set()
         while pending:  # the values not decided yet that it reads, decided below in graph order
             value = pending.pop()
@@ -681,11 +682,13 @@ class _Capture:
             self.sample_ordered[value] = rows == 1 or (
                 rows > 1
                 and value not in self.placeholders
-                and not self.calls_masks(value)
-                and not self.mixes_samples(value)
+                and (self._masks_layer(value) or not (self.calls_masks(value) or self.mixes_samples(value)))
                 and all(self.sample_ordered[t] for t in self._batched_inputs(value))
             )
         return self.sample_ordered[node]
+
+    def _masks_layer(self, node: fx.Node) -> bool:
+        return node.op == "call_module" and isinstance(self.gm.get_submodule(str(node.target)), Masksembles)
 
     def _batched_inputs(self, node: fx.Node) -> list[fx.Node]:
         """The tensors with a batch axis among the model values ``node`` reads."""
