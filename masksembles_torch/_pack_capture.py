@@ -452,9 +452,22 @@ def _probe(
 def flop_counter() -> FlopCounterMode:
     """``FlopCounterMode`` that also counts the CPU's fused attention kernel, which it leaves out (0 flops for
     ``F.scaled_dot_product_attention`` on CPU), by the formula it has for the other fused kernels. Enter it with
-    ``counting`` (``nn.MultiheadAttention``'s fused fast path, which it does not count either, turned off)."""
+    ``counting`` (``nn.MultiheadAttention``'s fused fast path, which it does not count either, turned off). Only
+    the total is kept: its tracker of the modules, which hooks the backward of every module input that requires grad,
+    is left out (it raised AssertionError on a view of a parameter made without gradients, which requires grad but
+    has no gradient function: DeBERTa's relative embeddings, ``weight[: 2 * span].unsqueeze(0)``, into a masked
+    position projection)."""
     cpu_attention = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    return FlopCounterMode(display=False, custom_mapping={cpu_attention: _attention_flops})
+    counter = FlopCounterMode(display=False, custom_mapping={cpu_attention: _attention_flops})
+    counter.mod_tracker = cast(Any, _GlobalOnly())
+    return counter
+
+
+class _GlobalOnly(contextlib.nullcontext[None]):
+    """What ``FlopCounterMode`` reads of its module tracker: entered and left, and the one module every count goes
+    to (``"Global"``, whose sum is ``get_total_flops``)."""
+
+    parents = ("Global",)
 
 
 @contextlib.contextmanager
