@@ -140,8 +140,9 @@ class Masksembles(nn.Module):
     def _sample_axis(self, x: Tensor, samples: int | None) -> int:
         """The axis of ``x`` that holds the samples (``masksembles_core.adapter.sample_axis``). Under torch.compile
         or torch.export a declared axis is used as it is (the eager calls check it), and an undeclared one is the
-        axis that provably holds the batch for every value of the symbolic sizes (no guard on the batch size, which
-        torch.export would refuse), decided with guards only where neither does."""
+        axis that provably holds the batch for every value of the symbolic sizes, axis 0 where axis 1 has a fixed size
+        (no guard pinning the batch size to it, which torch.export refuses: DeBERTa's relative attention), and is
+        decided with guards only where neither holds."""
         if isinstance(x, torch.fx.Proxy) or x.is_nested or x.ndim < 2:
             # torch.fx's symbolic trace records the declared axis (no sizes to check), the functional refuses the rest
             return 0 if self.batch_axis is None else self.batch_axis
@@ -152,6 +153,8 @@ class Masksembles(nn.Module):
             proven = mca.sample_axis(x.shape, self.channel_axis, samples, layer=layer, known=statically_known_true)
             if proven == 1 or statically_known_true(x.shape[0] % samples == 0):
                 return int(proven)
+            if isinstance(samples, torch.SymInt) and x.ndim == 3 and not isinstance(x.shape[1], torch.SymInt):
+                return 0  # a fixed size on axis 1 holds no batch of every size: no guard pinning the batch to it
         return int(mca.sample_axis(x.shape, self.channel_axis, samples, self.batch_axis, layer=layer))
 
     def _training_samples(self) -> int | None:
