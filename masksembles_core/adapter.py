@@ -9,7 +9,7 @@ and the value received.
 
 from ._compiling import compiled_or_eager
 from ._generation import LayerArguments, check_seed, layer_arguments, make_rng
-from ._grouping import check_tiled_batch, rows_per_sample
+from ._grouping import check_batch_axis, check_tiled_batch, rows_per_sample, sample_axis
 from ._reference import mask_shape
 from ._validation import (
     GAUSSIAN_HEADS,
@@ -34,6 +34,7 @@ __all__ = [
     "MODES",
     "PROGRAMS",
     "LayerArguments",
+    "check_batch_axis",
     "check_batch_sizes",
     "check_channel_axis",
     "check_channels",
@@ -53,4 +54,5 @@ __all__ = [
     "make_rng",
     "mask_shape",
     "rows_per_sample",
+    "sample_axis",
 ]

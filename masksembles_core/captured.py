@@ -94,6 +94,9 @@ class CapturedOp(Generic[K]):
     combine: its operands broadcast along the channels (``solve_axes`` finds them). ``regroups_rows``: a reshape the
     adapter proved to regroup the batch's rows with the axes after them and to keep each sample's rows together, in
     sample order (``(B, L, C) -> (B*L, C)`` and back: its rows per sample may differ from its input's).
+    ``sample_rows``: a fallback whose value the adapter proved to hold each sample's rows together, in sample order,
+    on its one batch-proportional axis (Swin's attention on (B*windows, L, C)): on the member-stacked batch, the dense
+    model's member blocks, which a compacted operation may read.
     """
 
     key: K
@@ -114,6 +117,7 @@ class CapturedOp(Generic[K]):
     folded: bool = False
     broadcast: tuple[int, ...] = ()
     regroups_rows: bool = False
+    sample_rows: bool = False
     axis: int = -1  # the solved channel axis of its value (-1: none)
 
     @property
@@ -307,7 +311,8 @@ def _check_layout(graph: CapturedGraph[K, Op], op: Op, axis: Mapping[K, int]) ->
     Rows that fold the tokens into the batch ((B*L, C): ``rows_per_sample`` above 1) are the dense model's member
     blocks on the member-stacked batch only where each sample's rows are together, in sample order: so the operation
     keeps the rows per sample of what it reads (or ``regroups_rows``, proven by the adapter), and an operand with
-    more than one row per sample is itself compacted (a fallback's rows are not proven to be in sample order)."""
+    more than one row per sample is itself compacted or a fallback the adapter proved to keep them so
+    (``sample_rows``; a fallback's rows are not otherwise known to be in sample order)."""
     for key in op.tensors:
         if key not in _aligned_operands(graph, op) and not array_repeatable(graph.probed(key)):
             raise AxisConflict(op.key)
@@ -319,7 +324,8 @@ def _check_layout(graph: CapturedGraph[K, Op], op: Op, axis: Mapping[K, int]) ->
             raise AxisConflict(op.key)
         if key != op.key and probed.rows_per_sample != rows and not op.regroups_rows:
             raise AxisConflict(op.key)
-        if key != op.key and probed.rows_per_sample > 1 and (key not in graph.ops or not graph.ops[key].compacted):
+        proven = key in graph.ops and (graph.ops[key].compacted or graph.ops[key].sample_rows)
+        if key != op.key and probed.rows_per_sample > 1 and not proven:
             raise AxisConflict(op.key)
     if op.kind == "flatten":
         source = graph.probed(op.tensors[0])
@@ -375,8 +381,15 @@ def graph_nodes(graph: CapturedGraph[K, Op], axis: Mapping[K, int]) -> tuple[lis
 
 
 def _member_frames(graph: CapturedGraph[K, Op]) -> None:
-    """Mark the fallbacks that must run per member (``per_member_fallbacks``)."""
-    nodes = [(key, op.kind, op.tensors, op.batch_dependent) for key, op in graph.ops.items()]
+    """Mark the fallbacks that must run per member (``per_member_fallbacks``). A folded fallback reads its
+    ``broadcast`` inputs as they are, on the batch (they must be shared), never repeated for every member: they are
+    not its inputs there (Swin's shifted-window mask, (B*windows, 1, L, L), which has no exact batch axis to repeat
+    along)."""
+    nodes = [
+        (key, op.kind, [t for i, t in enumerate(op.tensors) if not (op.folded and i in op.broadcast)],
+         op.batch_dependent)
+        for key, op in graph.ops.items()
+    ]  # fmt: skip
     for key in per_member_fallbacks(nodes, lambda key: graph.repeatable(cast(K, key))):
         graph.ops[cast(K, key)].batch_dependent = True
 

@@ -27,11 +27,12 @@ def masksembles(
     samples: int | None = None,
     ranks: Sequence[int] | None = None,
     layer: str = "Masksembles",
+    batch_axis: int = 0,
 ) -> Tensor:
     """Multiply sample ``i`` of ``x`` by mask ``(i * n) // B`` (or by mask ``index[i]``).
 
     Args:
-        x: (B, ...) with C channels on ``channel_axis``.
+        x: (B, ...) with C channels on ``channel_axis``; (L, B, ...) with ``batch_axis=1``.
         masks: (n, C) floating or bool masks; cast to ``x.dtype`` (0/1 is exact in every dtype).
         channel_axis: axis of the channels (not 0).
         index: optional (B,) mask index per sample (random mode); default the batch-grouping rule.
@@ -40,6 +41,8 @@ def masksembles(
             (``masksembles_core.group_index(B, n, samples=samples)``). None: the rows are the samples.
         ranks: allowed input ranks (None: any rank >= 2).
         layer: layer name for error messages.
+        batch_axis: the axis of the samples: 0, or 1 for a sequence-first input (L, B, ...), the rule then run
+            along axis 1 (the channels on another axis than 0 and 1).
 
     Returns:
         tensor of the shape, dtype and memory format of ``x``.
@@ -50,6 +53,16 @@ def masksembles(
             "into one in eval without gradients; set its use_nested_tensor = False (masksembles_torch's insert, "
             "convert_dropout, predict and pack do)"
         )
+    if batch_axis == 1:  # the rule on the (B, L, ...) view; transposing back gives x's layout
+        if x.ndim < 3 or channel_axis % x.ndim in (0, 1):
+            raise ValueError(
+                f"{layer}: batch_axis=1 needs an input (L, B, ..., C) with the channels on another axis than 0 and "
+                f"1; received shape {tuple(x.shape)}, channel_axis={channel_axis}"
+            )
+        axis = channel_axis % x.ndim
+        swapped = masksembles(x.transpose(0, 1), masks, channel_axis=axis, index=index, samples=samples,
+                              ranks=ranks, layer=layer)  # fmt: skip
+        return swapped.transpose(0, 1)
     n, channels = masks.shape
     axis = mca.check_input_shape(tuple(x.shape), channels=channels, channel_axis=channel_axis, ranks=ranks, layer=layer)
     masks = masks.to(dtype=x.dtype)

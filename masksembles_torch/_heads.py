@@ -17,10 +17,10 @@ import masksembles_core.adapter as mca
 from masksembles_core import metrics
 from masksembles_core.heads import HeadSpec, check_head
 
-from ._inference import tile
-from ._layers import Masksembles
+from ._inference import refuse_sequence_first_inputs, tile
+from ._layers import Masksembles, samples_known
 from ._packing import PackedMasksembles
-from ._structures import Inputs, call, map_batched
+from ._structures import Inputs, batch_size, call, map_batched
 from ._surgery import keep_masks_off_fused_paths
 
 
@@ -72,7 +72,18 @@ class UncertaintyHead(nn.Module):
         if n is None:
             return _tensor_output(call(self.model, inputs), self.model).movedim(self.member_axis, 0)
         tiled = map_batched(inputs, lambda tensor: tile(tensor, n))
-        output = _tensor_output(call(self.model, tiled), self.model)
+        if torch.compiler.is_compiling():  # the eager calls check the layers' axes and the output's
+            output = _tensor_output(call(self.model, tiled), self.model)
+        else:
+            rows = n * batch_size(inputs)
+            with samples_known(self.model, rows):
+                output = _tensor_output(call(self.model, tiled), self.model)
+            if output.ndim == 0 or output.shape[0] != rows:
+                raise ValueError(
+                    f"with_uncertainty needs the model's output with the tiled batch of {rows} samples on axis 0; "
+                    f"{type(self.model).__name__} returned shape {tuple(output.shape)} (a sequence-first output, "
+                    "(L, B, ...), must be transposed to batch-first in the model)"
+                )
         return cast(Tensor, output.unflatten(0, (n, -1)))  # type: ignore[no-untyped-call]
 
 
@@ -133,6 +144,7 @@ def with_uncertainty(
                 f"member_axis must be 0 for a Masksembles model (its members are split from the tiled batch onto "
                 f"axis 0); received {member_axis}"
             )
+        refuse_sequence_first_inputs(model, "with_uncertainty")
         keep_masks_off_fused_paths(model)  # as predict runs the model
         return UncertaintyHead(model, spec, tiled_members=mca.check_members(counts, n), member_axis=0)
     members = {len(module.members) for module in packed if not module.meta["masksembles"]["squeeze"]}

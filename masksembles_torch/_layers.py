@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from numpy.typing import ArrayLike
 from torch import Tensor, nn
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 import masksembles_core as mc
 import masksembles_core.adapter as mca
@@ -40,11 +41,21 @@ class Masksembles(nn.Module):
         mode: ``"grouped"`` (the batch-grouping rule, always) or ``"random"`` (in training each
             sample draws a mask uniformly at random from ``generator``; grouped in eval).
         generator: ``torch.Generator`` used by random mode (on the input's device).
+        batch_axis: the axis of the samples in the input: 0 (B, ...), 1 for a sequence-first (L, B, ..., C) input
+            (inside ``nn.TransformerEncoderLayer(batch_first=False)``, XLNet's blocks), or None (the default):
+            decided in each call from its shape and the model's batch size (``masksembles_core.adapter.sample_axis``:
+            axis 1 where a 3-D channels-last input holds the batch there and not on axis 0; axis 0 where both fit,
+            the batch-first convention), axis 0 where no batch size is known. ``insert`` and ``convert_dropout`` set
+            it (declare a sequence-first layer you place by hand).
         device, dtype: where and in which floating dtype the mask buffer is stored.
 
     Shape:
         input (B, ...) with C channels on ``channel_axis``; output the same shape, dtype and
         memory format.
+
+    Every call with a known batch size (in training within a call of the recording model; in eval within one, which
+    ``predict`` makes: ``n * B``) checks that the axis it groups along holds that many samples, and refuses a
+    sequence-first input it would otherwise group by token position.
 
     The masks are a persistent buffer: ``state_dict``, ``torch.save``/``torch.load``, ``deepcopy``
     and pickling keep them bit for bit, and loading never regenerates them.
@@ -63,6 +74,8 @@ class Masksembles(nn.Module):
     # for it are under way (class defaults: also for a layer pickled whole before they existed).
     recorded: bool = False
     open_calls: int = 0
+    batch_axis: int | None = None  # also for a layer pickled whole before it existed
+    grouped_axis: int | None = None  # the axis its last eager call grouped along (predict reads it)
 
     def __init__(
         self,
@@ -75,6 +88,7 @@ class Masksembles(nn.Module):
         channel_axis: int = 1,
         mode: str = "grouped",
         generator: torch.Generator | None = None,
+        batch_axis: int | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -88,6 +102,7 @@ class Masksembles(nn.Module):
         self.n, self.channels = resolved.shape
         self.scale, self.channel_axis, self.mode = arguments.scale, arguments.channel_axis, arguments.mode
         self.generator = generator
+        self.batch_axis = mca.check_batch_axis(batch_axis)
         factory_kwargs: dict[str, Any] = {"device": device, "dtype": dtype or torch.get_default_dtype()}
         if not factory_kwargs["dtype"].is_floating_point:
             raise TypeError(f"dtype must be a floating dtype; received {dtype}")
@@ -98,11 +113,15 @@ class Masksembles(nn.Module):
         self.register_forward_pre_hook(_off_fused_paths)
 
     def forward(self, x: Tensor) -> Tensor:
-        """Apply the masks: (B, ...) -> (B, ...)."""
+        """Apply the masks: (B, ...) -> (B, ...), or (L, B, ...) -> (L, B, ...) along the samples' axis 1."""
         samples = self._training_samples() if self.training else None  # eval: predict's tiled batch lines up already
+        known = samples if self.training else self.samples if self.open_calls else None
+        axis = self._sample_axis(x, known)
+        if not torch.compiler.is_compiling() and not isinstance(x, torch.fx.Proxy):
+            self.grouped_axis = axis
         index = None
         if self.mode == "random" and self.training:
-            rows = x.shape[0]
+            rows = x.shape[axis]
             per_sample = mca.rows_per_sample(rows, samples)  # random mode draws in training only
             index = torch.randint(self.n, (rows // per_sample,), device=x.device, generator=self.generator)
             if per_sample != 1:  # one draw per sample, shared by its rows
@@ -115,7 +134,28 @@ class Masksembles(nn.Module):
             samples=samples,
             ranks=self.ranks,
             layer=type(self).__name__,
+            batch_axis=axis,
         )
+
+    def _sample_axis(self, x: Tensor, samples: int | None) -> int:
+        """The axis of ``x`` that holds the samples (``masksembles_core.adapter.sample_axis``). Under torch.compile
+        or torch.export a declared axis is used as it is (the eager calls check it), and an undeclared one is the
+        axis that provably holds the batch for every value of the symbolic sizes, axis 0 where axis 1 has a fixed size
+        (no guard pinning the batch size to it, which torch.export refuses: DeBERTa's relative attention), and is
+        decided with guards only where neither holds."""
+        if isinstance(x, torch.fx.Proxy) or x.is_nested or x.ndim < 2:
+            # torch.fx's symbolic trace records the declared axis (no sizes to check), the functional refuses the rest
+            return 0 if self.batch_axis is None else self.batch_axis
+        layer = f"{type(self).__name__}({self.channels}, n={self.n})"
+        if torch.compiler.is_compiling() and samples is not None:
+            if self.batch_axis is not None:
+                return self.batch_axis
+            proven = mca.sample_axis(x.shape, self.channel_axis, samples, layer=layer, known=statically_known_true)
+            if proven == 1 or statically_known_true(x.shape[0] % samples == 0):
+                return int(proven)
+            if isinstance(samples, torch.SymInt) and x.ndim == 3 and not isinstance(x.shape[1], torch.SymInt):
+                return 0  # a fixed size on axis 1 holds no batch of every size: no guard pinning the batch to it
+        return int(mca.sample_axis(x.shape, self.channel_axis, samples, self.batch_axis, layer=layer))
 
     def _training_samples(self) -> int | None:
         """The model's batch size for this training call: the recording model's (``record_batch_size``) within its
@@ -143,7 +183,11 @@ class Masksembles(nn.Module):
         )
 
     def extra_repr(self) -> str:
-        return f"{self.channels}, n={self.n}, scale={self.scale}, mode={self.mode!r}, channel_axis={self.channel_axis}"
+        axis = "" if self.batch_axis is None else f", batch_axis={self.batch_axis}"
+        return (
+            f"{self.channels}, n={self.n}, scale={self.scale}, mode={self.mode!r}, channel_axis={self.channel_axis}"
+            f"{axis}"
+        )
 
     def _load_from_state_dict(
         self,
@@ -252,6 +296,46 @@ def record_batch_size(model: ModuleT) -> ModuleT:
     for layer in _layers(model):
         layer.recorded = True
     return model
+
+
+SEQUENCE_FIRST_MODULES = (
+    nn.MultiheadAttention,
+    nn.Transformer,
+    nn.TransformerEncoder,
+    nn.TransformerDecoder,
+    nn.TransformerEncoderLayer,
+    nn.TransformerDecoderLayer,
+    nn.RNNBase,
+)
+
+
+def sequence_first(module: nn.Module) -> bool:
+    """Whether ``module`` is one of torch's attention, transformer or recurrent modules set to sequence-first tensors,
+    (L, B, ...) (``batch_first=False``, the default of every one of them)."""
+    if isinstance(module, nn.TransformerEncoder | nn.TransformerDecoder):
+        return bool(module.layers) and sequence_first(module.layers[0])
+    if isinstance(module, nn.Transformer):
+        return sequence_first(module.encoder)
+    if isinstance(module, nn.TransformerEncoderLayer | nn.TransformerDecoderLayer):
+        return not module.self_attn.batch_first
+    return isinstance(module, SEQUENCE_FIRST_MODULES) and not getattr(module, "batch_first", True)
+
+
+@contextlib.contextmanager
+def samples_known(model: nn.Module, samples: int) -> Iterator[list[Masksembles]]:
+    """Calls of ``model`` inside with ``samples`` rows of samples (``predict``'s tiled batch, ``n * B``): its
+    Masksembles layers check the axis they group along against it, also those no model records for; yields the
+    layers, whose ``grouped_axis`` then says along which axis each grouped (None: not called). Their state is restored
+    afterwards."""
+    layers = _layers(model)
+    saved = [(layer.open_calls, layer.samples, layer.grouped_axis) for layer in layers]
+    for layer in layers:
+        layer.open_calls, layer.samples, layer.grouped_axis = layer.open_calls + 1, samples, None
+    try:
+        yield layers
+    finally:
+        for layer, (calls, known, _) in zip(layers, saved, strict=True):
+            layer.open_calls, layer.samples = calls, known
 
 
 @contextlib.contextmanager

@@ -253,11 +253,11 @@ def _rule(graph: _Graph, region: Region, node: fx.Node, op: _Op) -> Fold | tuple
         raise _Rejected(node)
     source = graph.probed(ins[0])
     if _is_reshape(node):
-        return _reshape(graph, region, node, first, source.shape, probed.shape, source.batch_axis, probed.batch_axis)
+        return _reshape(graph, region, node, first, source.shape, probed.shape, source.rows_axis, probed.rows_axis)
     parts = _equal_parts(graph, node) if len(op.tensors) == 1 else None
     if parts is not None:
         count, dim = parts
-        if dim == source.batch_axis or (dim == first.axis and first.outer != count):
+        if dim == source.rows_axis or (dim == first.axis and first.outer != count):
             raise _Rejected(node)
         if dim == first.axis:  # q, k and v of a Linear that writes (3, m, C): each part in member blocks
             region.chunks[node] = parts
@@ -317,7 +317,7 @@ def _indexed(graph: _Graph, node: fx.Node, fold: Fold, source: Probed) -> Fold:
             raise _Rejected(node)
         index = (*[slice(None)] * (dim % (source.rank + 1)), None)
     landing = _index_axes(index, source.rank)
-    if landing is None or source.batch_axis < 0 or not _takes_whole(index, source.rank, [fold.axis, source.batch_axis]):
+    if landing is None or source.rows_axis < 0 or not _takes_whole(index, source.rank, [fold.axis, source.rows_axis]):
         raise _Rejected(node)
     return Fold(landing[fold.axis], fold.outer)
 
@@ -330,13 +330,13 @@ def _member_index(graph: _Graph, region: Region, node: fx.Node, fold: Fold, sour
     index: Any = node.args[1]
     entries: list[Any] = list(index) if isinstance(index, tuple) else [index]
     lists = [i for i, e in enumerate(entries) if isinstance(e, list)]
-    if fold.outer != 1 or source.batch_axis < 0 or len(lists) > 1:
+    if fold.outer != 1 or source.rows_axis < 0 or len(lists) > 1:
         raise _Rejected(node)
     if lists and not all(isinstance(p, int) and not isinstance(p, bool) for p in entries[lists[0]]):
         raise _Rejected(node)
     plain = tuple(slice(None) if isinstance(e, list) else e for e in entries)  # the axes a list keeps, in place
     landing = _index_axes(plain, source.rank)
-    if landing is None or not _takes_whole(plain, source.rank, [source.batch_axis]):
+    if landing is None or not _takes_whole(plain, source.rank, [source.rows_axis]):
         raise _Rejected(node)
     explicit: list[Any] = []  # the index with its Ellipsis written out, and the axis it reads at each entry
     axes: list[int] = []
@@ -390,12 +390,12 @@ def _expand(region: Region, node: fx.Node, fold: Fold, source: Probed, out: Prob
     the axes it adds in front; it is emitted with the folded sizes, the batch's left as it is (-1)."""
     added = out.rank - source.rank
     landing = fold.axis + added
-    if added < 0 or source.batch_axis < 0 or out.batch_axis != source.batch_axis + added:
+    if added < 0 or source.rows_axis < 0 or out.rows_axis != source.rows_axis + added:
         raise _Rejected(node)
     if out.shape[landing] != source.shape[fold.axis]:  # the fold's axis is not repeated
         raise _Rejected(node)
     shape = list(out.shape)
-    shape[out.batch_axis] = -1
+    shape[out.rows_axis] = -1
     region.shapes[node] = tuple(shape)
     return Fold(landing, fold.outer)
 
@@ -409,7 +409,7 @@ def _repeat_interleave(graph: _Graph, node: fx.Node, fold: Fold, source: Probed)
     repeats, dim = capture.argument(node, "repeats", 1), capture.argument(node, "dim", 2)
     if not isinstance(repeats, int) or not isinstance(dim, int) or capture.argument(node, "output_size", 3) is not None:
         raise _Rejected(node)
-    if source.batch_axis < 0 or dim % source.rank == source.batch_axis:
+    if source.rows_axis < 0 or dim % source.rank == source.rows_axis:
         raise _Rejected(node)
     return fold
 
@@ -425,9 +425,9 @@ def _concat(graph: _Graph, region: Region, node: fx.Node) -> Fold:
     ranks = {graph.probed(t).rank for t in tensors if isinstance(t, fx.Node)}
     fold = folds.pop() if len(folds) == 1 else None
     probed = graph.probed(node)
-    if not isinstance(fold, Fold) or ranks != {probed.rank} or probed.batch_axis < 0:
+    if not isinstance(fold, Fold) or ranks != {probed.rank} or probed.rows_axis < 0:
         raise _Rejected(node)
-    if dim % probed.rank in (fold.axis, probed.batch_axis):
+    if dim % probed.rank in (fold.axis, probed.rows_axis):
         raise _Rejected(node)
     return fold
 

@@ -452,9 +452,22 @@ def _probe(
 def flop_counter() -> FlopCounterMode:
     """``FlopCounterMode`` that also counts the CPU's fused attention kernel, which it leaves out (0 flops for
     ``F.scaled_dot_product_attention`` on CPU), by the formula it has for the other fused kernels. Enter it with
-    ``counting`` (``nn.MultiheadAttention``'s fused fast path, which it does not count either, turned off)."""
+    ``counting`` (``nn.MultiheadAttention``'s fused fast path, which it does not count either, turned off). Only
+    the total is kept: its tracker of the modules, which hooks the backward of every module input that requires grad,
+    is left out (it raised AssertionError on a view of a parameter made without gradients, which requires grad but
+    has no gradient function: DeBERTa's relative embeddings, ``weight[: 2 * span].unsqueeze(0)``, into a masked
+    position projection)."""
     cpu_attention = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    return FlopCounterMode(display=False, custom_mapping={cpu_attention: _attention_flops})
+    counter = FlopCounterMode(display=False, custom_mapping={cpu_attention: _attention_flops})
+    counter.mod_tracker = cast(Any, _GlobalOnly())
+    return counter
+
+
+class _GlobalOnly(contextlib.nullcontext[None]):
+    """What ``FlopCounterMode`` reads of its module tracker: entered and left, and the one module every count goes
+    to (``"Global"``, whose sum is ``get_total_flops``)."""
+
+    parents = ("Global",)
 
 
 @contextlib.contextmanager
@@ -569,6 +582,7 @@ class _Capture:
         self.ops: dict[fx.Node, _Op] = {}
         self.mixing: dict[fx.Node, bool] = {}  # mixes_samples, evaluated once per node
         self.data_free: dict[fx.Node, bool] = {}  # _data_free, once per node
+        self.sample_ordered: dict[fx.Node, bool] = {}  # sample_rows, once per node
         for node in self.gm.graph.nodes:
             if node in self.values and node is not self.input:
                 self.ops[node] = self._classify(node)
@@ -652,8 +666,46 @@ class _Capture:
         broadcast = self.batch_broadcast(node) if reads_batch else None
         per_member = self.calls_masks(node) or (reads_batch and broadcast is None) or self.mixes_samples(node)
         return _Op(
-            node, "fallback", self.inputs(node), rule="none", batch_dependent=per_member, batch_size_read=broadcast
-        )
+            node, "fallback", self.inputs(node), rule="none", batch_dependent=per_member, batch_size_read=broadcast,
+            sample_rows=self.rows_per_sample(node) > 1 and self.sample_rows(node),
+        )  # fmt: skip
+
+    def rows_per_sample(self, node: fx.Node) -> int:
+        """``Probed.rows_per_sample`` of a value (0 for anything but a tensor with one batch-proportional axis)."""
+        seen = self.seen[node]
+        return Probed(seen.shapes, self.seen[self.input].shapes[0][0]).rows_per_sample if seen.tensor else 0
+
+    def sample_rows(self, node: fx.Node) -> bool:
+        """Whether ``node``'s value holds each sample's rows together, in sample order, on its batch-proportional
+        axis (Swin's windows folded into the batch, (B*windows, L, C)): by induction from the values whose axis is
+        exactly the batch, each value on more rows per sample reads only such values and keeps each sample's rows
+        apart from the others' (``mixes_samples``, evaluated: redrawing one sample's rows of every input changes
+        only that sample's rows of the result). A Masksembles layer scales each row where it is (by its member's
+        mask: the rows' place in the member-stacked batch, so it is not evaluated on random rows); a module that holds
+        one is not proven to keep the rows in order."""
+        pending, unknown = [node], set()
+        while pending:  # the values not decided yet that it reads, decided below in graph order
+            value = pending.pop()
+            if value not in self.sample_ordered and value not in unknown:
+                unknown.add(value)
+                if self.rows_per_sample(value) > 1 and value not in self.placeholders:
+                    pending += self._batched_inputs(value)
+        for value in [v for v in self.gm.graph.nodes if v in unknown]:
+            rows = self.rows_per_sample(value)
+            self.sample_ordered[value] = rows == 1 or (
+                rows > 1
+                and value not in self.placeholders
+                and (self._masks_layer(value) or not (self.calls_masks(value) or self.mixes_samples(value)))
+                and all(self.sample_ordered[t] for t in self._batched_inputs(value))
+            )
+        return self.sample_ordered[node]
+
+    def _masks_layer(self, node: fx.Node) -> bool:
+        return node.op == "call_module" and isinstance(self.gm.get_submodule(str(node.target)), Masksembles)
+
+    def _batched_inputs(self, node: fx.Node) -> list[fx.Node]:
+        """The tensors with a batch axis among the model values ``node`` reads."""
+        return [t for t in self.inputs(node) if self.seen[t].tensor and self.seen[t].batch_axes]
 
     def batch_broadcast(self, node: fx.Node) -> fx.Node | None:
         """The batch size read by ``node`` when it only repeats a tensor that does not follow the batch along the
@@ -823,6 +875,8 @@ class _Capture:
             return None
         if target is F.linear:
             return self._linear(node, tensors, self.argument(node, "weight", 1), self.argument(node, "bias", 2))
+        if target in (torch.matmul, operator.matmul) or (method and name in ("matmul", "__matmul__")):
+            return self._constant_matmul(node, tensors)
         if target in CONV_FUNCTIONS:
             return self._conv_function(node, tensors)
         if target in DROPOUT_FUNCTIONS:
@@ -847,6 +901,8 @@ class _Capture:
             return self._spatial(node, tensors)
         if target in MOVE_FUNCTIONS or (method and name in MOVES):
             return _Op(node, "channelwise", tensors, rule="map")
+        if target is torch.roll or (method and name == "roll"):
+            return self._roll(node, tensors)
         if name in REDUCTIONS:
             return _Op(node, "channelwise", tensors, rule="map")
         if target in IN_PLACE_OPERATORS or target in ELEMENTWISE_FUNCTIONS or target in COMBINE_FUNCTIONS:
@@ -946,6 +1002,41 @@ class _Capture:
         rank = self.seen[tensors[0]].rank
         return _Op(node, "mixing", tensors, rule="fixed", fixed_in=rank - 1, fixed_out=rank - 1, how="linear",
                    weight=weight.detach(), bias=None if bias is None else bias.detach())  # fmt: skip
+
+    def _roll(self, node: fx.Node, tensors: list[fx.Node]) -> _Op | None:
+        """``torch.roll(x, shifts, dims)`` along axes other than the batch's (Swin's cyclic shift of (B, H, W, C)
+        along H and W): each sample's elements move within the sample, every position keeps its value, so where the
+        channel axis is not rolled channel ``c`` comes from channel ``c`` (``axis_map`` evaluates it: a rolled
+        channel axis does not hold the channels in order). Rolled along the batch, or with ``dims`` not given (the
+        flattened tensor), samples trade values: not a move."""
+        dims, shifts = self.argument(node, "dims", 2, ()), self.argument(node, "shifts", 1)
+        dims = (dims,) if isinstance(dims, int) else dims
+        if (
+            not isinstance(dims, (tuple, list))
+            or not dims
+            or not all(isinstance(d, int) for d in dims)
+            or shifts is None
+        ):
+            return None
+        seen = self.seen[tensors[0]]
+        if any(d % seen.rank in seen.batch_axes for d in dims):
+            return None
+        return _Op(node, "channelwise", tensors, rule="map")
+
+    def _constant_matmul(self, node: fx.Node, tensors: list[fx.Node]) -> _Op | None:
+        """``x @ w`` with ``w`` a (K, N) matrix that does not depend on the input (``transformers``' FalconLinear,
+        ``x @ self.weight.T``, which torch.export captures as ``matmul(x, numpy_T(weight))``) as ``F.linear(x, w.T)``:
+        for ``x`` of rank 2 or more, ``matmul`` broadcasts a 2-D second operand over ``x``'s leading axes and
+        contracts ``x``'s last axis with its rows, each row of ``x`` alone, as a Linear of weight ``w.T`` (N, K)
+        does. Not a Linear: ``w`` first (``w @ x`` mixes another axis of ``x``), ``w`` of another rank (a vector drops
+        the last axis, a batched ``w`` pairs batches), ``x`` a vector, or two model values (attention's products)."""
+        if node.kwargs or len(node.args) != 2 or node.args[0] is not tensors[0] or self.seen[tensors[0]].rank < 2:
+            return None
+        second = node.args[1]
+        matrix = self.constant(second)
+        if not isinstance(matrix, Tensor) or matrix.dim() != 2:
+            return None
+        return self._linear(node, tensors, matrix.t(), None)
 
     def _conv_function(self, node: fx.Node, tensors: list[fx.Node]) -> _Op | None:
         weight, bias = self.argument(node, "weight", 1), self.argument(node, "bias", 2)

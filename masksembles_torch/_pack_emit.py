@@ -793,8 +793,14 @@ class _Emitter:
                 value = self.graph.call_function(ops.repeat_members, (value, members))
         else:
             node = self.by_name[program.output]
-            axis = capture.seen[node].batch_axis if final.placement.dense else self.axis[node]
-            value = self._members_first(value, axis, squeeze)
+            batch_axis = capture.seen[node].batch_axis
+            axis = batch_axis if final.placement.dense else self.axis[node]
+            if batch_axis <= 0 or squeeze:
+                value = self._members_first(value, axis, squeeze)
+            elif axis == batch_axis:  # sequence-first, the members' blocks on its batch axis: predict's layout
+                value = self._output_leaf(value, axis, squeeze)
+            else:  # sequence-first, the members elsewhere (side by side in the channels): moved into those blocks
+                value = self.graph.call_function(ops.blocks_on, (value, self.m, axis, batch_axis, self.returned))
         self.graph.output(value)
 
     def _output_leaf(self, value: fx.Node, axis: int, squeeze: bool) -> fx.Node:

@@ -71,7 +71,7 @@ FUNCTIONS: dict[Any, tuple[Callable[..., Any], int | None]] = {
     ATEN.adaptive_avg_pool3d.default: (F.adaptive_avg_pool3d, None),
     ATEN.linalg_vector_norm.default: (torch.linalg.vector_norm, None), ATEN.addcmul.default: (torch.addcmul, None),
     ATEN.addcdiv.default: (torch.addcdiv, None), ATEN.im2col.default: (F.unfold, None),
-    ATEN.col2im.default: (F.fold, None),
+    ATEN.col2im.default: (F.fold, None), ATEN.roll.default: (torch.roll, None),
 }  # fmt: skip
 
 

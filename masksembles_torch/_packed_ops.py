@@ -497,6 +497,16 @@ def member_blocks(x: Tensor, members: int, axis: int, chosen: Sequence[int]) -> 
     return picked.movedim(0, axis).flatten(axis, axis + 1)
 
 
+def blocks_on(x: Tensor, members: int, axis: int, batch_axis: int, chosen: Sequence[int] | None) -> Tensor:
+    """The members' blocks of ``axis`` (all, or the ``chosen`` ones in order) moved onto ``batch_axis`` of the
+    member-free shape: ``predict``'s layout (…, m*B, …) of an output whose batch is on ``batch_axis`` (> 0), from a
+    packed value that holds the members elsewhere (side by side in its channels, (L, B, m*C))."""
+    split = members_first(x, members, axis)
+    if chosen is not None:
+        split = split[list(chosen)]
+    return split.movedim(0, batch_axis).flatten(batch_axis, batch_axis + 1)
+
+
 def select_members(tree: Any, members: int, axes: Sequence[int], chosen: Sequence[int], squeeze: bool) -> Any:
     """Every tensor leaf (…, m*B, …) with its batch on ``axes[i]`` in ``predict``'s layout for the ``chosen`` members:
     (len(chosen), B, …) for a batch on axis 0, the members' blocks left on the batch axis for one on another axis

@@ -72,28 +72,47 @@ def batch_size(inputs: Inputs) -> int:
     return mca.check_batch_sizes([(name, tensor.shape[0]) for name, tensor in batched_tensors(inputs)])
 
 
-def stack_members(outputs: list[Any], n: int, batches: list[int]) -> Any:
+def stack_members(outputs: list[Any], n: int, batches: list[int], *, sequence_first: bool = False) -> Any:
     """The outputs of a model on the tiled chunks of a batch, joined with the members on a new leading axis.
 
     ``outputs[i]`` is the model's output on chunk ``i`` of ``batches[i]`` samples, tiled ``n`` times. Its structure
     is kept (tensors, tuples, namedtuples, lists, dicts, dataclasses such as ``transformers``' ``ModelOutput``);
     every tensor whose axis 0 holds the tiled batch (``n * batches[i]`` rows) becomes (n, B, ...), member ``k`` at
-    index ``k``, the chunks joined on axis 1. Any other value (a loss over the tiled batch, a key-value cache object)
-    is returned as the model computed it on the whole tiled batch when there is one chunk, and is None when there are
-    several (it cannot be joined).
+    index ``k``, the chunks joined on axis 1. A tensor whose axis 1 holds it instead (sequence-first, (L, n*B, ...))
+    keeps the members' blocks there, the chunks joined block by block. Any other value (a loss over the tiled batch,
+    a key-value cache object) is returned as the model computed it on the whole tiled batch when there is one chunk,
+    and is None when there are several (it cannot be joined).
+
+    Args:
+        sequence_first: the model ran a Masksembles layer on a sequence-first input: a tensor whose axes 0 and 1
+            both hold the tiled batch is refused (which one is the batch cannot be told).
+
+    Raises:
+        ValueError: that ambiguous tensor.
     """
     first = outputs[0]
     if isinstance(first, Tensor):
-        if first.ndim and all(
-            isinstance(out, Tensor) and out.ndim and out.shape[0] == n * rows
-            for out, rows in zip(outputs, batches, strict=True)
-        ):
-            members = [out.unflatten(0, (n, rows)) for out, rows in zip(outputs, batches, strict=True)]
+        tensors = [out for out in outputs if isinstance(out, Tensor) and out.ndim]
+        if len(tensors) != len(outputs):
+            return first if len(outputs) == 1 else None
+        on_first = all(out.shape[0] == n * rows for out, rows in zip(tensors, batches, strict=True))
+        on_second = all(out.ndim > 1 and out.shape[1] == n * rows for out, rows in zip(tensors, batches, strict=True))
+        if on_first and on_second and sequence_first:
+            raise ValueError(
+                f"predict: an output of shape {tuple(first.shape)} holds the tiled batch of {n}x{batches[0]} on axes "
+                "0 and 1, and the model runs sequence-first blocks: whether it is batch-first or sequence-first "
+                "cannot be told. Pass a batch_size (or a batch) whose n*B is not its sequence length"
+            )
+        if on_first:
+            members = [out.unflatten(0, (n, rows)) for out, rows in zip(tensors, batches, strict=True)]  # type: ignore[no-untyped-call]
             return members[0] if len(members) == 1 else torch.cat(members, dim=1)  # one chunk: a view, no copy
+        if on_second:  # member k's block of every chunk, in order
+            blocks = [out.unflatten(1, (n, rows)) for out, rows in zip(tensors, batches, strict=True)]  # type: ignore[no-untyped-call]
+            return first if len(outputs) == 1 else torch.cat(blocks, dim=2).flatten(1, 2)
         return first if len(outputs) == 1 else None
 
     def part(values: list[Any]) -> Any:
-        return stack_members(values, n, batches)
+        return stack_members(values, n, batches, sequence_first=sequence_first)
 
     if dataclasses.is_dataclass(first) and not isinstance(first, type):
         fields = [field.name for field in dataclasses.fields(first) if field.init]

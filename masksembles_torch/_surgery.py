@@ -52,8 +52,8 @@ from masksembles_core.insertion import (
     wrapper_attribute_error,
 )
 
-from ._layers import Masksembles, record_batch_size
-from ._structures import Inputs, batched_tensors, call
+from ._layers import Masksembles, record_batch_size, sequence_first
+from ._structures import Inputs, batched_tensors, call, map_batched
 
 DEFAULT_BEFORE: tuple[type[nn.Module], ...] = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
 DEPTHWISE = "depthwise convolution: each output channel reads one input channel (before=... includes it)"
@@ -124,6 +124,50 @@ def _masksembles(row: LayerChange, n: int, scale: float, like: nn.Module, traini
     assert row.channels is not None and row.channel_axis is not None, f"row {row.path!r} places no masks"
     layer = Masksembles(row.channels, n, scale, seed=row.seed, channel_axis=row.channel_axis, **_factory(like))
     return layer.train(training)
+
+
+def _declare_batch_axes(model: nn.Module, example: Inputs | None, holders: Mapping[Masksembles, nn.Module]) -> None:
+    """Set the ``batch_axis`` of each new Masksembles layer (a key of ``holders``, the module that calls it): 1 in
+    one of torch's sequence-first transformer layers, 0 in a batch-first one; elsewhere the axis of its input that
+    grows when the example input grows by one sample (the model run on ``example`` and on ``example`` with its first
+    sample repeated once more: eval mode, no gradients, modes restored), 0 or 1 for a 3-D channels-last input; None
+    (decided in each call) where no example is given, the model fails on the larger one, or no single axis grows."""
+    probed = {}
+    for layer, holder in holders.items():
+        if isinstance(holder, FEED_FORWARD_LAYERS):  # its unbatched (L, E) calls are refused by the layer
+            layer.batch_axis = 1 if sequence_first(holder) else 0
+        else:
+            layer.batch_axis = None
+            probed[id(layer)] = layer
+    if not probed or example is None:
+        return
+    runs: list[dict[int, list[tuple[int, ...]]]] = []
+    for inputs in (example, map_batched(example, lambda tensor: torch.cat([tensor, tensor[:1]]))):
+        seen: dict[int, list[tuple[int, ...]]] = {key: [] for key in probed}
+
+        def note(module: nn.Module, args: tuple[Any, ...], seen: dict[int, list[tuple[int, ...]]] = seen) -> None:
+            if id(module) in seen and args and isinstance(args[0], Tensor):
+                seen[id(module)].append(tuple(args[0].shape))
+
+        handle = torch.nn.modules.module.register_module_forward_pre_hook(note)
+        try:
+            with _evaluating(model):
+                call(model, inputs)
+        except Exception:  # a model that takes no other batch size: each call decides
+            return
+        finally:
+            handle.remove()
+        runs.append(seen)
+    for key, layer in probed.items():
+        grown = {
+            tuple(axis for axis, (a, b) in enumerate(zip(small, large, strict=True)) if a != b)
+            for small, large in zip(runs[0][key], runs[1][key], strict=True)
+            if len(small) == len(large)
+        }
+        if grown == {(0,)}:
+            layer.batch_axis = 0
+        elif grown == {(1,)} and len(runs[0][key][0]) == 3 and layer.channel_axis % 3 == 2:
+            layer.batch_axis = 1
 
 
 def _paths(model: nn.Module) -> dict[int, list[str]]:
@@ -502,6 +546,10 @@ def insert(
         keep_masks_off_fused_paths(model)
         failed = {} if example_input is None else _run_once(model, example_input, wrappers)
         if not failed:
+            holders = {
+                wrapper.masksembles: model.get_submodule(path.rpartition(".")[0]) for path, wrapper in wrappers.items()
+            }
+            _declare_batch_axes(model, example_input, holders)
             return _attach(model, report)
         _unwrap(model, wrappers)
         reasons.update(failed)
@@ -1264,17 +1312,24 @@ def convert_dropout(
     )
     owners: dict[str, _Owner] = {}
     placed: dict[str, tuple[nn.Module, Masksembles]] = {}  # converted modules: path -> (the dropout, its masks)
+    holders: dict[Masksembles, nn.Module] = {}
     for row, target in zip(report.rows, targets, strict=True):
         if row.action != CONVERTED:
             continue
+        layer = _masksembles(row, n, scale, model, True)
         if isinstance(target, nn.Module):
-            placed[row.path] = (target, _masksembles(row, n, scale, model, target.training))
-            _replace(model, paths[id(target)], placed[row.path][1])
+            holder = model.get_submodule(paths[id(target)][0].rpartition(".")[0])
+            placed[row.path] = (target, layer.train(target.training))
+            _replace(model, paths[id(target)], layer)
         elif target is not None:
             owner, index = target
             assert owner is not None, "a call is converted only where its owner was traced"
-            owner.layers[index] = _masksembles(row, n, scale, model, owner.module.training)
+            holder = owner.module
+            owner.layers[index] = layer.train(owner.module.training)
             owners[owner.path] = owner
+        else:
+            continue
+        holders[layer] = holder
     for path in sorted(owners, key=lambda p: -1 if not p else p.count("."), reverse=True):
         rewritten = _rewrite(owners[path])
         if path:
@@ -1282,6 +1337,7 @@ def convert_dropout(
         else:
             model = rewritten
     keep_masks_off_fused_paths(model)
+    _declare_batch_axes(model, inputs, holders)
     skipped = _skipped_at_inference(model, inputs, {path: layer for path, (_, layer) in placed.items()})
     for path in skipped:
         _replace(model, paths[id(placed[path][0])], placed[path][0])

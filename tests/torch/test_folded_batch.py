@@ -102,7 +102,8 @@ def record_members(model: nn.Module) -> list[tuple[str, np.ndarray]]:
 @pytest.mark.parametrize("batch", [7, 5])
 def test_a_sample_meets_one_member_in_every_layer_in_training(name: str, batch: int) -> None:
     build, shape = MODELS[name]
-    model = mt.insert(build(), N, 2.0, seed=0)
+    # the example tells the layers' rows are batch-first: undeclared, a call whose tokens equal the batch is refused
+    model = mt.insert(build(), N, 2.0, seed=0, example_input=torch.randn(2, *shape))
     records = record_members(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randn(batch, *shape, generator=torch.Generator().manual_seed(batch))
@@ -124,7 +125,7 @@ def test_a_sample_meets_one_member_in_every_layer_in_training(name: str, batch: 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_extracted_member_of_a_folding_model_equals_predict(name: str) -> None:
     build, shape = MODELS[name]
-    model = mt.insert(build(), N, 2.0, seed=0).eval()
+    model = mt.insert(build(), N, 2.0, seed=0, example_input=torch.randn(2, *shape)).eval()
     x = torch.randn(7, *shape, generator=torch.Generator().manual_seed(0))
     member = mt.extract_member(model, 2, x)
     assert not any(entry.startswith("verification") for entry in member.fallbacks)  # right without the safety net

@@ -61,8 +61,10 @@ class Windows(nn.Module):
     def __init__(self, window: int = 2) -> None:
         super().__init__()
         self.window = window
-        self.masks1, self.fc1 = mt.Masksembles(WIDTH, N, 2.0, seed=0, channel_axis=-1), nn.Linear(WIDTH, 2 * WIDTH)
-        self.masks2, self.fc2 = mt.Masksembles(2 * WIDTH, N, 2.0, seed=1, channel_axis=-1), nn.Linear(2 * WIDTH, WIDTH)
+        # rows (B * windows, window², C): batch-first, declared (window² = 4 tokens equal a batch of 4 otherwise)
+        self.masks1 = mt.Masksembles(WIDTH, N, 2.0, seed=0, channel_axis=-1, batch_axis=0)
+        self.masks2 = mt.Masksembles(2 * WIDTH, N, 2.0, seed=1, channel_axis=-1, batch_axis=0)
+        self.fc1, self.fc2 = nn.Linear(WIDTH, 2 * WIDTH), nn.Linear(2 * WIDTH, WIDTH)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, h, w, c = x.shape

@@ -4,9 +4,9 @@ that n does not divide): ``insert`` and ``convert_dropout``, then ``predict`` wi
 ``pack`` and ``extract_member`` equal to it; a training step on the converted model. ``FOLDED`` lists the models
 whose multiply-adds all run packed (attention folded into the heads, rotary embeddings, grouped-query attention,
 T5's, BEiT's and MPNet's per-head position bias (MPNet's added in place) and GPT-Neo's ``torch.where`` causal mask
-included; OPT's feed-forward on its tokens folded into the batch, (B*L, C) rows); the others keep their attention at
-full width on the member-stacked batch, exactly (DeBERTa's disentangled attention), and Swin its window attention and
-the output projection after it."""
+included; OPT's feed-forward on its tokens folded into the batch, (B*L, C) rows; Swin's window attention on its
+windows folded into the batch); the others keep their attention at full width on the member-stacked batch, exactly
+(DeBERTa's disentangled attention)."""
 
 from __future__ import annotations
 
@@ -107,7 +107,7 @@ ARCHITECTURES: dict[str, tuple[str, str, str, str, dict[str, Any]]] = {
 }  # fmt: skip
 FOLDED = {"roberta", "albert", "electra", "xlm-roberta", "bart", "t5-encoder", "gpt-neo", "opt", "llama", "mistral",
           "qwen2", "gemma", "phi", "deit", "beit", "convnext", "resnet", "clip-vision", "dinov2",
-          "whisper", "mpnet"}  # fmt: skip
+          "whisper", "mpnet", "swin"}  # fmt: skip
 # a dropout module on the hidden states (OPT's, Whisper's and BART's others are F.dropout calls, which a model read
 # with torch.export keeps; Llama, Mistral, Qwen2, Gemma, CLIP, ResNet, ConvNeXt have none)
 DROPOUTS = ["roberta", "albert", "electra", "deberta-v2", "xlm-roberta", "mpnet", "bart", "t5-encoder", "gpt-neo",
