@@ -67,11 +67,22 @@ def run_pytest(session: nox.Session, backends: str, *paths: str) -> None:
     )
 
 
+def release_environment(session: nox.Session) -> None:
+    """Delete the session's virtual environment once the session has passed, unless nox was asked to reuse
+    environments (``-r``, ``--reuse-venv``): a run without reuse builds each one afresh anyway. The default sessions'
+    environments take about 12 GB together (torch, TensorFlow and JAX several times over); held to the end of the run,
+    they filled a CI machine's disk before the last session. A failed session keeps its environment to look into."""
+    environment = session.virtualenv
+    if isinstance(environment, nox.virtualenv.VirtualEnv) and not environment.reuse_existing:
+        shutil.rmtree(environment.location, ignore_errors=True)
+
+
 @nox.session
 def core(session: nox.Session) -> None:
     """The NumPy core and the conformance oracle (numpy the only runtime dependency)."""
     session.install(*CONSTRAINTS, "-e", ".", *TEST, *METRICS_TEST)
     run_pytest(session, "numpy", *CORE_TESTS)
+    release_environment(session)
 
 
 def lowest_numpy() -> str:
@@ -89,6 +100,7 @@ def core_min(session: nox.Session) -> None:
     session.install("-e", ".", *TEST, *METRICS_TEST, f"numpy=={lowest_numpy()}")
     session.run("python", "-c", "import numpy; print('numpy', numpy.__version__)")
     run_pytest(session, "numpy", *CORE_TESTS)
+    release_environment(session)
 
 
 @nox.session
@@ -99,6 +111,7 @@ def torch(session: nox.Session) -> None:
         *CONSTRAINTS, "-e", ".[torch]", *TEST, *nox.project.dependency_groups(PYPROJECT, "test-torch"), *DEMO
     )
     run_pytest(session, "torch,transformers", *ADAPTER_TESTS, "tests/torch", DEVICE_CHECK_SMOKE)
+    release_environment(session)
 
 
 def jax_test_compilation(session: nox.Session, *xla_flags: str) -> None:
@@ -139,6 +152,7 @@ def keras(session: nox.Session, backend: str) -> None:
     if backend == "jax":
         jax_test_compilation(session)
     run_pytest(session, f"keras-{backend},keras_hub", *ADAPTER_TESTS, "tests/keras")
+    release_environment(session)
 
 
 @nox.session
@@ -148,6 +162,7 @@ def flax(session: nox.Session) -> None:
     session.install("-e", ".[flax]", *TEST, *nox.project.dependency_groups(PYPROJECT, "test-flax"), *DEMO)
     jax_test_compilation(session, "--xla_force_host_platform_device_count=4")
     run_pytest(session, "flax", *ADAPTER_TESTS, "tests/flax", DEVICE_CHECK_SMOKE)
+    release_environment(session)
 
 
 def version_mismatches() -> list[str]:
@@ -172,6 +187,7 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "format", "--check", ".")
     if mismatches := version_mismatches():
         session.error("; ".join(mismatches))
+    release_environment(session)
 
 
 @nox.session
@@ -182,6 +198,7 @@ def typecheck(session: nox.Session) -> None:
     )
     packages = ("masksembles_core", "masksembles_torch", "masksembles_keras", "masksembles_flax")
     session.run("mypy", *packages, "tests/core", "tests/golden")
+    release_environment(session)
 
 
 PACKAGES = sorted(path.parent for path in ROOT.glob("masksembles_*/__init__.py"))
@@ -251,6 +268,7 @@ def wheel(session: nox.Session) -> None:
                 "python", "-c", TEST_INSTALLED, *config, *CORE_TESTS, *session.posargs,
                 env={"MASKSEMBLES_TEST_BACKENDS": "numpy"},
             )  # fmt: skip
+    release_environment(session)
 
 
 DEMO_INSTALL = {"torch": (".[torch]",), "keras": (".[keras]", "torch"), "flax": (".[flax]", "optax>=0.2")}
