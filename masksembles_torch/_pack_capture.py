@@ -849,6 +849,12 @@ class _Capture:
             return True
         return False
 
+    def identity_dropout(self, node: fx.Node) -> bool:
+        """Whether a dropout function's call returns its input: in eval, or with ``p`` 0 in training mode too (ATen's
+        dropouts return the input then; torchvision's Swin calls ``F.dropout(attn, p=attention_dropout)`` with
+        ``training`` left True)."""
+        return self.argument(node, "training", 2, True) is False or self.argument(node, "p", 1) == 0
+
     def _data_free(self, node: fx.Node) -> bool:
         """Whether ``node``'s value reads no data of a tensor with a batch axis: computed from constants, parameters
         and sizes alone (``arange(x.shape[1])``), so it is the same for every sample and every member."""
@@ -911,9 +917,8 @@ class _Capture:
             return self._constant_matmul(node, tensors)
         if target in CONV_FUNCTIONS:
             return self._conv_function(node, tensors)
-        if target in DROPOUT_FUNCTIONS:  # p = 0 keeps every value in training mode too (ATen returns the input)
-            identity = self.argument(node, "training", 2, True) is False or self.argument(node, "p", 1) == 0
-            return _Op(node, "channelwise", tensors, how="identity") if identity else None
+        if target in DROPOUT_FUNCTIONS:
+            return _Op(node, "channelwise", tensors, how="identity") if self.identity_dropout(node) else None
         if name in PER_SAMPLE_DROPOUTS and _bound(node) is not None and self.argument(node, "training", 3) is False:
             return _Op(node, "channelwise", tensors, how="identity")  # torchvision's stochastic_depth is fx.wrap'ed
         if target is F.batch_norm:
@@ -1149,7 +1154,9 @@ class _Capture:
         if len(pad) // 2 > seen.rank or padded & set(seen.batch_axes):
             return None
         axis = 1 if len(pad) // 2 <= seen.rank - 2 else seen.rank - 1
-        return None if axis in padded else _Op(node, "channelwise", tensors, rule="fixed", fixed_in=axis, fixed_out=axis)
+        if axis in padded:
+            return None
+        return _Op(node, "channelwise", tensors, rule="fixed", fixed_in=axis, fixed_out=axis)
 
 
 def _dtype_view(node: fx.Node) -> bool:

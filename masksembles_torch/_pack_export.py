@@ -524,7 +524,7 @@ def _as_index(node: fx.Node) -> None:
 
 
 # ``x.new_zeros(size)`` and its kin: a tensor of ``size`` with x's dtype, layout and device, whatever x holds
-FACTORIES = {
+FACTORIES: dict[Any, Callable[..., Any]] = {
     ATEN.new_zeros.default: torch.zeros, ATEN.new_ones.default: torch.ones, ATEN.new_empty.default: torch.empty,
     ATEN.new_full.default: torch.full,
 }  # fmt: skip
@@ -536,12 +536,12 @@ def _factory_of_metadata(gm: fx.GraphModule, node: fx.Node) -> None:
     builds from constants is seen to be the same for every sample (torchvision's Swin builds its shifted windows' mask
     on ``x.new_zeros((pad_H, pad_W))`` of the windows)."""
     source, *rest = node.args
-    kwargs = dict(node.kwargs)
+    factory, kwargs = FACTORIES[node.target], dict(node.kwargs)
     with gm.graph.inserting_before(node):
         for name in ("dtype", "layout", "device"):
             if kwargs.get(name) is None:
                 kwargs[name] = gm.graph.call_function(getattr, (source, name))
-    node.target, node.args, node.kwargs = FACTORIES[node.target], tuple(rest), kwargs
+    node.target, node.args, node.kwargs = factory, tuple(rest), kwargs
 
 
 def _addmm_as_linear(gm: fx.GraphModule, node: fx.Node) -> None:

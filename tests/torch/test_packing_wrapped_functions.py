@@ -9,6 +9,8 @@ one call, run as the dense model runs it. Every program equals ``predict`` and `
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from torch import Tensor, nn
@@ -92,6 +94,10 @@ def rows(batch: int, seed: int = 0, scale: float = 1.0) -> Tensor:
     return scale * torch.randn(batch, 8, generator=torch.Generator().manual_seed(seed))
 
 
+def scaled_rows(scale: float, batch: int) -> Tensor:
+    return rows(batch, seed=batch, scale=scale)
+
+
 def wrapped_model(function: str) -> nn.Module:
     torch.manual_seed(0)
     return mt.insert(WrappedBetweenLinears(function), N, 2.0, seed=0).eval()
@@ -117,4 +123,4 @@ def test_a_wrapped_function_torch_export_cannot_capture_stays_one_call() -> None
     assert not [row for row in packed.fallbacks if row.startswith("verification")], packed.fallbacks
     assert packed.macs["packed"] == macs_per_sample(packed, rows)
     for scale in (0.01, 10.0):  # no value beyond 3 after the first Linear, and many
-        check_equal_to_predict(model, packed, lambda batch: rows(batch, seed=batch, scale=scale), N)
+        check_equal_to_predict(model, packed, functools.partial(scaled_rows, scale), N)

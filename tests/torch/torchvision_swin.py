@@ -220,7 +220,8 @@ class SwinTransformer(nn.Module):
                 layers.append(PatchMerging(dim))
         self.features = nn.Sequential(*layers)
         features = embed_dim * 2 ** (len(depths) - 1)
-        self.norm, self.avgpool, self.head = nn.LayerNorm(features), nn.AdaptiveAvgPool2d(1), nn.Linear(features, classes)
+        self.norm, self.avgpool = nn.LayerNorm(features), nn.AdaptiveAvgPool2d(1)
+        self.head = nn.Linear(features, classes)
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 nn.init.trunc_normal_(module.weight, std=0.02)
@@ -239,4 +240,3 @@ def build(seed: int = 0, **config: object) -> SwinTransformer:
 
 def images(batch: int, seed: int = 0) -> Tensor:
     return torch.randn(batch, *IMAGE, generator=torch.Generator().manual_seed(seed))
-
