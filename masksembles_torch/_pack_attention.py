@@ -665,11 +665,11 @@ def _is_matmul(node: Any) -> bool:
 
 
 def _passes_through(capture: _Capture, node: fx.Node) -> bool:
-    """The value as it is: Dropout in eval, ``nn.Identity``, a cast to the dtype the value has."""
+    """The value as it is: Dropout in eval (or with p 0), ``nn.Identity``, a cast to the dtype the value has."""
     if node.op == "call_module":
         return isinstance(capture.gm.get_submodule(str(node.target)), (*DROPOUT_TYPES, nn.Identity))
     if node.target in DROPOUT_FUNCTIONS:
-        return capture.argument(node, "training", 2, True) is False
+        return capture.identity_dropout(node)
     cast_call = node.op == "call_method" and node.target in ("to", "type")
     if (cast_call or node.target is torch.ops.aten.to.dtype) and node.args and isinstance(node.args[0], fx.Node):
         before, after = capture.seen.get(node.args[0]), capture.seen.get(node)

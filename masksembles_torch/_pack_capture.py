@@ -188,6 +188,34 @@ def _trace(model: nn.Module) -> fx.GraphModule:
     return fx.GraphModule(model, graph)
 
 
+def _wrapped_calls(gm: fx.GraphModule) -> list[fx.Node]:
+    """The calls on the input's data to a plain Python function of the model's own code, which torch.fx records as
+    one node only where it is registered with ``torch.fx.wrap`` (torchvision's ``shifted_window_attention``,
+    ``_patch_merging_pad``): anything else it records is a torch function, method or operator. Such a call is opaque
+    to the rules (one fallback at full width). torchvision wraps those functions because they branch in Python on
+    sizes (``if window_size[0] >= pad_H``), which torch.fx cannot trace into with symbolic sizes, and tracing them at
+    the example's sizes would fix the batch size. ``torch.export`` runs that Python with the batch symbolic and the
+    other sizes as they are, so it records the operations of the branch taken (guarded on the shapes), each then
+    classified by its own rule (``_Capture`` uses it for such a model). Not counted: the package's own functions
+    and the per-sample dropouts (``PER_SAMPLE_DROPOUTS``, the identity in eval by their rule)."""
+    reads_input = {node for node in gm.graph.nodes if node.op == "placeholder"}
+    wrapped = []
+    for node in gm.graph.nodes:
+        if not any(a in reads_input for a in node.all_input_nodes):
+            continue
+        reads_input.add(node)
+        target = node.target
+        module = getattr(target, "__module__", None) or ""
+        if (
+            node.op == "call_function"
+            and inspect.isfunction(target)
+            and module.partition(".")[0] not in ("torch", "masksembles_torch")
+            and _target_name(node) not in PER_SAMPLE_DROPOUTS
+        ):
+            wrapped.append(node)
+    return wrapped
+
+
 def _exported(model: nn.Module, example: Inputs, traced: ValueError | None) -> tuple[fx.GraphModule, _PyTreeInfo]:
     """The model captured by ``torch.export`` (``_pack_export``), for inputs other than one tensor or a model
     torch.fx could not trace (``traced``: why)."""
@@ -542,6 +570,10 @@ class _Capture:
                 self.gm = _trace(model)
             except ValueError as error:
                 self.gm, self.entry = _exported(model, example, error)
+            else:
+                if _wrapped_calls(self.gm):  # their operations seen by torch.export; where it fails, one call each
+                    with contextlib.suppress(ValueError):
+                        self.gm, self.entry = _exported(model, example, None)
         else:
             self.gm, self.entry = _exported(model, example, None)
         if self.entry is None:
@@ -817,6 +849,12 @@ class _Capture:
             return True
         return False
 
+    def identity_dropout(self, node: fx.Node) -> bool:
+        """Whether a dropout function's call returns its input: in eval, or with ``p`` 0 in training mode too (ATen's
+        dropouts return the input then; torchvision's Swin calls ``F.dropout(attn, p=attention_dropout)`` with
+        ``training`` left True)."""
+        return self.argument(node, "training", 2, True) is False or self.argument(node, "p", 1) == 0
+
     def _data_free(self, node: fx.Node) -> bool:
         """Whether ``node``'s value reads no data of a tensor with a batch axis: computed from constants, parameters
         and sizes alone (``arange(x.shape[1])``), so it is the same for every sample and every member."""
@@ -880,9 +918,7 @@ class _Capture:
         if target in CONV_FUNCTIONS:
             return self._conv_function(node, tensors)
         if target in DROPOUT_FUNCTIONS:
-            return (
-                None if self.argument(node, "training", 2, True) else _Op(node, "channelwise", tensors, how="identity")
-            )
+            return _Op(node, "channelwise", tensors, how="identity") if self.identity_dropout(node) else None
         if name in PER_SAMPLE_DROPOUTS and _bound(node) is not None and self.argument(node, "training", 3) is False:
             return _Op(node, "channelwise", tensors, how="identity")  # torchvision's stochastic_depth is fx.wrap'ed
         if target is F.batch_norm:
@@ -1101,14 +1137,26 @@ class _Capture:
             if bound.arguments.get("return_indices") is True:
                 return None
         if node.target is F.pad:
-            pad, mode = self.argument(node, "pad", 1), self.argument(node, "mode", 2, "constant")
-            if (
-                not isinstance(pad, (tuple, list))
-                or mode != "constant"
-                or len(pad) // 2 > self.seen[tensors[0]].rank - 2
-            ):
-                return None
+            return self._pad(node, tensors)
         return _Op(node, "channelwise", tensors, rule="fixed", fixed_in=1, fixed_out=1, module=module)
+
+    def _pad(self, node: fx.Node, tensors: list[fx.Node]) -> _Op | None:
+        """``F.pad(x, pad)`` with a constant: each position keeps its value and gains constant ones along the padded
+        axes, so channel ``c`` comes from channel ``c`` on an axis it leaves whole (whether zero stays zero is
+        evaluated: the constant may not be 0). The channels are on axis 1 where only the axes after it are padded (a
+        convolution's input); otherwise on the last axis where it is not padded ((B, H, W, C) padded on H and W to
+        whole windows: torchvision's Swin). Padded along a batch axis, samples are added: not a move."""
+        pad, mode = self.argument(node, "pad", 1), self.argument(node, "mode", 2, "constant")
+        if not isinstance(pad, (tuple, list)) or mode != "constant" or not all(isinstance(p, int) for p in pad):
+            return None
+        seen = self.seen[tensors[0]]
+        padded = {seen.rank - 1 - i // 2 for i, amount in enumerate(pad) if amount}
+        if len(pad) // 2 > seen.rank or padded & set(seen.batch_axes):
+            return None
+        axis = 1 if len(pad) // 2 <= seen.rank - 2 else seen.rank - 1
+        if axis in padded:
+            return None
+        return _Op(node, "channelwise", tensors, rule="fixed", fixed_in=axis, fixed_out=axis)
 
 
 def _dtype_view(node: fx.Node) -> bool:

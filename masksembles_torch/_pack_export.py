@@ -167,6 +167,9 @@ def exported(model: nn.Module, example: Inputs) -> tuple[fx.GraphModule, _PyTree
     for node in list(gm.graph.nodes):  # before the views it reads become methods
         if node.op == "call_function" and node.target is ATEN.addmm.default:
             _addmm_as_linear(gm, node)
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target in FACTORIES:
+            _factory_of_metadata(gm, node)
     _batch_identities(gm)
     _masks_as_broadcast(gm)
     for node in list(gm.graph.nodes):
@@ -518,6 +521,27 @@ def _as_index(node: fx.Node) -> None:
         entry = slice(start, end, step if step != 1 else None)
     node.target = operator.getitem
     node.args = (source, (*[slice(None)] * (dim % rank), entry))
+
+
+# ``x.new_zeros(size)`` and its kin: a tensor of ``size`` with x's dtype, layout and device, whatever x holds
+FACTORIES: dict[Any, Callable[..., Any]] = {
+    ATEN.new_zeros.default: torch.zeros, ATEN.new_ones.default: torch.ones, ATEN.new_empty.default: torch.empty,
+    ATEN.new_full.default: torch.full,
+}  # fmt: skip
+
+
+def _factory_of_metadata(gm: fx.GraphModule, node: fx.Node) -> None:
+    """``new_zeros(x, size)`` -> ``torch.zeros(size, dtype=x.dtype, layout=x.layout, device=x.device)`` (the
+    metadata the call does not name, read as queries): the call reads no value of ``x``, and now says so, so what it
+    builds from constants is seen to be the same for every sample (torchvision's Swin builds its shifted windows' mask
+    on ``x.new_zeros((pad_H, pad_W))`` of the windows)."""
+    source, *rest = node.args
+    factory, kwargs = FACTORIES[node.target], dict(node.kwargs)
+    with gm.graph.inserting_before(node):
+        for name in ("dtype", "layout", "device"):
+            if kwargs.get(name) is None:
+                kwargs[name] = gm.graph.call_function(getattr, (source, name))
+    node.target, node.args, node.kwargs = factory, tuple(rest), kwargs
 
 
 def _addmm_as_linear(gm: fx.GraphModule, node: fx.Node) -> None:

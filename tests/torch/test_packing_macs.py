@@ -67,8 +67,8 @@ def test_a_torch_export_capture_counts_its_convolutions() -> None:
 
 
 class WindowAttentionFunction(nn.Module):
-    """A Linear, attention by a function torch.fx keeps as one call (as torchvision's ``shifted_window_attention``),
-    masks and a head."""
+    """A Linear, attention by a function torch.fx keeps as one call (as torchvision's ``shifted_window_attention``;
+    ``pack`` captures the model with torch.export, which sees its operations), masks and a head."""
 
     def __init__(self) -> None:
         super().__init__()
