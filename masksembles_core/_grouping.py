@@ -134,6 +134,29 @@ def sample_axis(
     return 1 if fits_second and not fits_first else 0
 
 
+def grown_axis(small: Sequence[Sequence[int]], large: Sequence[Sequence[int]], channel_axis: int) -> int | None:
+    """A layer's samples' axis, from its input shapes in two runs of the model: ``small`` on an example input,
+    ``large`` on that example with one more sample (one shape per call of the layer, in call order).
+
+    Returns:
+        0 where axis 0 alone grows in every call; 1 where axis 1 alone grows in every call of a 3-D input with its
+        channels last (sequence-first, (L, B, C)); None (left to each call, ``sample_axis``) where nothing was seen,
+        the runs called the layer a different number of times, or no single axis grows.
+    """
+    if not small or len(small) != len(large):
+        return None
+    grown = {
+        tuple(axis for axis, (a, b) in enumerate(zip(before, after, strict=True)) if a != b)
+        for before, after in zip(small, large, strict=True)
+        if len(before) == len(after)
+    }
+    if grown == {(0,)}:
+        return 0
+    if grown == {(1,)} and all(len(shape) == 3 for shape in small) and channel_axis % 3 == 2:
+        return 1
+    return None
+
+
 def group_index(batch_size: int, n: int, *, samples: int | None = None) -> NDArray[np.int64]:
     """Mask index of each row of a batch: ``(i * n) // batch_size`` for ``i < batch_size``.
 

@@ -49,7 +49,7 @@ from masksembles_core import captured
 from masksembles_core.captured import CapturedOp, Probed, array_repeatable
 from masksembles_core.packing import OUTPUT, GraphNode
 
-from ._ops import GROUPED_MASKING, apply_masks
+from ._ops import GROUPED_MASKING, apply_masks, batch_size
 
 PREFIX = "pack/extract_member"
 PROBES = 3  # batch sizes B, B+1, B+2: the first two find the batch axes, the third checks affine parameters
@@ -225,7 +225,8 @@ def trace(model: nnx.Module, example: Any) -> Program:
     random = [position for position, leaf in enumerate(leaves) if id(leaf) in streams]  # its RNG keys and counts
 
     def call(leaves: list[Any], x: jax.Array) -> Any:
-        return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))(x)
+        with batch_size(x.shape[0]):  # as predict runs it: the layers decide and check their samples' axis
+            return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))(x)
 
     def probed(start: int) -> Program:
         flats, out_trees = [], []

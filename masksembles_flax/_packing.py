@@ -72,6 +72,7 @@ from masksembles_core.packing import (
 
 from . import _capture as capture_module
 from ._capture import PREFIX, SHAPE_PARAMS, Capture, Eqn, Literal, NotAffine, Op, node_name
+from ._inference import refuse_sequence_first_inputs
 from ._ops import apply_masks, predict, untile
 
 # on CPU a program proven per-sample runs on chunks of CHUNK_SAMPLES samples, or more where that many samples' largest
@@ -901,6 +902,7 @@ def _packed(
 ) -> PackedMasksembles:
     """``pack``/``extract_member``: capture once, build the program(s), verify, and choose."""
     check_program(program)
+    refuse_sequence_first_inputs(model, PREFIX)
     capture = Capture(model, example_input)
     chosen = chosen_members(members, capture.n)
     x = _example_values(example_input)
