@@ -35,7 +35,7 @@ from masksembles_core.insertion import (
 
 from ._dropout import dropout_reason
 from ._insertion import DEPTHWISE, one_more_sample
-from ._ops import MASKS_COLLECTION, masked
+from ._ops import MASKS_COLLECTION, batch_size_of_call, masked
 
 MASKS = "masks"
 LayerFilter = type | tuple[type, ...] | Callable[[str, nn.Module], bool]
@@ -143,8 +143,8 @@ class _Rewired(nn.Module):
             plan = {row.path: row for row in report.changed}
         elif MASKS_COLLECTION not in self.variables:
             raise ValueError(_missing_masks_message())
-        axes = dict(self.batch_axes)
-        with nn.intercept_methods(_masked_call(plan, self.n, self.scale, replace=self._replaces, batch_axes=axes)):
+        interceptor = _masked_call(plan, self.n, self.scale, replace=self._replaces, batch_axes=dict(self.batch_axes))
+        with batch_size_of_call((args, kwargs)), nn.intercept_methods(interceptor):  # as NNX's record_batch_size
             return self.module(*args, **kwargs)
 
     _replaces = False

@@ -16,7 +16,7 @@ from numpy.typing import ArrayLike
 
 import masksembles_core.adapter as mca
 
-from ._ops import batch_size, masked
+from ._ops import batch_size_of_call, masked
 
 RngSource = nnx.Rngs | nnx.RngStream | jax.Array
 ModuleT = TypeVar("ModuleT", bound=nnx.Module)
@@ -140,11 +140,7 @@ def _recording(cls: type[ModuleT]) -> type[ModuleT]:
     """``cls`` whose ``__call__`` runs in ``batch_size(B)``, B the batch of its first array input (same names)."""
 
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
-        arrays = [leaf for leaf in jax.tree.leaves((args, kwargs)) if getattr(leaf, "ndim", 0) > 0]
-        if not arrays:
-            return cls.__call__(self, *args, **kwargs)
-        samples = arrays[0].shape[0]  # an int, or a symbolic dimension (jax.export) that batch_size keeps
-        with batch_size(cast(int, samples) if jax.export.is_symbolic_dim(samples) else int(samples)):
+        with batch_size_of_call((args, kwargs)):
             return cls.__call__(self, *args, **kwargs)
 
     namespace = {

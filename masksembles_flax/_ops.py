@@ -94,6 +94,19 @@ def batch_size(samples: int) -> Iterator[None]:
             _MODEL_BATCH.reset(token)
 
 
+@contextlib.contextmanager
+def batch_size_of_call(args: object) -> Iterator[None]:
+    """``batch_size(B)`` for a model called on ``args`` (its arguments, e.g. ``(args, kwargs)``), B the size of axis 0
+    of its first array (nothing where it has none)."""
+    arrays = [leaf for leaf in jax.tree.leaves(args) if getattr(leaf, "ndim", 0) > 0]
+    if not arrays:
+        yield
+        return
+    samples = arrays[0].shape[0]  # an int, or a symbolic dimension (jax.export) that batch_size keeps
+    with batch_size(cast(int, samples) if jax.export.is_symbolic_dim(samples) else int(samples)):
+        yield
+
+
 def folded_samples(rows: int) -> int | None:
     """The model's batch size from ``batch_size`` where it folds ``rows`` (more than one row per sample), else None
     (the plain rule)."""
