@@ -10,7 +10,7 @@ from flax import nnx
 import masksembles_core.adapter as mca
 from masksembles_core.heads import HeadSpec, check_head
 
-from ._heads import uncertainty_outputs
+from ._heads import check_members_first, uncertainty_outputs
 from ._nnx_layers import Masksembles
 from ._ops import predict
 from ._packing import PackedMasksembles
@@ -39,7 +39,7 @@ class UncertaintyHead(nnx.Module):
         regression moments (B, ...)."""
         if self.tiled:
             check_inference_mode(self.model)
-            members = predict(self.model, x, self.n)
+            members = check_members_first(predict(self.model, x, self.n), self.n, x.shape[0])
         else:
             members = self.model(x)
         if not isinstance(members, jax.Array):
