@@ -90,7 +90,8 @@ def refuse_sequence_first_inputs(model: Callable[..., Any], caller: str) -> None
     """Raise where ``model`` (or the linen module whose method a ``functools.partial`` binds) is one of Flax's
     recurrent modules with ``time_major=True``: its inputs hold the batch on axis 1, and ``caller`` tiles (and reads)
     the batch on axis 0."""
-    module = model.func.__self__ if isinstance(model, functools.partial) and _linen_method(model.func) else model
+    method = model.func if isinstance(model, functools.partial) else None
+    module = method.__self__ if inspect.ismethod(method) else model
     if isinstance(module, SEQUENCE_FIRST_MODULES) and module.time_major:
         raise ValueError(
             f"{caller} takes inputs with the samples on axis 0, and {type(module).__name__} with time_major=True takes "

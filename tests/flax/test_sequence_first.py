@@ -7,6 +7,7 @@ what to do."""
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -22,7 +23,7 @@ from masksembles_flax import nnx as mn
 N, LENGTH, FEATURES, HIDDEN = 4, 5, 6, 16
 
 
-def close(actual: jax.Array, expected: jax.Array) -> None:
+def close(actual: Any, expected: Any) -> None:
     """Equal up to float32 rounding (the twins run the same arithmetic on transposed arrays)."""
     np.testing.assert_allclose(np.asarray(actual), np.asarray(expected), rtol=1e-5, atol=1e-5)
 
@@ -69,7 +70,7 @@ def axes(model: nnx.Module) -> list[int | None]:
     return [layer.batch_axis for _, layer in nnx.iter_graph(model) if isinstance(layer, mn.Masksembles)]
 
 
-def as_sequence_first(members: jax.Array) -> jax.Array:
+def as_sequence_first(members: Any) -> Any:
     """A batch-first twin's predict (n, B, L, K) in a sequence-first output's layout (L, n*B, K)."""
     return members.transpose(2, 0, 1, 3).reshape(LENGTH, -1, members.shape[-1])
 
@@ -139,8 +140,10 @@ class LinenRecurrent(nn.Module):
         return y.transpose(1, 0, 2) if self.time_major and not self.sequence_output else y
 
 
-def linen_wrapped(surgery: str, time_major: bool, example: jax.Array | None, **kwargs: bool) -> nn.Module:
-    module = LinenRecurrent(time_major, **kwargs)
+def linen_wrapped(
+    surgery: str, time_major: bool, example: jax.Array | None, sequence_output: bool = False
+) -> nn.Module:
+    module = LinenRecurrent(time_major, sequence_output)
     if surgery == "insert":
         return ml.insert(module, N, 2.0, seed=0, example_input=example)
     return ml.convert_dropout(module, N, 2.0, seed=0, example_input=example)
@@ -165,7 +168,7 @@ def test_linen_time_major_model_groups_by_sample_as_its_batch_first_twin(surgery
     assert set(dict(twin.batch_axes).values()) == {0}
     variables = sequence.init(jax.random.key(0), x)
     close(sequence.apply(variables, x), twin.apply(variables, x))
-    expected = mf.predict(functools.partial(twin.apply, variables), x)
+    expected: Any = mf.predict(functools.partial(twin.apply, variables), x)
     close(mf.predict(functools.partial(sequence.apply, variables), x), expected)
     close(mf.predict(lambda b: sequence.apply(variables, b), x[:3]), expected[:, :3])
 
@@ -254,7 +257,7 @@ def test_with_uncertainty_refuses_a_sequence_first_output() -> None:
     """The head reads the members on axis 0: a sequence-first output (L, n*B, K) is refused, not read along L."""
     x = batch(3)
     sequence = nnx.clone(nnx_twins("convert_dropout", sequence_output=True)[0])
-    sequence.eval()
+    sequence.eval()  # type: ignore[no-untyped-call]
     with pytest.raises(ValueError, match=r"with_uncertainty needs the model's output with the tiled batch of 4x3"):
         mn.with_uncertainty(sequence)(x)
     module = linen_wrapped("insert", True, x, sequence_output=True)
