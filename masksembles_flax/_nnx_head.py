@@ -39,13 +39,15 @@ class UncertaintyHead(nnx.Module):
         regression moments (B, ...)."""
         if self.tiled:
             check_inference_mode(self.model)
-            members = check_members_first(predict(self.model, x, self.n), self.n, x.shape[0])
+            members = predict(self.model, x, self.n)
         else:
             members = self.model(x)
         if not isinstance(members, jax.Array):
             raise TypeError(
                 f"with_uncertainty needs a model that returns one array; it returned {type(members).__name__}"
             )
+        if self.tiled:
+            check_members_first(members, self.n, x.shape[0])
         return uncertainty_outputs(members, self.spec, self.member_axis)
 
 
