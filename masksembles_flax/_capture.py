@@ -301,11 +301,13 @@ def _merge(flats: list[tuple[_Flat, list[Any]]], out_trees: list[Any], leaves: i
         return len(flat.avals), sorted(flat.constants), eqns, [atom(o) for o in outputs]
 
     reference = signature(first, outputs)
-    for (flat, outs), tree in zip(flats[1:], out_trees[1:], strict=True):
+    for probe, ((flat, outs), tree) in enumerate(zip(flats[1:], out_trees[1:], strict=True), start=1):
         if signature(flat, outs) != reference or tree != out_trees[0]:
             raise DifferentPrograms(
-                f"{PREFIX}: {name} runs different operations at batch sizes {batch} and {batch + 1}; packing needs "
-                "one program for every batch size"
+                f"{PREFIX}: {name} runs different operations at batch sizes {batch} and {batch + probe}; packing "
+                "needs one program for every batch size (e.g. a Masksembles layer on a sequence-first (L, B, C) "
+                "input that declares no batch_axis reads axis 0 at a batch B that divides L: declare it, as insert "
+                "and convert_dropout do from an example input)"
             )
     avals: list[list[Any]] = [flat.avals for flat, _ in flats]
     values = [

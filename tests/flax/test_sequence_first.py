@@ -116,7 +116,8 @@ def test_dense_programs_extracted_members_and_other_batch_sizes_of_a_sequence_fi
 
 def test_a_shape_both_layouts_fit_is_told_by_the_example_input() -> None:
     """At B == L, (L, B, C) fits both layouts: insert's example input declares the layers (the axis that grows with
-    one more sample); undeclared, a call reads axis 0, the batch-first convention (torch's rule)."""
+    one more sample); undeclared, a call reads axis 0, the batch-first convention (torch's rule), and pack, whose
+    probe batch sizes reach L, refuses the model."""
     x = batch(LENGTH)
     declared, twin = nnx_twins("insert")
     close(declared(x), twin(x))
@@ -124,6 +125,8 @@ def test_a_shape_both_layouts_fit_is_told_by_the_example_input() -> None:
     assert set(axes(undeclared)) == {None}
     close(undeclared(batch(3)), twin(batch(3)))  # L=5 is no multiple of B=3: axis 1 is told by the shape
     assert not np.allclose(undeclared(x), twin(x), atol=1e-3)  # (5, 5, C): axis 0, by token position
+    with pytest.raises(ValueError, match=r"different operations at batch sizes 3 and 5.*declares no batch_axis"):
+        mn.pack(undeclared, batch(3))  # its probes at 3, 4 and 5 samples reach B = L
 
 
 class LinenRecurrent(nn.Module):
