@@ -19,7 +19,8 @@ Every adapter follows these definitions:
 - ``untile(y, n)`` reshapes an output of ``n*B`` samples to ``(n, B, ...)``: ``y[k]`` is
   member ``k``'s output.
 - The samples are on axis 0 of a layer's input, except in a sequence-first block ((L, B, C): torch's
-  ``nn.TransformerEncoderLayer(batch_first=False)``, XLNet's hidden states), where they are on axis 1 and the rule
+  ``nn.TransformerEncoderLayer(batch_first=False)``, XLNet's hidden states, after a Flax RNN with
+  ``time_major=True``), where they are on axis 1 and the rule
   above runs along axis 1 (``sample_axis`` decides which, from the layer's declared ``batch_axis`` and the model's
   batch size, and refuses where the shape cannot tell).
 """
@@ -50,10 +51,10 @@ def rows_per_sample(rows: Any, samples: Any) -> Any:
 
 BATCH_AXES = (0, 1)
 DECLARE_AXIS = (
-    "give the layer its layout: batch_axis=1 for a sequence-first (L, B, C) input (inside "
-    "nn.TransformerEncoderLayer(batch_first=False), XLNet's blocks), 0 for a batch-first one (`layer.batch_axis = "
-    "...`; insert and convert_dropout set it from the module's batch_first, or from the axis that grows with the "
-    "batch of example_input)"
+    "give the layer its layout: batch_axis=1 for a sequence-first (L, B, C) input (inside torch's "
+    "nn.TransformerEncoderLayer(batch_first=False), XLNet's blocks, after a Flax RNN with time_major=True), 0 for a "
+    "batch-first one (`layer.batch_axis = ...`; insert and convert_dropout set it from the module's batch_first, or "
+    "from the axis that grows with the batch of example_input)"
 )
 
 
@@ -115,8 +116,8 @@ def sample_axis(
                 f"{layer}(batch_axis=1) expects a sequence-first input (L, B, ...) whose axis 1 holds the model's "
                 f"batch of {samples}; received shape {tuple(shape)}. The batch size is read on axis 0 of the model's "
                 "first input (predict and tile put the samples there too): call a model whose inputs are "
-                "sequence-first (an nn.TransformerEncoder(batch_first=False) on (L, B, E)) through a wrapper that "
-                "takes batch-first inputs and transposes them"
+                "sequence-first (torch's nn.TransformerEncoder(batch_first=False) on (L, B, E), a Flax RNN with "
+                "time_major=True) through a wrapper that takes batch-first inputs and transposes them"
             )
         return 1
     if batch_axis == 0:
@@ -132,6 +133,29 @@ def sample_axis(
     # count equals the batch, e.g. 128 tokens at predict's n*B = 128). A sequence-first layer in that case must be
     # declared: insert/convert_dropout declare it from torch's batch_first or from example_input.
     return 1 if fits_second and not fits_first else 0
+
+
+def grown_axis(small: Sequence[Sequence[int]], large: Sequence[Sequence[int]], channel_axis: int) -> int | None:
+    """A layer's samples' axis, from its input shapes in two runs of the model: ``small`` on an example input,
+    ``large`` on that example with one more sample (one shape per call of the layer, in call order).
+
+    Returns:
+        0 where axis 0 alone grows in every call; 1 where axis 1 alone grows in every call of a 3-D input with its
+        channels last (sequence-first, (L, B, C)); None (left to each call, ``sample_axis``) where nothing was seen,
+        the runs called the layer a different number of times, or no single axis grows.
+    """
+    if not small or len(small) != len(large):
+        return None
+    grown = {
+        tuple(axis for axis, (a, b) in enumerate(zip(before, after, strict=True)) if a != b)
+        for before, after in zip(small, large, strict=True)
+        if len(before) == len(after)
+    }
+    if grown == {(0,)}:
+        return 0
+    if grown == {(1,)} and all(len(shape) == 3 for shape in small) and channel_axis % 3 == 2:
+        return 1
+    return None
 
 
 def group_index(batch_size: int, n: int, *, samples: int | None = None) -> NDArray[np.int64]:

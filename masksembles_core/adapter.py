@@ -9,7 +9,7 @@ and the value received.
 
 from ._compiling import compiled_or_eager
 from ._generation import LayerArguments, check_seed, layer_arguments, make_rng
-from ._grouping import check_batch_axis, check_tiled_batch, rows_per_sample, sample_axis
+from ._grouping import check_batch_axis, check_tiled_batch, grown_axis, rows_per_sample, sample_axis
 from ._reference import mask_shape
 from ._validation import (
     GAUSSIAN_HEADS,
@@ -50,6 +50,7 @@ __all__ = [
     "check_seed",
     "check_tiled_batch",
     "compiled_or_eager",
+    "grown_axis",
     "layer_arguments",
     "make_rng",
     "mask_shape",

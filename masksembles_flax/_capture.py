@@ -49,7 +49,7 @@ from masksembles_core import captured
 from masksembles_core.captured import CapturedOp, Probed, array_repeatable
 from masksembles_core.packing import OUTPUT, GraphNode
 
-from ._ops import GROUPED_MASKING, apply_masks
+from ._ops import GROUPED_MASKING, apply_masks, batch_size
 
 PREFIX = "pack/extract_member"
 PROBES = 3  # batch sizes B, B+1, B+2: the first two find the batch axes, the third checks affine parameters
@@ -225,7 +225,8 @@ def trace(model: nnx.Module, example: Any) -> Program:
     random = [position for position, leaf in enumerate(leaves) if id(leaf) in streams]  # its RNG keys and counts
 
     def call(leaves: list[Any], x: jax.Array) -> Any:
-        return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))(x)
+        with batch_size(x.shape[0]):  # as predict runs it: the layers decide and check their samples' axis
+            return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))(x)
 
     def probed(start: int) -> Program:
         flats, out_trees = [], []
@@ -300,11 +301,13 @@ def _merge(flats: list[tuple[_Flat, list[Any]]], out_trees: list[Any], leaves: i
         return len(flat.avals), sorted(flat.constants), eqns, [atom(o) for o in outputs]
 
     reference = signature(first, outputs)
-    for (flat, outs), tree in zip(flats[1:], out_trees[1:], strict=True):
+    for probe, ((flat, outs), tree) in enumerate(zip(flats[1:], out_trees[1:], strict=True), start=1):
         if signature(flat, outs) != reference or tree != out_trees[0]:
             raise DifferentPrograms(
-                f"{PREFIX}: {name} runs different operations at batch sizes {batch} and {batch + 1}; packing needs "
-                "one program for every batch size"
+                f"{PREFIX}: {name} runs different operations at batch sizes {batch} and {batch + probe}; packing "
+                "needs one program for every batch size (e.g. a Masksembles layer on a sequence-first (L, B, C) "
+                "input that declares no batch_axis reads axis 0 at a batch B that divides L: declare it, as insert "
+                "and convert_dropout do from an example input)"
             )
     avals: list[list[Any]] = [flat.avals for flat, _ in flats]
     values = [

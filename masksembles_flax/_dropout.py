@@ -10,7 +10,6 @@ import math
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
-import jax
 from flax import nnx
 
 from masksembles_core.insertion import (
@@ -22,7 +21,17 @@ from masksembles_core.insertion import (
     plan_conversion,
 )
 
-from ._insertion import STACKED, _dotted, _keep_attribute_order, _masksembles, _node_at, _replace, _walk
+from ._insertion import (
+    STACKED,
+    _dotted,
+    _keep_attribute_order,
+    _masksembles,
+    _node_at,
+    _replace,
+    _walk,
+    declare_batch_axes,
+    input_shapes,
+)
 
 ModuleT = TypeVar("ModuleT", bound=nnx.Module)
 Shape = tuple[int, ...]
@@ -68,32 +77,9 @@ def dropout_reason(rate: float, broadcast_dims: Sequence[int], name: str, shapes
     return "", shape[-1]
 
 
-class _Probe(nnx.Module):
-    """A dropout's stand-in while the example runs: records the shape of each input it gets."""
-
-    def __init__(self, dropout: nnx.Dropout, seen: list[Shape | None]) -> None:
-        self.dropout = dropout
-        self.seen = seen
-
-    def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
-        self.seen.append(tuple(x.shape) if isinstance(x, jax.Array) else None)
-        return self.dropout(x, *args, **kwargs)
-
-
-def _input_shapes(
-    model: nnx.Module, example: Any, dropouts: dict[int, list[tuple[Any, ...]]]
-) -> dict[int, set[Shape | None]]:
-    """The input shapes of each dropout (by ``id``, at its paths) in one abstract eval-mode call on ``example``."""
-    probe = nnx.clone(model)
-    seen: dict[int, list[Shape | None]] = {key: [] for key in dropouts}
-    for key, paths in dropouts.items():
-        stand_in = _Probe(_node_at(probe, paths[0]), seen[key])
-        for path in paths:
-            _replace(probe, path, stand_in)
-    probe.eval()  # type: ignore[no-untyped-call]  # BatchNorm on running statistics, dropout off
-    graphdef, state = nnx.split(probe)
-    jax.eval_shape(lambda state: nnx.merge(graphdef, state, copy=True)(example), state)
-    return {key: set(shapes) for key, shapes in seen.items()}
+def _call_on(model: nnx.Module, example: Any) -> Any:
+    """``convert_dropout``'s call: the example is the model's one argument."""
+    return model(example)
 
 
 def _stack_shape(dropout: nnx.Dropout) -> tuple[int, ...]:
@@ -138,7 +124,7 @@ def convert_dropout(model: ModuleT, example: Any, n: int, scale: float, *, seed:
     for path, node, _ in nodes:
         if isinstance(node, nnx.Dropout):
             dropouts.setdefault(id(node), []).append(path)
-    shapes = _input_shapes(model, example, dropouts)
+    shapes = {key: set(seen) for key, seen in input_shapes(model, example, dropouts, _call_on).items()}
     candidates: list[Candidate] = []
     stacks: dict[str, tuple[int, ...]] = {}
     for path, node, _ in nodes:
@@ -159,9 +145,12 @@ def convert_dropout(model: ModuleT, example: Any, n: int, scale: float, *, seed:
         if isinstance(node, nnx.Module):
             _keep_attribute_order(node, _node_at(copy, path))
     by_path = {_dotted(paths[0]): paths for paths in dropouts.values()}
+    placed: dict[int, list[tuple[Any, ...]]] = {}
     for row in report.changed:
         layer = _masksembles(row, n, scale, stacks[row.path])
         for path in by_path[row.path]:
             _replace(copy, path, layer)
+        placed[id(layer)] = by_path[row.path]
+    declare_batch_axes(copy, example, placed, _call_on)
     copy.masksembles_report = report  # type: ignore[attr-defined]  # a static attribute: LayerReport is hashable
     return copy

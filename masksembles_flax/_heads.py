@@ -19,6 +19,18 @@ from masksembles_core import metrics
 from masksembles_core.heads import HeadSpec
 
 
+def check_members_first(members: jax.Array, n: int, batch: int) -> jax.Array:
+    """``members`` of a model run on the batch tiled ``n`` times, as (n, B, ...): refused where the model returned a
+    sequence-first output ((L, n*B, ...), kept so by ``predict``), whose members the head cannot read on axis 0."""
+    if members.shape[:2] != (n, batch):
+        raise ValueError(
+            f"with_uncertainty needs the model's output with the tiled batch of {n}x{batch} samples on axis 0; its "
+            f"members came out as shape {tuple(members.shape)} (a sequence-first output, (L, B, ...), must be "
+            "transposed to batch-first in the model)"
+        )
+    return members
+
+
 def uncertainty_outputs(members: jax.Array, spec: HeadSpec, member_axis: int = 0) -> dict[str, jax.Array]:
     """Members ``(n, B, ...)`` (``member_axis`` picks n) -> the head's dict, keys in ``spec.outputs`` order (an
     ``OrderedDict``: ``jit`` and ``jax.export`` keep its order, where they sort a plain dict's keys).

@@ -48,10 +48,19 @@ def predict(model: Callable[[jax.Array], T], x: jax.Array, n: int | None = None)
             or, in any other function, the grouped layers (linen and NNX) that one abstract trace of ``model(x)``
             (``jax.make_jaxpr``: nothing is computed) finds.
 
+    Sequence-first layers: ``x`` holds the samples on axis 0, and a model that takes sequence-first inputs itself (an
+    ``nnx.RNN``/``nn.RNN`` with ``time_major=True``) is refused (tiling would repeat the sequence): wrap it to take
+    batch-first ones. Inside the model, a Masksembles layer on a sequence-first (L, B, C) value groups along its axis
+    1 (its ``batch_axis``, or decided from the tiled batch of n*B), and an output leaf (L, n*B, ...) keeps member
+    ``k``'s block at ``[:, k*B:(k+1)*B]``.
+
     Raises:
-        ValueError: ``n`` differs from the n of the model's Masksembles layers, the layers have different n, or
-            ``n`` is None and no Masksembles layer is found.
+        ValueError: ``n`` differs from the n of the model's Masksembles layers, the layers have different n, ``n``
+            is None and no Masksembles layer is found, the model takes sequence-first inputs, a layer's declared
+            samples' axis does not hold the tiled batch, or an output leaf holds it on both axes 0 and 1 in a model
+            that runs a sequence-first layer.
     """
+    refuse_sequence_first_inputs(model, "predict")
     if isinstance(model, nnx.Module):
         graphdef, state = nnx.split(model)
         try:
@@ -72,6 +81,23 @@ def predict(model: Callable[[jax.Array], T], x: jax.Array, n: int | None = None)
     program = known or _PROGRAMS.put(key, _partial_program(key))
     result: T = program(arrays, x, n)
     return result
+
+
+SEQUENCE_FIRST_MODULES = (nnx.RNN, nnx.Bidirectional, linen.RNN, linen.Bidirectional)
+
+
+def refuse_sequence_first_inputs(model: Callable[..., Any], caller: str) -> None:
+    """Raise where ``model`` (or the linen module whose method a ``functools.partial`` binds) is one of Flax's
+    recurrent modules with ``time_major=True``: its inputs hold the batch on axis 1, and ``caller`` tiles (and reads)
+    the batch on axis 0."""
+    method = model.func if isinstance(model, functools.partial) else None
+    module = method.__self__ if inspect.ismethod(method) else model
+    if isinstance(module, SEQUENCE_FIRST_MODULES) and module.time_major:
+        raise ValueError(
+            f"{caller} takes inputs with the samples on axis 0, and {type(module).__name__} with time_major=True takes "
+            "sequence-first ones, (L, B, ...): tiling them would repeat the sequence, not the batch. Call it through a "
+            "module that takes batch-first inputs and transposes them (or build it with time_major=False)"
+        )
 
 
 def _traced_members(model: Callable[[jax.Array], T], x: jax.Array, n: int | None) -> T:

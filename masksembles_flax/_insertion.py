@@ -13,8 +13,8 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
-from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar, cast
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 
 import masksembles_core as mc
+import masksembles_core.adapter as mca
 from masksembles_core.insertion import (
     Candidate,
     LayerChange,
@@ -38,6 +39,7 @@ from ._nnx_layers import Masks, Masksembles, record_batch_size
 ModuleT = TypeVar("ModuleT", bound=nnx.Module)
 Key = str | int
 Path = tuple[Key, ...]
+Shape = tuple[int, ...]
 LayerFilter = type | tuple[type, ...] | list[type] | Callable[[str, Any], bool]
 
 DEPTHWISE = "depthwise convolution: each output channel reads one input channel (before=... includes it)"
@@ -190,7 +192,12 @@ def insert(
         failed = {} if example_input is None else _read_outside_calls(model, copy, example_input)
         if not failed:
             copy.masksembles_report = report  # type: ignore[attr-defined]  # static: LayerReport is hashable
-            return record_batch_size(copy)  # a sample meets one member in every layer, also where it folds the batch
+            copy = record_batch_size(copy)  # a sample meets one member in every layer, also where it folds the batch
+            masks = {(*path_parts[row.path], "masksembles") for row in report.changed}
+            placed = {id(_node_at(copy, path)): [path] for path in masks}
+            if example_input is not None:
+                declare_batch_axes(copy, example_input, placed, _call)
+            return copy
         reasons.update(failed)
 
 
@@ -358,3 +365,64 @@ def _replace(root: nnx.Module, path: Path, value: Any) -> None:
         parent[key] = value
     else:
         setattr(parent, str(key), value)
+
+
+# ------------------------------------------------------------------------------------------------ the samples' axis
+
+
+class _Probe(nnx.Module):
+    """A module's stand-in while an example runs: records the shape of each input it gets."""
+
+    def __init__(self, module: nnx.Module, seen: list[Shape | None]) -> None:
+        self.module = module
+        self.seen = seen
+
+    def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        self.seen.append(tuple(x.shape) if isinstance(x, jax.Array) else None)
+        return self.module(x, *args, **kwargs)
+
+
+def input_shapes(
+    model: nnx.Module, example: Any, modules: Mapping[int, Sequence[Path]], call: Callable[[nnx.Module, Any], Any]
+) -> dict[int, list[Shape | None]]:
+    """The input shape of each call of each of ``modules`` (by ``id``, at its paths), in call order, in one abstract
+    eval-mode ``call(model, example)`` on a clone (``model`` is not changed)."""
+    probe = nnx.clone(model)
+    seen: dict[int, list[Shape | None]] = {key: [] for key in modules}
+    for key, paths in modules.items():
+        stand_in = _Probe(_node_at(probe, paths[0]), seen[key])
+        for path in paths:
+            _replace(probe, path, stand_in)
+    probe.eval()  # type: ignore[no-untyped-call]  # BatchNorm on running statistics, dropout off
+    graphdef, state = nnx.split(probe)
+    jax.eval_shape(lambda state: call(nnx.merge(graphdef, state, copy=True), example), state)
+    return seen
+
+
+def one_more_sample(example: Any) -> Any:
+    """``example`` with its first sample repeated once more at the end of every array's axis 0."""
+
+    def grown(leaf: Any) -> Any:
+        if isinstance(leaf, jax.Array | np.ndarray) and leaf.ndim:
+            return jnp.concatenate([leaf, leaf[:1]])
+        return leaf
+
+    return jax.tree.map(grown, example)
+
+
+def declare_batch_axes(
+    model: nnx.Module, example: Any, layers: Mapping[int, Sequence[Path]], call: Callable[[nnx.Module, Any], Any]
+) -> None:
+    """Set the ``batch_axis`` of each Masksembles layer of ``layers`` (by ``id``, at its paths in ``model``): the axis
+    of its input that grows when ``example`` grows by one sample (``masksembles_core.adapter.grown_axis``: 0, or 1 for
+    a sequence-first (L, B, C)), from two abstract eval-mode calls; None (decided in each call) where the model fails
+    on the larger example or no single axis grows."""
+    try:
+        runs = [input_shapes(model, inputs, layers, call) for inputs in (example, one_more_sample(example))]
+    except Exception:  # a model that takes no other batch size: each call decides
+        runs = []
+    for key, paths in layers.items():
+        layer = _node_at(model, paths[0])
+        if runs and None not in runs[0][key] + runs[1][key]:
+            small, large = (cast(list[Shape], run[key]) for run in runs)
+            layer.batch_axis = mca.grown_axis(small, large, layer.channel_axis)

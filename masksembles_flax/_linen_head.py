@@ -11,8 +11,8 @@ import jax
 import masksembles_core.adapter as mca
 from masksembles_core.heads import HeadSpec, check_head
 
-from ._heads import uncertainty_outputs
-from ._ops import MASKS_COLLECTION, tile, untile
+from ._heads import check_members_first, uncertainty_outputs
+from ._ops import MASKS_COLLECTION, members, tile
 
 
 class UncertaintyHead(nn.Module):
@@ -60,7 +60,7 @@ class UncertaintyHead(nn.Module):
             raise TypeError(
                 f"with_uncertainty needs a module that returns one array; it returned {type(outputs).__name__}"
             )
-        return uncertainty_outputs(untile(outputs, n), self.spec)
+        return uncertainty_outputs(check_members_first(members(outputs, n, x.shape[0]), n, x.shape[0]), self.spec)
 
     def _check_inference_call(self) -> None:
         """Refuse ``apply`` with RNG streams or mutable collections: a draw or a batch statistic is training."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import flax.linen as nn
 import jax
@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import masksembles_core as mc
+import masksembles_core.adapter as mca
 from masksembles_core.insertion import (
     Candidate,
     LayerChange,
@@ -33,8 +34,8 @@ from masksembles_core.insertion import (
 )
 
 from ._dropout import dropout_reason
-from ._insertion import DEPTHWISE
-from ._ops import MASKS_COLLECTION, folded_samples, grouped_masking
+from ._insertion import DEPTHWISE, one_more_sample
+from ._ops import MASKS_COLLECTION, batch_size_of_call, masked
 
 MASKS = "masks"
 LayerFilter = type | tuple[type, ...] | Callable[[str, nn.Module], bool]
@@ -93,8 +94,11 @@ def _generated_masks(channels: int, n: int, scale: float, seed: int | None) -> j
     return jnp.asarray(mc.generate_masks(channels, n, scale, seed=seed))
 
 
-def _masked_call(plan: dict[str, LayerChange], n: int, scale: float, replace: bool) -> Callable[..., Any]:
-    """The interceptor of ``apply``/``init``: masks the input of (or replaces, ``replace``) each layer holding masks.
+def _masked_call(
+    plan: dict[str, LayerChange], n: int, scale: float, replace: bool, batch_axes: dict[str, int]
+) -> Callable[..., Any]:
+    """The interceptor of ``apply``/``init``: masks the input of (or replaces, ``replace``) each layer holding masks,
+    grouping the samples along the layer's axis in ``batch_axes`` (by path; absent: decided in each call).
 
     At ``init`` (``plan`` not empty) it first makes the masks of the layers ``plan`` names.
     """
@@ -110,10 +114,10 @@ def _masked_call(plan: dict[str, LayerChange], n: int, scale: float, replace: bo
         if not module.has_variable(MASKS_COLLECTION, MASKS):
             return next_fun(*args, **kwargs)
         masks = module.get_variable(MASKS_COLLECTION, MASKS)
-        x = args[0]
-        # the named jit every Masksembles layer runs: predict(n=None) and pack find it in a traced program
-        masked = grouped_masking(x.ndim - 1, folded_samples(x.shape[0]))(x, masks)
-        return masked if replace else next_fun(masked, *args[1:], **kwargs)
+        path = _dotted(module.path)
+        # the named jit every Masksembles layer runs: predict(n=None) finds it in a traced program
+        x = masked(args[0], masks, channel_axis=-1, batch_axis=batch_axes.get(path), layer=f"Masksembles[{path}]")
+        return x if replace else next_fun(x, *args[1:], **kwargs)
 
     return interceptor
 
@@ -125,6 +129,7 @@ class _Rewired(nn.Module):
     n: int
     scale: float
     seed: int | None = None
+    batch_axes: tuple[tuple[str, int], ...] = ()  # (path, samples' axis) of the layers declared by example_input
 
     def setup(self) -> None:
         nn.share_scope(self, self.module)
@@ -138,7 +143,8 @@ class _Rewired(nn.Module):
             plan = {row.path: row for row in report.changed}
         elif MASKS_COLLECTION not in self.variables:
             raise ValueError(_missing_masks_message())
-        with nn.intercept_methods(_masked_call(plan, self.n, self.scale, replace=self._replaces)):
+        interceptor = _masked_call(plan, self.n, self.scale, replace=self._replaces, batch_axes=dict(self.batch_axes))
+        with batch_size_of_call((args, kwargs)), nn.intercept_methods(interceptor):  # as NNX's record_batch_size
             return self.module(*args, **kwargs)
 
     _replaces = False
@@ -171,6 +177,8 @@ class Inserted(_Rewired):
     Attributes:
         module: the user's module (its variables keep their paths).
         n, scale, seed: as given to ``insert``.
+        batch_axes: (path, samples' axis) of the layers ``example_input`` declared (1: sequence-first (L, B, C));
+            the others decide in each call.
         before, start, include_first: ``insert``'s choice of layers.
     """
 
@@ -237,6 +245,7 @@ def insert(
     before: LayerFilter | list[type] = DEFAULT_BEFORE,
     start: str | None = None,
     include_first: bool = False,
+    example_input: Any = None,
 ) -> Inserted:
     """``module`` with a Masksembles layer on the input of every chosen layer its call reaches (the paper's recipe).
 
@@ -266,6 +275,10 @@ def insert(
             the layer's first argument.
         start: path of the layer (or block) insertion starts from, e.g. ``"Block_2"``; None for the whole model.
         include_first: also mask the network's first layer's input (the raw input).
+        example_input: an input of ``module`` (an array, a tuple of positional arguments or a dict of keyword ones):
+            each layer's samples' axis is declared (``Inserted.batch_axes``) as the axis of its input that grows
+            when the example grows by one sample (``_declared_axes``); without it (or where no single axis grows)
+            each call decides (``masksembles_core.adapter.sample_axis``).
 
     Raises:
         TypeError: ``module`` is not a linen module, or ``before`` is neither types nor a callable.
@@ -275,8 +288,9 @@ def insert(
     if not isinstance(module, nn.Module):
         raise TypeError(f"insert needs a flax.linen Module; received {type(module).__name__}")
     before = tuple(before) if isinstance(before, list) else before
-    _layer_filter(before)  # checked now, not at init
-    return Inserted(module, n, scale, seed, before=before, start=start, include_first=include_first)
+    chosen = _layer_filter(before)  # checked now, not at init
+    axes = _declared_axes(module, example_input, lambda call: bool(chosen(call.path, call.module)))
+    return Inserted(module, n, scale, seed, batch_axes=axes, before=before, start=start, include_first=include_first)
 
 
 class Converted(_Rewired):
@@ -308,7 +322,9 @@ def _dropout_reason(call: _Call, shapes: set[tuple[int, ...] | None]) -> tuple[s
     return dropout_reason(dropout.rate, dropout.broadcast_dims, call.path.rpartition("/")[2], shapes)
 
 
-def convert_dropout(module: nn.Module, n: int, scale: float, *, seed: int | None = None) -> Converted:
+def convert_dropout(
+    module: nn.Module, n: int, scale: float, *, seed: int | None = None, example_input: Any = None
+) -> Converted:
     """``module`` with its channel dropouts (``nn.Dropout``) replaced by Masksembles (the MC-Dropout drop-in).
 
     Returns a ``Converted`` module, used like ``insert``'s ``Inserted``: the same ``params`` tree, the masks made
@@ -322,7 +338,8 @@ def convert_dropout(module: nn.Module, n: int, scale: float, *, seed: int | None
     one draw across the channels (``broadcast_dims`` with the last axis); attention-weight dropouts (a dropout named
     like ``attn_drop``/``attention_dropout``, and ``MultiHeadDotProductAttention``'s ``dropout_rate``, reported on
     the attention layer); a dropout called on inputs with different channel counts; and a dropout inside a lifted
-    transform that does not carry the ``"masksembles"`` collection.
+    transform that does not carry the ``"masksembles"`` collection. ``example_input`` declares each dropout's
+    samples' axis, as for ``insert``.
 
     Raises:
         TypeError: ``module`` is not a linen module.
@@ -331,4 +348,35 @@ def convert_dropout(module: nn.Module, n: int, scale: float, *, seed: int | None
     n, scale, seed = check_insert_arguments(n, scale, seed, None)
     if not isinstance(module, nn.Module):
         raise TypeError(f"convert_dropout needs a flax.linen Module; received {type(module).__name__}")
-    return Converted(module, n, scale, seed)
+    axes = _declared_axes(module, example_input, lambda call: isinstance(call.module, nn.Dropout))
+    return Converted(module, n, scale, seed, batch_axes=axes)
+
+
+def _declared_axes(module: nn.Module, example: Any, targets: Callable[[_Call], bool]) -> tuple[tuple[str, int], ...]:
+    """(path, samples' axis) of each ``targets`` call of ``module`` on ``example`` (an array: ``module(x)``, a tuple:
+    ``module(*x)``, a dict: ``module(**x)``): the axis of its input that grows when the example grows by one sample
+    (``masksembles_core.adapter.grown_axis``, the masks on the last axis), from two abstract ``init`` surveys; none
+    without an example, where the module fails on the larger one, or where no single axis grows."""
+    if example is None:
+        return ()
+    runs: list[dict[str, list[tuple[int, ...] | None]]] = []
+    for inputs in (example, one_more_sample(example)):
+        args = inputs if isinstance(inputs, tuple) else () if isinstance(inputs, dict) else (inputs,)
+        kwargs = inputs if isinstance(inputs, dict) else {}
+        try:
+            calls = _survey(module, ("params", "dropout"), args, kwargs)
+        except Exception:  # a module that takes no other batch size: each call decides
+            return ()
+        shapes: dict[str, list[tuple[int, ...] | None]] = {}
+        for call in calls:
+            if targets(call):
+                shapes.setdefault(call.path, []).append(call.shape)
+        runs.append(shapes)
+    declared = []
+    for path, small in runs[0].items():
+        large = runs[1].get(path, [])
+        if None not in small + large:
+            axis = mca.grown_axis(cast(list[tuple[int, ...]], small), cast(list[tuple[int, ...]], large), -1)
+            if axis is not None:
+                declared.append((path, axis))
+    return tuple(declared)

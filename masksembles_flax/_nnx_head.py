@@ -10,7 +10,7 @@ from flax import nnx
 import masksembles_core.adapter as mca
 from masksembles_core.heads import HeadSpec, check_head
 
-from ._heads import uncertainty_outputs
+from ._heads import check_members_first, uncertainty_outputs
 from ._nnx_layers import Masksembles
 from ._ops import predict
 from ._packing import PackedMasksembles
@@ -46,6 +46,8 @@ class UncertaintyHead(nnx.Module):
             raise TypeError(
                 f"with_uncertainty needs a model that returns one array; it returned {type(members).__name__}"
             )
+        if self.tiled:
+            check_members_first(members, self.n, x.shape[0])
         return uncertainty_outputs(members, self.spec, self.member_axis)
 
 

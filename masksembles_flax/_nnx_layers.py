@@ -16,7 +16,7 @@ from numpy.typing import ArrayLike
 
 import masksembles_core.adapter as mca
 
-from ._ops import apply_masks, batch_size, folded_samples, grouped_mask_index, grouped_masking
+from ._ops import batch_size_of_call, masked
 
 RngSource = nnx.Rngs | nnx.RngStream | jax.Array
 ModuleT = TypeVar("ModuleT", bound=nnx.Module)
@@ -46,6 +46,13 @@ class Masksembles(nnx.Module):
         deterministic: the ``mode="random"`` switch; a call argument wins, ``train()``/``eval()``/``nnx.view`` set it.
         rng_collection: stream of ``rngs`` forked for the random draws.
         rngs: ``nnx.Rngs`` or ``nnx.RngStream`` forked for ``mode="random"`` (unused in grouped mode).
+        batch_axis: the axis of the samples in the input: 0 (B, ...), 1 for a sequence-first (L, B, ..., C) input
+            (after ``nnx.RNN(time_major=True)``), or None (the default): decided in each call from its shape and the
+            model's batch size (``masksembles_core.adapter.sample_axis``: axis 1 where a 3-D channels-last input
+            holds the batch there and axis 0 cannot; axis 0 where both fit, the batch-first convention), axis 0
+            where no batch size is known (``record_batch_size``, ``masksembles_flax.batch_size``). ``insert`` and
+            ``convert_dropout`` set it from their example input. A call with a known batch size refuses a declared
+            axis that does not hold it.
     """
 
     def __init__(
@@ -61,6 +68,7 @@ class Masksembles(nnx.Module):
         deterministic: bool | None = False,
         rng_collection: str = "dropout",
         rngs: nnx.Rngs | nnx.RngStream | None = None,
+        batch_axis: int | None = None,
     ) -> None:
         arguments = mca.layer_arguments(
             channels, n, scale, seed=seed, masks=masks, channel_axis=channel_axis, mode=mode
@@ -70,6 +78,7 @@ class Masksembles(nnx.Module):
         self.scale, self.channel_axis, self.mode = arguments.scale, arguments.channel_axis, arguments.mode
         self.masks = Masks(jnp.asarray(resolved))
         self.deterministic = deterministic
+        self.batch_axis = mca.check_batch_axis(batch_axis)
         self.rng_collection = rng_collection
         if rngs is not None and not isinstance(rngs, nnx.Rngs | nnx.RngStream):
             raise TypeError(f"rngs must be an nnx.Rngs, an nnx.RngStream or None; received {type(rngs).__name__}")
@@ -80,19 +89,22 @@ class Masksembles(nnx.Module):
             self.rngs = nnx.data(None)
 
     def __call__(self, x: jax.Array, *, deterministic: bool | None = None, rngs: RngSource | None = None) -> jax.Array:
-        """Apply the masks to ``x`` of shape (B, ..., C, ...).
+        """Apply the masks to ``x`` of shape (B, ..., C, ...), or (L, B, ..., C) along the samples' axis 1.
 
         Args:
             x: input with the channels on ``channel_axis``.
             deterministic: with ``mode="random"``, False draws a random mask per sample; overrides the attribute.
             rngs: ``nnx.Rngs``, ``nnx.RngStream`` or key for the random draws, instead of the layer's own stream.
         """
-        masks = self.masks[...]
-        if self.mode == "random" and not self._resolve_deterministic(deterministic):
-            mask_index = grouped_mask_index(self._random_key(rngs), x.shape[0], self.n)
-            return apply_masks(x, masks, channel_axis=self.channel_axis, mask_index=mask_index)
-        axis = mca.check_input_shape(x.shape, channels=masks.shape[-1], channel_axis=self.channel_axis)
-        return grouped_masking(axis, folded_samples(x.shape[0]))(x, masks)  # a named jit: pack finds it by its name
+        random = self.mode == "random" and not self._resolve_deterministic(deterministic)
+        return masked(
+            x,
+            self.masks[...],
+            channel_axis=self.channel_axis,
+            batch_axis=self.batch_axis,
+            layer=f"Masksembles({self.channels}, n={self.n})",
+            key=self._random_key(rngs) if random else None,
+        )
 
     def _resolve_deterministic(self, deterministic: bool | None) -> bool:
         resolved = self.deterministic if deterministic is None else deterministic
@@ -128,11 +140,7 @@ def _recording(cls: type[ModuleT]) -> type[ModuleT]:
     """``cls`` whose ``__call__`` runs in ``batch_size(B)``, B the batch of its first array input (same names)."""
 
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
-        arrays = [leaf for leaf in jax.tree.leaves((args, kwargs)) if getattr(leaf, "ndim", 0) > 0]
-        if not arrays:
-            return cls.__call__(self, *args, **kwargs)
-        samples = arrays[0].shape[0]  # an int, or a symbolic dimension (jax.export) that batch_size keeps
-        with batch_size(cast(int, samples) if jax.export.is_symbolic_dim(samples) else int(samples)):
+        with batch_size_of_call((args, kwargs)):
             return cls.__call__(self, *args, **kwargs)
 
     namespace = {

@@ -75,6 +75,7 @@ def apply_masks(
 GROUPED_MASKING = "masksembles_grouped_channel_axis_"
 
 _MODEL_BATCH: contextvars.ContextVar[int | None] = contextvars.ContextVar("masksembles_model_batch", default=None)
+_GROUPED_AXES: contextvars.ContextVar[set[int] | None] = contextvars.ContextVar("masksembles_axes", default=None)
 
 
 @contextlib.contextmanager
@@ -93,11 +94,80 @@ def batch_size(samples: int) -> Iterator[None]:
             _MODEL_BATCH.reset(token)
 
 
+@contextlib.contextmanager
+def batch_size_of_call(args: object) -> Iterator[None]:
+    """``batch_size(B)`` for a model called on ``args`` (its arguments, e.g. ``(args, kwargs)``), B the size of axis 0
+    of its first array (nothing where it has none)."""
+    arrays = [leaf for leaf in jax.tree.leaves(args) if getattr(leaf, "ndim", 0) > 0]
+    if not arrays:
+        yield
+        return
+    samples = arrays[0].shape[0]  # an int, or a symbolic dimension (jax.export) that batch_size keeps
+    with batch_size(cast(int, samples) if jax.export.is_symbolic_dim(samples) else int(samples)):
+        yield
+
+
 def folded_samples(rows: int) -> int | None:
     """The model's batch size from ``batch_size`` where it folds ``rows`` (more than one row per sample), else None
     (the plain rule)."""
     samples = _MODEL_BATCH.get()
     return samples if mca.rows_per_sample(rows, samples) != 1 else None
+
+
+def masked(
+    x: jax.Array,
+    masks: jax.Array,
+    *,
+    channel_axis: int,
+    batch_axis: int | None,
+    layer: str,
+    key: jax.Array | None = None,
+) -> jax.Array:
+    """The forward of every Masksembles layer (NNX, linen, and linen ``insert``'s): ``x`` times its samples' masks.
+
+    Args:
+        x: (B, ..., C, ...), or a sequence-first (L, B, ..., C) whose samples are on axis 1.
+        masks: (n, C) bool masks.
+        channel_axis: axis of ``x`` holding the channels (not 0).
+        batch_axis: the layer's declared samples' axis (0, 1, or None: decided from the shape and the model's batch
+            size, ``masksembles_core.adapter.sample_axis``).
+        layer: the layer's name in the messages.
+        key: ``mode="random"``: the key of each sample's uniform draw; None: the grouping rule, as the jit named by
+            ``grouped_masking`` that ``predict`` and ``pack`` find.
+
+    Returns:
+        array of the shape and dtype of ``x``; along axis 1 the grouping rule runs on the (B, L, ...) view (its
+        transposes are outside the named jit: ``pack`` sees a batch-first masking between two moves).
+
+    Raises:
+        ValueError: a bad shape, or a declared axis that does not hold the model's batch (``sample_axis``).
+    """
+    n, channels = masks.shape
+    channel = mca.check_input_shape(x.shape, channels=channels, channel_axis=channel_axis)
+    axis = mca.sample_axis(x.shape, channel, _MODEL_BATCH.get(), batch_axis, layer=layer)
+    grouped = _GROUPED_AXES.get()
+    if grouped is not None:
+        grouped.add(axis)
+
+    def rows_first(rows: jax.Array) -> jax.Array:
+        if key is not None:
+            index = grouped_mask_index(key, rows.shape[0], n)
+            return apply_masks(rows, masks, channel_axis=channel, mask_index=index)
+        return grouped_masking(channel, folded_samples(rows.shape[0]))(rows, masks)
+
+    return rows_first(x) if axis == 0 else jnp.swapaxes(rows_first(jnp.swapaxes(x, 0, axis)), 0, axis)
+
+
+@contextlib.contextmanager
+def grouped_axes() -> Iterator[set[int]]:
+    """Within the block, the axes along which the Masksembles layers called (or traced) there grouped their input:
+    {0} for batch-first ones, with 1 where one ran on a sequence-first (L, B, ...) input."""
+    axes: set[int] = set()
+    token = _GROUPED_AXES.set(axes)
+    try:
+        yield axes
+    finally:
+        _GROUPED_AXES.reset(token)
 
 
 def grouped_mask_index(key: jax.Array, rows: int, n: int) -> jax.Array:
@@ -143,7 +213,34 @@ def untile(y: jax.Array, n: int) -> jax.Array:
 
 
 def predict(model: Callable[[jax.Array], T], x: jax.Array, n: int) -> T:
-    """Every member's output: ``model(tile(x, n))`` with each output leaf untiled to (n, B, ...); ``n`` checked by
-    ``masksembles_flax.predict``."""
-    result: T = jax.tree.map(lambda y: untile(y, n), model(tile(x, n)))
+    """Every member's output: ``model(tile(x, n))`` with each output leaf untiled to (n, B, ...), or, for a
+    sequence-first leaf (L, n*B, ...), left with member ``k``'s block at ``[:, k*B:(k+1)*B]`` (``members``); ``n``
+    checked by ``masksembles_flax.predict``."""
+    with grouped_axes() as axes, batch_size(n * x.shape[0]):  # the layers check their samples' axis against it
+        outputs = model(tile(x, n))
+    result: T = jax.tree.map(lambda y: members(y, n, x.shape[0], sequence_first=1 in axes), outputs)
     return result
+
+
+def members(y: jax.Array, n: int, batch: int, *, sequence_first: bool = False) -> jax.Array:
+    """One output leaf of a model run on the tiled batch of ``n`` copies of ``batch`` samples, in ``predict``'s
+    layout: (n*B, ...) untiled to (n, B, ...); a leaf whose axis 1, not axis 0, holds the n*B samples (sequence-first,
+    (L, n*B, ...)) as it is, member ``k``'s block at ``[:, k*B:(k+1)*B]``.
+
+    Args:
+        sequence_first: a Masksembles layer of the model ran on a sequence-first input: a leaf whose axes 0 and 1 both
+            hold n*B is refused (which one is the batch cannot be told).
+
+    Raises:
+        ValueError: that ambiguous leaf, or a leaf without the batch on axis 0 or 1 (``untile``).
+    """
+    rows = n * batch
+    on_first = y.ndim > 0 and y.shape[0] == rows
+    on_second = y.ndim > 1 and y.shape[1] == rows
+    if on_first and on_second and sequence_first:
+        raise ValueError(
+            f"predict: an output of shape {tuple(y.shape)} holds the tiled batch of {n}x{batch} on axes 0 and 1, and "
+            "the model runs sequence-first layers: whether it is batch-first or sequence-first cannot be told. Call "
+            "predict on a batch whose n*B is not its sequence length"
+        )
+    return y if on_second and not on_first else untile(y, n)

@@ -72,6 +72,7 @@ from masksembles_core.packing import (
 
 from . import _capture as capture_module
 from ._capture import PREFIX, SHAPE_PARAMS, Capture, Eqn, Literal, NotAffine, Op, node_name
+from ._inference import refuse_sequence_first_inputs
 from ._ops import apply_masks, predict, untile
 
 # on CPU a program proven per-sample runs on chunks of CHUNK_SAMPLES samples, or more where that many samples' largest
@@ -133,13 +134,15 @@ class _Frame:
 @dataclass(frozen=True, eq=False)
 class _Operand:
     """One operand of an equation: ``edge`` (the i-th run-time input, moved), ``constant`` (a key of the
-    constants, its shape rebuilt per call by ``shape``) or ``literal`` (a value, or a template of the batch)."""
+    constants, its shape rebuilt per call by ``shape``) or ``literal`` (a value, or a template of the batch). An
+    output ``edge`` holds the member-stacked batch on ``batch_axis`` (> 0: a sequence-first output, (L, m*B, ...))."""
 
     kind: str
     index: int = 0
     key: str = ""
     value: Any = None
     shape: Any = None
+    batch_axis: int = 0
 
 
 @dataclass(frozen=True, eq=False)
@@ -515,9 +518,12 @@ class _Run:
                 leaf = jnp.asarray(operand.value)
             else:
                 leaf = self.constant(operand.key)
+            axis = operand.batch_axis
             if self.plan.pick >= 0:
-                leaf = untile(leaf, self.m)[self.plan.pick]
-            leaves.append(leaf if self.plan.squeeze or self.plan.pick >= 0 else untile(leaf, self.m))
+                leaf = jnp.moveaxis(untile(jnp.moveaxis(leaf, axis, 0), self.m)[self.plan.pick], 0, axis)
+            elif not self.plan.squeeze and axis == 0:
+                leaf = untile(leaf, self.m)
+            leaves.append(leaf)  # a sequence-first leaf keeps predict's layout: member k's block on its batch axis
         return jax.tree.unflatten(self.plan.out_tree, leaves)
 
 
@@ -753,7 +759,8 @@ class _Emitter:
             if isinstance(atom, Literal):
                 operands.append(_Operand("literal", value=atom.values[0]))
             elif atom in capture.runtime:
-                operands.append(_Operand("edge", index=names.index(node_name(atom))))
+                batch_axis = max(capture.values[atom].batch_axis, 0)
+                operands.append(_Operand("edge", index=names.index(node_name(atom)), batch_axis=batch_axis))
             else:
                 key = f"output_{position}"
                 self.constants[key] = [_host(capture.analysis.constants[atom])]
@@ -821,13 +828,18 @@ def _example_values(example_input: jax.Array | jax.ShapeDtypeStruct) -> jax.Arra
 class _Verifier:
     """Checks built programs against ``predict`` (eval semantics) on the first ``VERIFY_SAMPLES`` samples."""
 
-    def __init__(self, model: nnx.Module, x: jax.Array, n: int, chosen: Sequence[int], squeeze: bool) -> None:
+    def __init__(
+        self, model: nnx.Module, x: jax.Array, n: int, chosen: Sequence[int], squeeze: bool, batch_axes: Sequence[int]
+    ) -> None:
+        """``batch_axes``: the batch axis of each output leaf of the model (> 0: sequence-first, predict's members'
+        blocks on that axis)."""
         graphdef, state = nnx.split(model)
         dense = nnx.merge(graphdef, state)  # a new module graph on the same arrays: eval mode leaves the model alone
         dense.eval()  # type: ignore[no-untyped-call]
         self.x = x[:VERIFY_SAMPLES]
-        members = jax.tree.map(lambda y: y[jnp.asarray(chosen)], predict(_jitted(dense), self.x, n))
-        self.expected = _leaf_arrays(jax.tree.map(lambda y: y[0], members) if squeeze else members)
+        leaves, tree = jax.tree.flatten(predict(_jitted(dense), self.x, n))
+        members = [_chosen(y, n, axis, chosen, squeeze) for y, axis in zip(leaves, batch_axes, strict=True)]
+        self.expected = _leaf_arrays(jax.tree.unflatten(tree, members))
 
     def mismatch(self, packed: PackedMasksembles) -> str | None:
         """Why ``packed`` differs from ``predict`` on the sample, or None."""
@@ -836,6 +848,16 @@ class _Verifier:
         except Exception as error:  # a program that fails where the model runs differs from it
             return program_raised(error)
         return output_mismatch(self.expected[0], actual[0], self.expected[1])
+
+
+def _chosen(y: jax.Array, n: int, batch_axis: int, chosen: Sequence[int], squeeze: bool) -> jax.Array:
+    """The ``chosen`` members of one ``predict`` output leaf: (n, B, ...) -> (len(chosen), B, ...), or (B, ...) for
+    ``squeeze``; a sequence-first leaf (its members' blocks on ``batch_axis``) keeps that layout."""
+    if batch_axis <= 0:
+        return y[jnp.asarray(chosen)][0] if squeeze else y[jnp.asarray(chosen)]
+    picked = untile(jnp.moveaxis(y, batch_axis, 0), n)[jnp.asarray(chosen)]
+    stacked = picked[0] if squeeze else picked.reshape((-1, *picked.shape[2:]))
+    return jnp.moveaxis(stacked, 0, batch_axis)
 
 
 def _leaf_arrays(tree: Any) -> tuple[list[np.ndarray], list[float]]:
@@ -901,10 +923,12 @@ def _packed(
 ) -> PackedMasksembles:
     """``pack``/``extract_member``: capture once, build the program(s), verify, and choose."""
     check_program(program)
+    refuse_sequence_first_inputs(model, PREFIX)
     capture = Capture(model, example_input)
     chosen = chosen_members(members, capture.n)
     x = _example_values(example_input)
-    verifier = _Verifier(model, x, capture.n, chosen, squeeze) if verify else None
+    axes = [capture.values[a].batch_axis if isinstance(a, int) else 0 for a in capture.program.outputs]
+    verifier = _Verifier(model, x, capture.n, chosen, squeeze, axes) if verify else None
     if program != "auto":
         return _verified(capture, verifier, chosen, squeeze, program == "dense")
     packed = _verified(capture, verifier, chosen, squeeze, False)

@@ -25,14 +25,7 @@ import masksembles_core.adapter as mca
 
 from ._linen_head import UncertaintyHead, with_uncertainty
 from ._linen_surgery import Converted, Inserted, convert_dropout, insert
-from ._ops import (
-    MASKS_COLLECTION,
-    apply_masks,
-    folded_samples,
-    grouped_mask_index,
-    grouped_masking,
-    input_channels,
-)
+from ._ops import MASKS_COLLECTION, input_channels, masked
 
 __all__ = [
     "MASKS_COLLECTION",
@@ -64,6 +57,11 @@ class Masksembles(nn.Module):
         mode: "grouped" or "random".
         deterministic: the ``mode="random"`` switch, merged with the call argument as ``nn.Dropout`` does.
         rng_collection: RNG stream of the random mask draws.
+        batch_axis: the axis of the samples in the input: 0 (B, ...), 1 for a sequence-first (L, B, ..., C) input
+            (after ``nn.RNN(time_major=True)``), or None (the default): decided in each call from its shape and the
+            model's batch size where one is known (``masksembles_flax.batch_size``; ``sample_axis`` of
+            ``masksembles_core.adapter``), else axis 0. A call with a known batch size refuses a declared axis that
+            does not hold it.
     """
 
     n: int
@@ -74,9 +72,11 @@ class Masksembles(nn.Module):
     mode: str = "grouped"
     deterministic: bool | None = None
     rng_collection: str = "dropout"
+    batch_axis: int | None = None
 
     def __post_init__(self) -> None:
         arguments = self._arguments()  # checked at construction rather than at init
+        mca.check_batch_axis(self.batch_axis)
         if arguments.masks is not None:
             object.__setattr__(self, "masks", tuple(tuple(bool(v) for v in row) for row in arguments.masks))
         super().__post_init__()
@@ -95,7 +95,7 @@ class Masksembles(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, deterministic: bool | None = None, rng: jax.Array | None = None) -> jax.Array:
-        """Apply the masks to ``x`` of shape (B, ..., C, ...).
+        """Apply the masks to ``x`` of shape (B, ..., C, ...), or (L, B, ..., C) along the samples' axis 1.
 
         Args:
             x: input with the channels on ``channel_axis``.
@@ -109,12 +109,11 @@ class Masksembles(nn.Module):
         if not self.is_initializing() and not self.has_variable(MASKS_COLLECTION, "masks"):
             raise ValueError(_missing_masks_message(self.path))
         masks = self.variable(MASKS_COLLECTION, "masks", self._initial_masks, x.shape).value
+        key = None
         if self.mode == "random" and not nn.merge_param("deterministic", self.deterministic, deterministic):
             key = self.make_rng(self.rng_collection) if rng is None else rng
-            mask_index = grouped_mask_index(key, x.shape[0], masks.shape[0])
-            return apply_masks(x, masks, channel_axis=self.channel_axis, mask_index=mask_index)
-        axis = mca.check_input_shape(x.shape, channels=masks.shape[-1], channel_axis=self.channel_axis)
-        return grouped_masking(axis, folded_samples(x.shape[0]))(x, masks)  # a named jit: predict finds it by name
+        name = f"Masksembles[{'/'.join(self.path)}]" if self.path else "Masksembles"
+        return masked(x, masks, channel_axis=self.channel_axis, batch_axis=self.batch_axis, layer=name, key=key)
 
 
 def _missing_masks_message(path: Sequence[str]) -> str:

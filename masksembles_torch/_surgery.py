@@ -159,15 +159,7 @@ def _declare_batch_axes(model: nn.Module, example: Inputs | None, holders: Mappi
             handle.remove()
         runs.append(seen)
     for key, layer in probed.items():
-        grown = {
-            tuple(axis for axis, (a, b) in enumerate(zip(small, large, strict=True)) if a != b)
-            for small, large in zip(runs[0][key], runs[1][key], strict=True)
-            if len(small) == len(large)
-        }
-        if grown == {(0,)}:
-            layer.batch_axis = 0
-        elif grown == {(1,)} and len(runs[0][key][0]) == 3 and layer.channel_axis % 3 == 2:
-            layer.batch_axis = 1
+        layer.batch_axis = mca.grown_axis(runs[0][key], runs[1][key], layer.channel_axis)
 
 
 def _paths(model: nn.Module) -> dict[int, list[str]]:

@@ -51,3 +51,25 @@ def test_batch_axis_is_0_1_or_none(value: object) -> None:
     with pytest.raises(ValueError, match="batch_axis must be 0"):
         mca.check_batch_axis(value)
     assert [mca.check_batch_axis(axis) for axis in (0, 1, None)] == [0, 1, None]
+
+
+@pytest.mark.parametrize(
+    ("small", "large", "channel_axis", "axis"),
+    [
+        ([(4, 7, 16)], [(5, 7, 16)], -1, 0),  # batch-first: axis 0 grows
+        ([(28, 7, 16)], [(35, 7, 16)], -1, 0),  # B * f rows folded sample-major
+        ([(7, 4, 16)], [(7, 5, 16)], -1, 1),  # sequence-first (L, B, C)
+        ([(7, 4, 16), (7, 4, 16)], [(7, 5, 16), (7, 5, 16)], 2, 1),  # every call
+        ([(7, 4, 16)], [(7, 5, 16)], 1, None),  # channels on axis 1: no sequence-first candidate
+        ([(7, 4, 6, 16)], [(7, 5, 6, 16)], -1, None),  # 4-D: no sequence-first candidate
+        ([(4, 7, 16), (7, 4, 16)], [(5, 7, 16), (7, 5, 16)], -1, None),  # the calls disagree
+        ([(4, 4, 16)], [(5, 5, 16)], -1, None),  # two axes grow
+        ([(4, 16)], [(4, 16)], -1, None),  # nothing grows
+        ([(4, 16)], [], -1, None),  # called once in one run only
+        ([], [], -1, None),  # never called
+    ],
+)
+def test_the_axis_that_grows_with_one_more_sample(
+    small: list[tuple[int, ...]], large: list[tuple[int, ...]], channel_axis: int, axis: int | None
+) -> None:
+    assert mca.grown_axis(small, large, channel_axis) == axis
