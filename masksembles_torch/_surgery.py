@@ -1306,21 +1306,19 @@ def convert_dropout(
     placed: dict[str, tuple[nn.Module, Masksembles]] = {}  # converted modules: path -> (the dropout, its masks)
     holders: dict[Masksembles, nn.Module] = {}
     for row, target in zip(report.rows, targets, strict=True):
-        if row.action != CONVERTED:
+        if row.action != CONVERTED or target is None:
             continue
-        layer = _masksembles(row, n, scale, model, True)
         if isinstance(target, nn.Module):
             holder = model.get_submodule(paths[id(target)][0].rpartition(".")[0])
-            placed[row.path] = (target, layer.train(target.training))
+            layer = _masksembles(row, n, scale, model, target.training)
+            placed[row.path] = (target, layer)
             _replace(model, paths[id(target)], layer)
-        elif target is not None:
+        else:
             owner, index = target
             assert owner is not None, "a call is converted only where its owner was traced"
             holder = owner.module
-            owner.layers[index] = layer.train(owner.module.training)
+            layer = owner.layers[index] = _masksembles(row, n, scale, model, owner.module.training)
             owners[owner.path] = owner
-        else:
-            continue
         holders[layer] = holder
     for path in sorted(owners, key=lambda p: -1 if not p else p.count("."), reverse=True):
         rewritten = _rewrite(owners[path])
