@@ -147,13 +147,6 @@ METADATA = {"dim", "ndimension", "ndim", "dtype", "device", "is_contiguous", "re
 SIZES = {"size", "shape", "numel", "nelement"}
 
 
-# layers that compute each sample from that sample alone (in eval)
-PER_SAMPLE_MODULES = (
-    nn.Linear, *CONV_TYPES, *BATCHNORM_TYPES, nn.LayerNorm, nn.GroupNorm, *POOL_TYPES, *ELEMENTWISE_MODULES,
-    *DROPOUT_TYPES, nn.Embedding, nn.MultiheadAttention,
-)  # fmt: skip
-
-
 class _Tracer(fx.Tracer):
     def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
         return isinstance(module, Masksembles) or super().is_leaf_module(module, qualified_name)
@@ -612,6 +605,7 @@ class _Capture:
             if node in self.dynamic and node.op not in ("placeholder", "output") and self._is_value(node):
                 self.values.add(node)
         self.ops: dict[fx.Node, _Op] = {}
+        self.classified = self.ops  # as the nodes are classified (``fallback`` reads the earlier ones); kept by reset
         self.mixing: dict[fx.Node, bool] = {}  # mixes_samples, evaluated once per node
         self.data_free: dict[fx.Node, bool] = {}  # _data_free, once per node
         self.sample_ordered: dict[fx.Node, bool] = {}  # sample_rows, once per node
@@ -621,7 +615,6 @@ class _Capture:
         called = [self.gm.get_submodule(str(node.target)) for node in self.ops if node.op == "call_module"]
         held = [inner for module in called for inner in module.modules() if isinstance(inner, Masksembles)]
         self.n = _members_of(held)
-        self.classified = self.ops
 
     def _shape(self, node: fx.Node) -> tuple[int, ...] | None:
         """A value's shape at the example's batch size, None for anything but a tensor."""
@@ -802,14 +795,13 @@ class _Capture:
     def mixes_samples(self, node: fx.Node) -> bool:
         """Whether one sample's result depends on the other samples (a mean over the batch, ``flip(0)``, a cumsum
         along it): evaluated at the probe's larger batch on random inputs, then again with the last sample changed;
-        the other samples' rows must stay the same. Layers known to work per sample are not evaluated."""
+        the other samples' rows must stay the same. What ``_pack_samples`` proves per sample from the operation and
+        its arguments is not evaluated."""
         if node not in self.mixing:
             self.mixing[node] = self._mixes_samples(node)
         return self.mixing[node]
 
     def _mixes_samples(self, node: fx.Node) -> bool:
-        if node.op == "call_module" and isinstance(self.gm.get_submodule(str(node.target)), PER_SAMPLE_MODULES):
-            return False
         seen, tensors = self.seen[node], self.inputs(node)
         element = node.target is operator.getitem and isinstance(node.args[1], int)
         if element and tensors and self.seen[tensors[0]].parts:
@@ -827,6 +819,10 @@ class _Capture:
         sizes = {t: self.seen[t].shapes[1][self.seen[t].batch_axes[0]] for t in (node, *batched)}
         if any(size % batch for size in sizes.values()):
             return True
+        from ._pack_samples import _keeps_samples  # it reads the classification this module makes
+
+        if _keeps_samples(self, node):
+            return False  # proven from the operation and its arguments: nothing to evaluate
         generator = torch.Generator(device=self.device).manual_seed(0)
         given = {t: _random_like(self.seen[t], self.device, generator) for t in tensors}
         try:
@@ -835,7 +831,7 @@ class _Capture:
                 changed = dict(given)
                 for t in batched:
                     axis, rows = self.seen[t].batch_axes[0], sizes[t] // batch
-                    redrawn = _random_like(self.seen[t], self.device, generator).narrow(axis, sample * rows, rows)
+                    redrawn = _random_like(self.seen[t], self.device, generator, rows_on=(axis, rows))
                     changed[t] = given[t].index_copy(
                         axis, torch.arange(sample * rows, (sample + 1) * rows, device=self.device), redrawn
                     )
@@ -1164,9 +1160,14 @@ def _dtype_view(node: fx.Node) -> bool:
     return any(isinstance(a, torch.dtype) for a in (*node.args[1:], *node.kwargs.values()))
 
 
-def _random_like(seen: _Seen, device: torch.device, generator: torch.Generator) -> Tensor:
-    """Random values of the shape and dtype the probe saw at its larger batch (0s and 1s for integers and bools)."""
-    shape, dtype = seen.shapes[1], seen.dtype or torch.float32
+def _random_like(
+    seen: _Seen, device: torch.device, generator: torch.Generator, rows_on: tuple[int, int] | None = None
+) -> Tensor:
+    """Random values of the shape and dtype the probe saw at its larger batch (0s and 1s for integers and bools);
+    with ``rows_on`` (axis, rows), only that many rows on that axis (one sample's)."""
+    shape, dtype = list(seen.shapes[1]), seen.dtype or torch.float32
+    if rows_on is not None:
+        shape[rows_on[0]] = rows_on[1]
     if dtype.is_floating_point or dtype.is_complex:
         return torch.randn(shape, dtype=dtype, device=device, generator=generator)
     return torch.randint(0, 2, shape, device=device, generator=generator).to(dtype)

@@ -77,7 +77,16 @@ def test_chunks_follow_the_size(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "in chunks of up to 4 samples" in repr(mt.pack(model, torch.randn(10, 3, 8, 8), program="packed"))
 
 
+# layers with constant weights that read the batch: a convolution along it, a GroupNorm over it (each item of axis 0)
+BATCH_CONV, BATCH_NORM = nn.Conv1d(12, 12, 3, padding=1), nn.GroupNorm(3, 12)
+LAYERS = {"convolution along the batch": BATCH_CONV, "group norm over the batch": BATCH_NORM}
 MIXING: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "convolution along the batch": lambda x: (  # (H*W, C, B): the positions as the convolution's batch
+        BATCH_CONV(x.permute(2, 3, 1, 0).flatten(0, 1)).unflatten(0, x.shape[2:]).permute(3, 2, 0, 1)
+    ),
+    "group norm over the batch": lambda x: (  # (1, C, B*H*W): every sample in one item
+        BATCH_NORM(x.transpose(0, 1).flatten(1)[None])[0].unflatten(1, (-1, *x.shape[2:])).transpose(0, 1)
+    ),
     "mean over the batch": lambda x: x - x.mean(0, keepdim=True),
     "roll over the batch": lambda x: torch.roll(x, 1, 0),
     "flip of the batch": lambda x: x.flip(0) + x,
@@ -98,7 +107,7 @@ def test_a_program_that_mixes_samples_is_not_split(name: str, monkeypatch: pytes
     equal to the tiled dense model, however small CHUNK_BYTES is."""
     monkeypatch.setattr(packing, "CHUNK_BYTES", 1)
     torch.manual_seed(0)
-    model = Block(MIXING[name]).eval()
+    model = Block(MIXING[name], LAYERS.get(name)).eval()
     x = torch.randn(6, 3, 5, 5)
     packed = mt.pack(model, x, program="packed")
     assert "in_chunks" not in packed.code and "chunks" not in repr(packed)
