@@ -46,7 +46,7 @@ def kind(op: str, input_ranks: list[int]) -> str:
     """The row of the profile table that an operation's kernel time goes to."""
     if op in {"MatMul", "FusedMatMul", "Gemm"}:
         return "attention matmuls (QK, AV)" if input_ranks and min(input_ranks[:2]) == 4 else "Linear matmuls"
-    if op == "Conv":
+    if op in {"Conv", "FusedConv"}:  # FusedConv: a Conv with its activation (or sum) that NCHWc does not take
         return "Conv"
     if op in {"Gather", "GatherElements", "Expand"}:
         return f"channel gathers: {op}"
