@@ -29,7 +29,7 @@ import numpy as np
 import onnx
 import onnxruntime
 import torch
-from bench_deploy import ORT_THREADS, check_head, onnx_session, runner
+from bench_deploy import ORT_THREADS, check_head, onnx_session, ratio, repeats_for, runner
 from bench_packing import MODELS, N, example, randomize_norms
 from torch import nn
 
@@ -90,14 +90,6 @@ def profile(
     return dict(totals), ", ".join(f"{op} {count}" for op, count in sorted(fused.items()))
 
 
-def ratio(times: dict[str, list[float]], top: str, bottom: str) -> tuple[float, str]:
-    """The median of the per-round ratios ``top`` ÷ ``bottom``, and it written with their interquartile range."""
-    ratios = [a / b for a, b in zip(times[top], times[bottom], strict=True)]
-    low, _, high = statistics.quantiles(ratios, n=4)
-    median = statistics.median(ratios)
-    return median, f"{median:.2f}× ({low:.2f}–{high:.2f})"
-
-
 def timings(
     name: str, masked: nn.Module, single: nn.Module, x: torch.Tensor, probe: torch.Tensor, folder: Path, rounds: int
 ) -> str:
@@ -117,8 +109,7 @@ def timings(
         (got,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
         np.testing.assert_allclose(got, expected[k], rtol=tolerance, atol=tolerance, err_msg=f"member {k}")
         sessions[f"member {k}"] = session
-    once = timed_rounds({"single": runner(sessions["single"], x.numpy(), 1)}, rounds=5, warmup=2)["single"]
-    repeats = max(1, round(0.02 / statistics.median(once)))
+    repeats = repeats_for(runner(sessions["single"], x.numpy(), 1))
     calls = {key: runner(session, x.numpy(), repeats) for key, session in sessions.items()}
     times = timed_rounds(calls, rounds=rounds, warmup=3)
     times["members"] = [sum(column) for column in zip(*(times[f"member {k}"] for k in range(N)), strict=True)]
