@@ -14,6 +14,8 @@ batch, one intra-op thread). For batch 1 and 32:
 - onnxruntime's profiler on the single model, member 0 and packed + head (``--profile-runs`` runs after 3 warm-ups, one
   profile each, not interleaved: compare the kinds within a program, and programs only roughly): kernel time per run
   by kind of operation, and the fusions each optimized graph got (fused ops' names, counted).
+
+``--models`` also takes the ViT-like made wider (``WIDER``), where the layers the masks narrow weigh more.
 """
 
 from __future__ import annotations
@@ -30,13 +32,18 @@ import onnx
 import onnxruntime
 import torch
 from bench_deploy import ORT_THREADS, check_head, onnx_session, ratio, repeats_for, runner
-from bench_packing import MODELS, N, example, randomize_norms
+from bench_packing import MODELS, N, ViT, example, inserted, randomize_norms
 from torch import nn
 
 import masksembles_torch as mt
 from masksembles_core.packing import timed_rounds
 
 BATCHES = (1, 32)
+# the ViT-like made wider (``--models``): its Linear layers, which the masks narrow, take a larger share of its time
+WIDER = {
+    "ViT-like dim 192": (inserted(lambda: ViT(dim=192, heads=3)), (3, 32, 32), BATCHES),
+    "ViT-like dim 384 (6 heads)": (inserted(lambda: ViT(dim=384, heads=6)), (3, 32, 32), BATCHES),
+}
 ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Relu", "Gelu", "BiasGelu", "Erf", "Where", "Clip", "Sum", "Max", "Min"}
 LAYOUT = {"Transpose", "Split", "Concat", "Reshape", "Slice", "Squeeze", "Unsqueeze", "ReorderInput", "ReorderOutput"}
 FUSED = {"BiasGelu", "FusedMatMul", "FusedConv", "Gemm", "LayerNormalization", "SkipLayerNormalization", "Attention"}
@@ -162,7 +169,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=15, help="interleaved timing rounds")
     parser.add_argument("--profile-runs", type=int, default=5, help="profiled runs (0: no profile)")
-    parser.add_argument("--models", type=lambda text: text.split(","), default=["ViT-like", "ResNet"])
+    parser.add_argument(
+        "--models",
+        type=lambda text: text.split(","),
+        default=["ViT-like", "ResNet"],
+        help=f"comma-separated, from: {', '.join([*MODELS, *WIDER])}",
+    )
     args = parser.parse_args()
     print(
         f"torch {torch.__version__}, onnxruntime {onnxruntime.__version__}, float32, N={N}, S=2, {ORT_THREADS} "
@@ -175,7 +187,7 @@ def main() -> None:
     )
     profiles = []
     for name in args.models:
-        factory, shape, _ = MODELS[name]
+        factory, shape, _ = {**MODELS, **WIDER}[name]
         masked = randomize_norms(factory(True)).eval()
         single = randomize_norms(factory(False)).eval()
         probe = example(name, max(BATCHES), shape, torch.device("cpu"))
