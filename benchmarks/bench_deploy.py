@@ -120,8 +120,9 @@ def main() -> None:
                 x = example(name, batch, shape, cpu)
                 packed = mt.pack(masked, x, program="packed")
                 head = mt.with_uncertainty(packed)
-                sessions["packed + head"] = onnx_session(head, x, Path(folder, f"{name}-{batch}-head.onnx"))
-                sessions["packed"] = onnx_session(packed, x, Path(folder, f"{name}-{batch}.onnx"))
+                # exported on the probe, as the others: on one sample torch.export fixes the batch at 1
+                sessions["packed + head"] = onnx_session(head, probe, Path(folder, f"{name}-{batch}-head.onnx"))
+                sessions["packed"] = onnx_session(packed, probe, Path(folder, f"{name}-{batch}.onnx"))
                 for checked in ("packed + head", "tiled"):
                     check_head(sessions[checked], masked, x)
                 repeats = repeats_for(runner(sessions["single"], x.numpy(), 1))
