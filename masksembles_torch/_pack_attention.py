@@ -34,7 +34,7 @@ from torch import fx, nn
 
 from masksembles_core.captured import Probed
 
-from ._pack_capture import DROPOUT_FUNCTIONS, DROPOUT_TYPES, _Capture, _Op, _Seen, _target_name
+from ._pack_capture import DROPOUT_FUNCTIONS, DROPOUT_TYPES, _called, _Capture, _Op, _Seen
 from ._pack_graph import _Graph, _takes_whole
 
 RESHAPES = {"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as"}
@@ -198,10 +198,6 @@ def _equal_parts(graph: _Graph, node: fx.Node) -> tuple[int, int] | None:
     if len(sizes) != 1 or sizes.pop() * len(seen.parts) != source.shapes[0][dim]:
         return None
     return len(seen.parts), dim
-
-
-def _called(node: fx.Node) -> str:
-    return "" if node.op == "call_module" else _target_name(node)
 
 
 def _propagate(graph: _Graph, axis: dict[fx.Node, int], region: Region) -> None:

@@ -156,6 +156,11 @@ def _target_name(node: fx.Node) -> str:
     return str(node.target) if isinstance(node.target, str) else getattr(node.target, "__name__", repr(node.target))
 
 
+def _called(node: fx.Node) -> str:
+    """The name of the function or method a node calls ("" for a module, whose name says nothing of what it does)."""
+    return "" if node.op == "call_module" else _target_name(node)
+
+
 def _describe(node: fx.Node, root: nn.Module) -> str:
     """A node as a user recognizes it: a module by its path and type, a call by its function and enclosing module."""
     if node.op == "call_module":

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from ._pack_capture import _Capture, _target_name
+from ._pack_capture import _called, _Capture
 from ._pack_emit import MATMULS
 from ._pack_graph import _axis_map
 
@@ -19,11 +19,6 @@ from ._pack_graph import _axis_map
 def _batch_axis(capture: _Capture, node: fx.Node) -> int | None:
     seen = capture.seen[node]
     return seen.batch_axis if node in capture.dynamic and seen.tensor and seen.batch_axis >= 0 else None
-
-
-def _called(node: fx.Node) -> str:
-    """The name of the function or method a node calls ("" for a module, whose name says nothing of what it does)."""
-    return "" if node.op == "call_module" else _target_name(node)
 
 
 def _broadcast(capture: _Capture, node: fx.Node) -> bool:

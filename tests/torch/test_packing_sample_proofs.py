@@ -79,9 +79,9 @@ def test_layers_that_read_other_axes_than_the_batch_are_proven_per_sample(monkey
 def test_a_convolution_along_the_batch_before_the_masks_runs_on_the_member_stacked_batch(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A Conv1d whose batch axis is the batch: not proven, evaluated, found to mix samples, so it runs per member on
-    the member-stacked batch as in the dense model, not once on the shared input (where each member's first sample
-    would meet zero padding instead of the previous member's last sample)."""
+    """A Conv1d run along the batch (the batch on its length axis): not proven, evaluated, found to mix samples, so
+    it runs per member on the member-stacked batch as in the dense model, not once on the shared input (where each
+    member's first sample would meet zero padding instead of the previous member's last sample)."""
     torch.manual_seed(0)
     model = BatchConvFirst().eval()
     x = torch.randn(6, 3, 4, 4)
