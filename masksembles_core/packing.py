@@ -812,6 +812,8 @@ VERIFICATION = "verification"  # how the fallback entry starts that adapters wri
 AUTO_ROUNDS = 7  # interleaved timing rounds of pack(program="auto"), at most
 AUTO_SLOWER = 1.1  # ``auto`` never keeps a program whose median time is more than this times another's
 AUTO_BUILD = 2.0  # ``auto`` stops timing once it has taken this times the preferred program's build time
+AUTO_SAMPLES = 8  # ``auto`` times on at least this many samples of the example (all of a smaller one)
+AUTO_PLANNED_ROUNDS = 5  # a warm-up and the 4 rounds after which the median of ``AUTO_ROUNDS`` can be settled
 
 
 def samples_per_chunk(batch: int, bytes_per_sample: int, chunk_bytes: int) -> int:
@@ -904,27 +906,30 @@ def timed_rounds(
     until: Callable[[Mapping[K, Sequence[float]]], bool] | None = None,
     deadline: float = math.inf,
     clock: Callable[[], float] = time.perf_counter,
+    warm: Mapping[K, Sequence[float]] | None = None,
 ) -> dict[K, list[float]]:
     """Wall time (``clock``, seconds) of each call in every round, the calls timed in turn within a round (noise hits
     all alike), after ``warmup`` rounds that do not count; fewer rounds where ``until(times)`` says, after a round,
     that the rest cannot matter, or where another round, as long as the last one, would end after ``deadline`` (a
-    ``clock`` value; where that leaves no counted round, the warm-up rounds count). Each call must wait for its own
-    result (synchronize an accelerator)."""
+    ``clock`` value; where that leaves no counted round, the warm-up rounds count). ``warm``: the times of a warm-up
+    round already run on these calls (then ``warmup`` is usually 0). Each call must wait for its own result
+    (synchronize an accelerator)."""
     times: dict[K, list[float]] = {name: [] for name in calls}
-    warm: dict[K, list[float]] = {name: [] for name in calls}
+    warmed: dict[K, list[float]] = {name: list(warm[name]) if warm else [] for name in calls}
+    last = sum(values[-1] for values in warmed.values()) if warm else None  # the last round's duration
     for index in range(warmup + rounds):
+        if last is not None and clock() + last > deadline:
+            break
         counted = index >= warmup
         started = clock()
         for name, call in calls.items():
             start = clock()
             call()
-            (times if counted else warm)[name].append(clock() - start)
+            (times if counted else warmed)[name].append(clock() - start)
+        last = clock() - started
         if counted and until is not None and until(times):
             break
-        now = clock()
-        if now + (now - started) > deadline:
-            break
-    return times if all(times.values()) else warm
+    return times if all(times.values()) else warmed
 
 
 def median_bounds(values: Sequence[float], rounds: int) -> tuple[float, float]:
@@ -943,11 +948,13 @@ def timed_choice(
     rounds: int = AUTO_ROUNDS,
     deadline: float = math.inf,
     clock: Callable[[], float] = time.perf_counter,
+    warm: Mapping[str, Sequence[float]] | None = None,
 ) -> tuple[str, str, dict[str, list[float]]]:
-    """``choose_program`` on up to ``rounds`` interleaved rounds of ``calls`` (one warm-up round first): the program,
-    why, and the times. It stops as soon as no outcome of the remaining rounds could change the choice (each
-    program's median bounded by ``median_bounds``), or where the next round would end after ``deadline`` (``clock``
-    seconds; ``pack`` passes its start plus ``AUTO_BUILD`` times the preferred program's build time)."""
+    """``choose_program`` on up to ``rounds`` interleaved rounds of ``calls`` (one warm-up round first, unless
+    ``warm`` holds one already run): the program, why, and the times. It stops as soon as no outcome of the remaining
+    rounds could change the choice (each program's median bounded by ``median_bounds``), or where the next round
+    would end after ``deadline`` (``clock`` seconds; ``pack`` passes its start plus ``AUTO_BUILD`` times the preferred
+    program's build time)."""
 
     def settled(times: Mapping[str, Sequence[float]]) -> bool:
         bounds = {name: median_bounds(values, rounds) for name, values in times.items()}
@@ -960,12 +967,51 @@ def timed_choice(
                 return True  # this one stays the fastest, and the preferred one more than the margin slower
         return False
 
-    times = timed_rounds(calls, rounds=rounds, until=settled, deadline=deadline, clock=clock)
+    warmup = 0 if warm else 1
+    times = timed_rounds(calls, rounds=rounds, warmup=warmup, until=settled, deadline=deadline, clock=clock, warm=warm)
     name, why = choose_program(times, preferred)
     done = len(times[preferred])
     if done < rounds:
         stop = "the rest could not change the choice" if settled(times) else "the time to build ran out"
         why += f"; stopped after {done} of {rounds} rounds: {stop}"
+    return name, why, times
+
+
+def timing_samples(batch: int, seconds_per_sample: float, seconds_left: float) -> int:
+    """How many of the example's ``batch`` samples ``auto`` times its candidates on: all of them where
+    ``AUTO_PLANNED_ROUNDS`` rounds, each ``seconds_per_sample`` per sample, end within ``seconds_left``; else as many
+    as do, but never fewer than ``AUTO_SAMPLES`` (the whole batch where it is smaller): on a handful of samples the
+    programs' fixed cost per call, not their work, would decide."""
+    budget = AUTO_PLANNED_ROUNDS * seconds_per_sample
+    fits = int(seconds_left / budget) if budget > 0 else batch
+    return min(batch, max(AUTO_SAMPLES, fits))
+
+
+def timed_choice_on_samples(
+    calls_on: Callable[[int], Mapping[str, Callable[[], object]]],
+    batch: int,
+    preferred: str,
+    *,
+    deadline: float = math.inf,
+    clock: Callable[[], float] = time.perf_counter,
+) -> tuple[str, str, dict[str, list[float]]]:
+    """``timed_choice`` on the first samples of an example of ``batch`` samples (``calls_on(k)``: the candidates, each
+    called on the first ``k``), so that ``auto`` builds by ``deadline`` also where one call of the candidates on the
+    whole example costs as much as building the preferred one: the warm-up round runs on ``AUTO_SAMPLES`` samples
+    and its time per sample sets how many the counted rounds run on (``timing_samples``); all of them without a
+    deadline. The reason says on how many samples where that is not all."""
+    if math.isinf(deadline) or batch <= AUTO_SAMPLES:
+        return timed_choice(calls_on(batch), preferred, deadline=deadline, clock=clock)
+    calls = calls_on(AUTO_SAMPLES)
+    started = clock()
+    warm = timed_rounds(calls, rounds=1, warmup=0, clock=clock)
+    samples = timing_samples(batch, (clock() - started) / AUTO_SAMPLES, deadline - clock())
+    if samples == AUTO_SAMPLES:
+        name, why, times = timed_choice(calls, preferred, deadline=deadline, clock=clock, warm=warm)
+    else:
+        name, why, times = timed_choice(calls_on(samples), preferred, deadline=deadline, clock=clock)
+    if samples < batch:
+        why += f"; timed on {samples} of the example's {batch} samples to build in time"
     return name, why, times
 
 

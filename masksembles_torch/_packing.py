@@ -56,7 +56,7 @@ from masksembles_core.packing import (
     output_mismatch,
     plan_program,
     program_raised,
-    timed_choice,
+    timed_choice_on_samples,
     verified,
 )
 
@@ -409,8 +409,13 @@ def _packed(
         candidates = {"packed": packed, "dense": candidate(dense=True)}
         if packed.meta["masksembles"]["chunk"]:  # in one call too: faster where freed memory is kept for reuse
             candidates["packed, one call"] = candidate(chunks=False)
-        calls = {name: _timed(module, example_input) for name, module in candidates.items()}
-        name, why, times = timed_choice(calls, "packed", deadline=deadline, clock=clock)
+
+        def calls_on(samples: int) -> dict[str, Callable[[], None]]:
+            x = map_batched(example_input, lambda tensor: tensor[:samples])
+            return {name: _timed(module, x) for name, module in candidates.items()}
+
+        batch = batch_size(example_input)
+        name, why, times = timed_choice_on_samples(calls_on, batch, "packed", deadline=deadline, clock=clock)
         result = candidates[name]
         result.meta["masksembles"]["seconds"] = {key: statistics.median(value) for key, value in times.items()}
         result.meta["masksembles"]["choice"] = why
@@ -442,10 +447,11 @@ def pack(model: nn.Module, example_input: Inputs, *, program: str = "auto", veri
             torch.fx capture proves it per-sample), ``"dense"`` (the tiled dense model as one graph: every node as the
             model runs it, on the member-stacked batch), or ``"auto"`` (the default: both, and the packed program in one
             call where it would run in chunks, are timed in interleaved rounds on ``example_input``, for at most as
-            long again as building the packed program took; the packed program is kept unless its median time is
-            more than 10 % above another's, and then the fastest is (``masksembles_core.packing.choose_program``);
-            ``seconds`` holds the medians and ``choice`` the reason, naming them; give an example of the batch size
-            you will run).
+            long again as building the packed program took (on its first samples, at least 8, where rounds on all of
+            it would take longer: ``choice`` then says on how many); the packed program is kept unless its median
+            time is more than 10 % above another's, and then the fastest is
+            (``masksembles_core.packing.choose_program``); ``seconds`` holds the medians and ``choice`` the reason,
+            naming them; give an example of the batch size you will run).
         verify: compare the program with ``predict`` on the first few samples of ``example_input`` before returning
             it (the default). One that differs beyond float rounding is never returned: every node then runs at full
             width, or the whole model tiled, and the first entry of ``fallbacks`` says why. ``False`` skips it.

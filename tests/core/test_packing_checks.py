@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from masksembles_core.packing import (
+    AUTO_SAMPLES,
     AUTO_SLOWER,
     Cost,
     GraphNode,
@@ -20,7 +21,9 @@ from masksembles_core.packing import (
     program_raised,
     samples_per_chunk,
     timed_choice,
+    timed_choice_on_samples,
     timed_rounds,
+    timing_samples,
     verified,
 )
 
@@ -174,6 +177,75 @@ def test_timed_choice_runs_no_round_that_would_end_after_the_deadline() -> None:
     calls = clock.calls({"packed": [2.0] * 8, "dense": [1.0] * 8})
     name, why, times = timed_choice(calls, "packed", deadline=1.0, clock=clock)
     assert times == {"packed": [2.0], "dense": [1.0]} and name == "dense"
+
+
+def per_sample_calls(
+    clock: FakeClock, seconds: dict[str, float]
+) -> tuple[Callable[[int], dict[str, Callable[[], None]]], list[int]]:
+    """Fake programs that take ``seconds[name]`` per sample, as ``calls_on(k)`` (called on the first ``k`` samples),
+    and the list of the sample counts asked for."""
+    asked: list[int] = []
+
+    def calls_on(samples: int) -> dict[str, Callable[[], None]]:
+        asked.append(samples)
+
+        def call(per_sample: float) -> Callable[[], None]:
+            def run() -> None:
+                clock.now += per_sample * samples
+
+            return run
+
+        return {name: call(per_sample) for name, per_sample in seconds.items()}
+
+    return calls_on, asked
+
+
+def test_timing_samples_are_all_where_the_planned_rounds_fit_else_those_that_fit_but_never_a_handful() -> None:
+    assert timing_samples(32, 0.1, 100.0) == 32  # 5 rounds of 32 samples: 16 s
+    assert timing_samples(32, 0.1, 10.0) == 20  # 5 rounds of 20 samples: 10 s
+    assert timing_samples(32, 0.1, 1.0) == AUTO_SAMPLES  # 2 samples would fit: too few to time the work
+    assert timing_samples(5, 0.1, 0.0) == 5  # an example smaller than that: all of it
+    assert timing_samples(32, 0.0, 0.0) == 32  # calls that take no measurable time
+
+
+def test_auto_times_on_the_first_samples_where_rounds_on_the_whole_example_would_end_after_the_deadline() -> None:
+    """A round costs 0.4 s per sample (packed 0.1, dense 0.3). With 30 s left: the warm-up on 8 samples ends at 3.2,
+    26.8 s are left for 5 rounds, so 13 samples; a warm-up round and 4 rounds on 13 end at 29.2, and then packed's
+    median can no longer leave the margin."""
+    clock = FakeClock()
+    calls_on, asked = per_sample_calls(clock, {"packed": 0.1, "dense": 0.3})
+    name, why, times = timed_choice_on_samples(calls_on, 32, "packed", deadline=30.0, clock=clock)
+    assert asked == [AUTO_SAMPLES, 13] and name == "packed" and len(times["packed"]) == 4
+    assert clock.now == pytest.approx(29.2)
+    assert why.endswith("; timed on 13 of the example's 32 samples to build in time")
+    # no time for a round after the warm-up on 8 samples: that round decides, on 8 samples
+    clock = FakeClock()
+    calls_on, asked = per_sample_calls(clock, {"packed": 0.1, "dense": 0.3})
+    name, why, times = timed_choice_on_samples(calls_on, 32, "packed", deadline=5.0, clock=clock)
+    assert asked == [AUTO_SAMPLES] and times == {"packed": [pytest.approx(0.8)], "dense": [pytest.approx(2.4)]}
+    assert clock.now == pytest.approx(3.2) and "over 1 interleaved rounds" in why and "timed on 8 of the" in why
+    # time enough for all 32 samples: no mention of a part
+    clock = FakeClock()
+    calls_on, asked = per_sample_calls(clock, {"packed": 0.3, "dense": 0.1})
+    name, why, times = timed_choice_on_samples(calls_on, 32, "packed", deadline=1000.0, clock=clock)
+    assert asked == [AUTO_SAMPLES, 32] and name == "dense" and "timed on" not in why
+    # no deadline, or an example of at most 8 samples: all of it from the warm-up on, as timed_choice alone
+    for batch, deadline in ((32, float("inf")), (AUTO_SAMPLES, 1.0)):
+        clock = FakeClock()
+        calls_on, asked = per_sample_calls(clock, {"packed": 0.1, "dense": 0.3})
+        timed_choice_on_samples(calls_on, batch, "packed", deadline=deadline, clock=clock)
+        assert asked == [batch]
+
+
+def test_timed_rounds_given_a_warm_up_already_run_starts_no_round_that_would_end_after_the_deadline() -> None:
+    clock = FakeClock()
+    calls = clock.calls({"packed": [2.0] * 3, "dense": [1.0] * 3})
+    times = timed_rounds(calls, rounds=3, warmup=0, deadline=5.0, clock=clock, warm={"packed": [2.0], "dense": [1.0]})
+    assert times == {"packed": [2.0], "dense": [1.0]} and clock.now == 3.0  # a second round would end at 6
+    clock = FakeClock()
+    calls = clock.calls({"packed": [2.0] * 3, "dense": [1.0] * 3})
+    times = timed_rounds(calls, rounds=3, warmup=0, deadline=2.0, clock=clock, warm={"packed": [4.0], "dense": [1.0]})
+    assert times == {"packed": [4.0], "dense": [1.0]} and clock.now == 0.0  # not one round fits: the warm-up counts
 
 
 def test_a_shared_fallback_without_an_exact_batch_axis_runs_per_member_where_a_member_reads_it() -> None:

@@ -161,7 +161,7 @@ def test_auto_reports_its_choice() -> None:
 
 class FakeClock:
     """The clock ``pack`` reads (``_packing.clock``), moved only by fake costs: building the packed program takes
-    ``build`` seconds (a dense one a fifth of it) and one timed call of a program ``seconds[program]``."""
+    ``build`` seconds (a dense one a fifth of it) and one timed call of a program ``seconds[program]`` per 4 samples."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, build: float, seconds: dict[str, float]) -> None:
         self.now = 0.0
@@ -173,7 +173,7 @@ class FakeClock:
 
         def timed(module: packing.PackedMasksembles, x: torch.Tensor) -> Callable[[], None]:
             def run() -> None:
-                self.now += seconds[module.program]
+                self.now += seconds[module.program] * len(x) / 4
 
             return run
 
@@ -207,4 +207,21 @@ def test_auto_keeps_no_program_over_10_percent_slower_and_times_within_the_packe
         packed.choice.startswith(f"{chosen} (")
         and f"median times over {rounds} interleaved rounds: {named}" in packed.choice
     )
+    assert relative_error(packed(x), mt.predict(model, x, N)) <= 1e-6
+
+
+def test_auto_times_on_the_first_samples_where_rounds_on_the_whole_example_would_not_fit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """32 samples, a call 0.125 s (packed) and 0.25 s (dense) per sample, 10 s to build the packed program: after the
+    dense build (12 s) and a warm-up round on 8 samples (15 s), 5 rounds on more than 8 would end after 20, so one
+    round on 8 samples runs (18 s) and decides; whatever it keeps equals predict on all 32."""
+    torch.manual_seed(0)
+    model = SigmoidBetweenMasks().eval()
+    x = torch.randn(32, 3, 5, 5)
+    clock = FakeClock(monkeypatch, 10.0, {"packed": 0.5, "dense": 1.0})
+    packed = mt.pack(model, x)
+    assert clock.now == pytest.approx(18.0) and packed.program == "packed"
+    assert packed.seconds == pytest.approx({"packed": 1.0, "dense": 2.0})
+    assert packed.choice.endswith("; timed on 8 of the example's 32 samples to build in time")
     assert relative_error(packed(x), mt.predict(model, x, N)) <= 1e-6
