@@ -907,18 +907,21 @@ def timed_rounds(
     deadline: float = math.inf,
     clock: Callable[[], float] = time.perf_counter,
     warm: Mapping[K, Sequence[float]] | None = None,
+    compiled: bool = False,
 ) -> dict[K, list[float]]:
     """Wall time (``clock``, seconds) of each call in every round, the calls timed in turn within a round (noise hits
     all alike), after ``warmup`` rounds that do not count; fewer rounds where ``until(times)`` says, after a round,
     that the rest cannot matter, or where another round, as long as the last one, would end after ``deadline`` (a
-    ``clock`` value; where that leaves no counted round, the warm-up rounds count). ``warm``: the times of a warm-up
-    round already run on these calls (then ``warmup`` is usually 0). Each call must wait for its own result
-    (synchronize an accelerator)."""
+    ``clock`` value; where that leaves no counted round, the warm-up rounds count, unless ``compiled``: the calls'
+    first run compiles them, its time says nothing of a call's, and one counted round runs whatever the deadline).
+    ``warm``: the times of a warm-up round already run on these calls (then ``warmup`` is usually 0). Each call must
+    wait for its own result (synchronize an accelerator)."""
     times: dict[K, list[float]] = {name: [] for name in calls}
     warmed: dict[K, list[float]] = {name: list(warm[name]) if warm else [] for name in calls}
     last = sum(values[-1] for values in warmed.values()) if warm else None  # the last round's duration
     for index in range(warmup + rounds):
-        if last is not None and clock() + last > deadline:
+        may_stop = not compiled or any(times.values())
+        if last is not None and may_stop and clock() + last > deadline:
             break
         counted = index >= warmup
         started = clock()
@@ -949,12 +952,13 @@ def timed_choice(
     deadline: float = math.inf,
     clock: Callable[[], float] = time.perf_counter,
     warm: Mapping[str, Sequence[float]] | None = None,
+    compiled: bool = False,
 ) -> tuple[str, str, dict[str, list[float]]]:
     """``choose_program`` on up to ``rounds`` interleaved rounds of ``calls`` (one warm-up round first, unless
     ``warm`` holds one already run): the program, why, and the times. It stops as soon as no outcome of the remaining
     rounds could change the choice (each program's median bounded by ``median_bounds``), or where the next round
     would end after ``deadline`` (``clock`` seconds; ``pack`` passes its start plus ``AUTO_BUILD`` times the preferred
-    program's build time)."""
+    program's build time; ``compiled``: the first call compiles, ``timed_rounds``)."""
 
     def settled(times: Mapping[str, Sequence[float]]) -> bool:
         bounds = {name: median_bounds(values, rounds) for name, values in times.items()}
@@ -968,7 +972,9 @@ def timed_choice(
         return False
 
     warmup = 0 if warm else 1
-    times = timed_rounds(calls, rounds=rounds, warmup=warmup, until=settled, deadline=deadline, clock=clock, warm=warm)
+    times = timed_rounds(
+        calls, rounds=rounds, warmup=warmup, until=settled, deadline=deadline, clock=clock, warm=warm, compiled=compiled
+    )
     name, why = choose_program(times, preferred)
     done = len(times[preferred])
     if done < rounds:
@@ -994,22 +1000,24 @@ def timed_choice_on_samples(
     *,
     deadline: float = math.inf,
     clock: Callable[[], float] = time.perf_counter,
+    compiled: bool = False,
 ) -> tuple[str, str, dict[str, list[float]]]:
     """``timed_choice`` on the first samples of an example of ``batch`` samples (``calls_on(k)``: the candidates, each
     called on the first ``k``), so that ``auto`` builds by ``deadline`` also where one call of the candidates on the
     whole example costs as much as building the preferred one: the warm-up round runs on ``AUTO_SAMPLES`` samples
     and its time per sample sets how many the counted rounds run on (``timing_samples``); all of them without a
-    deadline. The reason says on how many samples where that is not all."""
+    deadline. The reason says on how many samples where that is not all. ``compiled``: a program's first call on a
+    batch size compiles it (jit), so that round never decides (``timed_rounds``)."""
     if math.isinf(deadline) or batch <= AUTO_SAMPLES:
-        return timed_choice(calls_on(batch), preferred, deadline=deadline, clock=clock)
+        return timed_choice(calls_on(batch), preferred, deadline=deadline, clock=clock, compiled=compiled)
     calls = calls_on(AUTO_SAMPLES)
     started = clock()
     warm = timed_rounds(calls, rounds=1, warmup=0, clock=clock)
     samples = timing_samples(batch, (clock() - started) / AUTO_SAMPLES, deadline - clock())
     if samples == AUTO_SAMPLES:
-        name, why, times = timed_choice(calls, preferred, deadline=deadline, clock=clock, warm=warm)
+        name, why, times = timed_choice(calls, preferred, deadline=deadline, clock=clock, warm=warm, compiled=compiled)
     else:
-        name, why, times = timed_choice(calls_on(samples), preferred, deadline=deadline, clock=clock)
+        name, why, times = timed_choice(calls_on(samples), preferred, deadline=deadline, clock=clock, compiled=compiled)
     if samples < batch:
         why += f"; timed on {samples} of the example's {batch} samples to build in time"
     return name, why, times

@@ -42,6 +42,7 @@ import math
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from time import perf_counter as clock  # the wall clock auto's build time and timings read
 from typing import Any, cast
 
 import jax
@@ -52,6 +53,7 @@ from flax import nnx
 
 from masksembles_core.adapter import check_program
 from masksembles_core.packing import (
+    AUTO_BUILD,
     OUTPUT,
     VERIFICATION,
     VERIFY_SAMPLES,
@@ -66,7 +68,7 @@ from masksembles_core.packing import (
     plan_program,
     program_raised,
     samples_per_chunk,
-    timed_choice,
+    timed_choice_on_samples,
     verified,
 )
 
@@ -923,6 +925,7 @@ def _packed(
 ) -> PackedMasksembles:
     """``pack``/``extract_member``: capture once, build the program(s), verify, and choose."""
     check_program(program)
+    started = clock()
     refuse_sequence_first_inputs(model, PREFIX)
     capture = Capture(model, example_input)
     chosen = chosen_members(members, capture.n)
@@ -934,9 +937,15 @@ def _packed(
     packed = _verified(capture, verifier, chosen, squeeze, False)
     if packed.program == "dense":  # verification left nothing packed: nothing to choose
         return packed
+    deadline = started + AUTO_BUILD * (clock() - started)  # AUTO_BUILD times what program="packed" takes
     candidates = {"packed": packed, "dense": _verified(capture, verifier, chosen, squeeze, True)}
-    calls = {name: _timed(module, x) for name, module in candidates.items()}
-    name, why, times = timed_choice(calls, "packed")
+
+    def calls_on(samples: int) -> dict[str, Callable[[], object]]:
+        return {name: _timed(module, x[:samples]) for name, module in candidates.items()}
+
+    name, why, times = timed_choice_on_samples(
+        calls_on, len(x), "packed", deadline=deadline, clock=clock, compiled=True
+    )  # the first call at a batch size compiles
     chosen_program = candidates[name]
     seconds = tuple((key, statistics.median(value)) for key, value in times.items())
     chosen_program.plan = dataclasses.replace(chosen_program.plan, seconds=seconds, choice=why)

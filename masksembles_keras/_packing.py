@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable, Sequence
+from time import perf_counter as clock  # the wall clock auto's build time and timings read
 from typing import Any
 
 import keras
@@ -32,6 +33,7 @@ import masksembles_core as mc
 from masksembles_core import captured
 from masksembles_core.adapter import check_program
 from masksembles_core.packing import (
+    AUTO_BUILD,
     VERIFICATION,
     VERIFY_SAMPLES,
     FoldConflict,
@@ -40,7 +42,7 @@ from masksembles_core.packing import (
     plan_program,
     program_raised,
     samples_per_chunk,
-    timed_choice,
+    timed_choice_on_samples,
     verified,
 )
 
@@ -292,6 +294,7 @@ def _packed(
 ) -> PackedMasksembles:  # fmt: skip
     """``pack``/``extract_member``: capture once, build the program(s), verify, and choose."""
     check_program(program)
+    started = clock()
     capture = Capture(model, example_input, n)
     chosen = chosen_members(members, capture.n)
     verifier = _Verifier(model, capture.example, capture.n, chosen, squeeze) if verify else None
@@ -309,9 +312,17 @@ def _packed(
     packed = candidate(False)
     if packed.program == "dense":  # verification left nothing packed: nothing to choose
         return packed
+    deadline = started + AUTO_BUILD * (clock() - started)  # AUTO_BUILD times what program="packed" takes
     candidates = {"packed": packed, "dense": candidate(True)}
-    calls = {name: _timed(built, capture.example) for name, built in candidates.items()}
-    name, why, times = timed_choice(calls, "packed")
+
+    def calls_on(samples: int) -> dict[str, Callable[[], object]]:
+        x = keras.tree.map_structure(lambda leaf: leaf[:samples], capture.example)
+        return {name: _timed(built, x) for name, built in candidates.items()}
+
+    batch = len(keras.tree.flatten(capture.example)[0])
+    name, why, times = timed_choice_on_samples(
+        calls_on, batch, "packed", deadline=deadline, clock=clock, compiled=True
+    )  # predict_on_batch traces and compiles on its first call at a batch size
     result = candidates[name]
     result._report["seconds"] = {key: statistics.median(value) for key, value in times.items()}
     result._report["choice"] = why

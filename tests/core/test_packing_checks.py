@@ -237,6 +237,18 @@ def test_auto_times_on_the_first_samples_where_rounds_on_the_whole_example_would
         assert asked == [batch]
 
 
+def test_a_compiling_first_call_never_decides_one_counted_round_runs_whatever_the_deadline() -> None:
+    """The warm-up round compiles packed (9 s against 1 s a call): past the deadline, it still does not decide."""
+    clock = FakeClock()
+    calls = clock.calls({"packed": [9.0, 1.0, 1.0], "dense": [1.0, 2.0, 2.0]})
+    name, _, times = timed_choice(calls, "packed", deadline=0.0, clock=clock, compiled=True)
+    assert times == {"packed": [1.0], "dense": [2.0]} and name == "packed"
+    clock = FakeClock()
+    calls = clock.calls({"packed": [9.0, 1.0, 1.0], "dense": [1.0, 2.0, 2.0]})
+    name, _, times = timed_choice(calls, "packed", deadline=0.0, clock=clock)  # eager: the warm-up counts
+    assert times == {"packed": [9.0], "dense": [1.0]} and name == "dense"
+
+
 def test_timed_rounds_given_a_warm_up_already_run_starts_no_round_that_would_end_after_the_deadline() -> None:
     clock = FakeClock()
     calls = clock.calls({"packed": [2.0] * 3, "dense": [1.0] * 3})
