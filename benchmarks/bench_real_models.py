@@ -74,7 +74,8 @@ def activations_kept(model: nn.Module) -> nn.Module:
     """``model`` with its convolutions drawn He-normal by fan-in and its BatchNorm/GroupNorm scales 1 (biases 0):
     ``transformers`` draws both from N(0, 0.02), under which EfficientNet's and MobileViT-v2's activations shrink
     block by block to denormals and then 0 (no output to check, and denormal arithmetic in the timings); drawn so,
-    their outputs are about 0.02 and 0.1-1."""
+    their last hidden states stay near 0.01 and 7 (batch 2, no masks), and the masked models' largest outputs at
+    batch 32 are 3e-6 and 0.5."""
     for module in model.modules():
         if isinstance(module, nn.Conv2d):
             nn.init.kaiming_normal_(module.weight, mode="fan_in", nonlinearity="relu")
