@@ -19,6 +19,7 @@ import masksembles_flax._packing as packing_module
 from masksembles_core.packing import VERIFICATION
 from masksembles_flax._capture import Capture
 from masksembles_flax.nnx import Masksembles, extract_member, insert, pack
+from tests.batch_clock import BatchClock
 from tests.flax.test_packing import conv, linear, mlp, numpy_init, random_input, relative_error
 
 N = 4
@@ -258,25 +259,13 @@ def test_auto_times_on_eight_samples_where_rounds_on_the_example_do_not_fit_in_t
     """A clock that moves only while a timed call runs (a build of no time, so no time is left for timing): both
     programs run on 8 of the 32 samples, a warm-up round that compiles them and one counted round (a compiling call
     never decides), and the program kept equals predict on all 32."""
-    ticks, sizes = [0.0], []
-    real_timed = packing_module._timed
-
-    def timed(module: Any, x: jax.Array) -> Callable[[], object]:
-        run = real_timed(module, x)
-
-        def counted() -> object:
-            sizes.append(len(x))
-            ticks[0] += sizes[-1]
-            return run()
-
-        return counted
-
-    monkeypatch.setattr(packing_module, "clock", lambda: ticks[0])
-    monkeypatch.setattr(packing_module, "_timed", timed)
+    clock = BatchClock(packing_module._timed, len)
+    monkeypatch.setattr(packing_module, "clock", clock)
+    monkeypatch.setattr(packing_module, "_timed", clock.timed)
     model = randomized(inserted(CNN)())
     x = random_input((32, 8, 8, 3), 0)
     packed = pack(model, x)
-    assert sizes == [8] * 4 and "median times over 1 interleaved rounds" in packed.choice
+    assert clock.sizes == [8] * 4 and "median times over 1 interleaved rounds" in packed.choice
     assert packed.choice.endswith("; timed on 8 of the example's 32 samples to build in time")
     actual, expected, _ = outputs(model, packed, [], x)
     assert relative_error(actual, expected) <= 1e-5

@@ -15,6 +15,7 @@ from keras import layers, ops
 
 import masksembles_keras as mk
 from masksembles_keras import _pack_capture, _packed_layers, _packing
+from tests.batch_clock import BatchClock
 from tests.keras import architectures
 from tests.keras.common import JIT_COMPILE
 
@@ -246,25 +247,13 @@ def test_auto_times_on_eight_samples_where_rounds_on_the_example_do_not_fit_in_t
     """A clock that moves only while a timed call runs (a build of no time, so no time is left for timing): both
     programs run on 8 of the 32 samples, a warm-up round that compiles them and one counted round (a compiling call
     never decides), and the program kept equals predict on all 32."""
-    ticks, sizes = [0.0], []
-    real_timed = _packing._timed
-
-    def timed(model: keras.Model, x: Any) -> Callable[[], object]:
-        run = real_timed(model, x)
-
-        def counted() -> object:
-            sizes.append(len(keras.tree.flatten(x)[0]))
-            ticks[0] += sizes[-1]
-            return run()
-
-        return counted
-
-    monkeypatch.setattr(_packing, "clock", lambda: ticks[0])
-    monkeypatch.setattr(_packing, "_timed", timed)
+    clock = BatchClock(_packing._timed, lambda x: len(keras.tree.flatten(x)[0]))
+    monkeypatch.setattr(_packing, "clock", clock)
+    monkeypatch.setattr(_packing, "_timed", clock.timed)
     model = build("mlp")
     x = example(model, 32)
     chosen = mk.pack(model, x)
-    assert sizes == [8] * 4 and "median times over 1 interleaved rounds" in chosen.choice
+    assert clock.sizes == [8] * 4 and "median times over 1 interleaved rounds" in chosen.choice
     assert chosen.choice.endswith("; timed on 8 of the example's 32 samples to build in time")
     assert_close(members_first(chosen, x), mk.predict(model, x, N))
 
